@@ -1,0 +1,122 @@
+"""The speculative-sampling accept/reject rule and what it needs from the target.
+
+Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023 (arXiv 2302.01318): a draft token
+``x`` drawn from ``q`` is accepted with probability ``min(1, p(x)/q(x))``; on rejection the
+position is resampled from the normalised residual ``max(0, p - q)``. The output is then
+distributed exactly as ``p`` at every temperature. At temperature 0, ``p`` is a point mass at
+the argmax and the rule reduces to "accept iff the draft is the argmax, else emit the argmax".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from drafter_worker import DraftDist
+
+from .sampling import Sampler, SamplingParams, greedy_tokens, sampling_distributions
+
+
+def accept_or_resample(
+    target_probs: torch.Tensor | Sequence[float],
+    draft: DraftDist,
+    token: int,
+    rng: Sampler,
+) -> int | None:
+    """The accept/reject decision for one drafted position.
+
+    Args:
+        target_probs: float ``[vocab]``, the target's *final* sampling distribution for this
+            position (after penalties, temperature, min-p/top-k/top-p: what
+            `sampling_distribution` returns), since that is what plain decoding draws from.
+        draft: the distribution ``token`` was drawn from.
+        token: the drafted token id.
+        rng: the request's own generator.
+
+    Returns:
+        ``None`` when accepted, else the replacement drawn from the normalised residual
+        ``max(0, p - q)``. A token with ``q(token) == 0`` breaks the `DraftDist` contract; it
+        is accepted (the ``p/q -> inf`` limit) rather than silently biasing the output.
+    """
+    p_all = _as_numpy(target_probs)
+    p = float(p_all[token]) if 0 <= token < p_all.shape[0] else 0.0
+    q = draft.prob(token)
+    if q <= 0.0 or p >= q:
+        return None
+    if rng.uniform() < p / q:  # p < q: a real coin flip
+        return None
+    residual = p_all.astype(np.float64)
+    tokens, qs = draft.arrays()
+    inside = tokens < residual.shape[0]
+    tokens, qs = tokens[inside], qs[inside]
+    residual[tokens] = np.maximum(residual[tokens] - qs, 0.0)
+    if not residual.sum() > 0.0:
+        # Only when p == q, where acceptance was certain; sampling from nothing is not an
+        # option, so fall back to the target itself.
+        return rng.sample_from(p_all)
+    return rng.sample_from(residual)
+
+
+def _as_numpy(probs: torch.Tensor | np.ndarray | Sequence[float]) -> np.ndarray:
+    if isinstance(probs, torch.Tensor):
+        return (probs if probs.dim() == 1 else probs.reshape(-1)).detach().numpy()
+    return np.asarray(probs).reshape(-1)
+
+
+@dataclass(frozen=True)
+class GreedyRows:
+    """Temperature-0 target output for a verified block: the argmax per row, ``n`` ints.
+
+    Exactly `accept_or_resample` against a point mass, without shipping ``[n, vocab]``.
+    """
+
+    argmax: tuple[int, ...]
+
+    def judge(self, i: int, token: int, dist: DraftDist, rng: Sampler) -> int | None:
+        return None if token == self.argmax[i] else self.argmax[i]
+
+    def sample(self, i: int, rng: Sampler) -> int:
+        return self.argmax[i]
+
+    def __len__(self) -> int:
+        return len(self.argmax)
+
+
+@dataclass(frozen=True)
+class ProbRows:
+    """Sampling target output for a verified block: float32 ``[n, vocab]`` final
+    distributions, row ``i`` judging draft position ``i`` (the last row is the bonus)."""
+
+    probs: torch.Tensor
+
+    def judge(self, i: int, token: int, dist: DraftDist, rng: Sampler) -> int | None:
+        return accept_or_resample(self.probs[i], dist, token, rng)
+
+    def sample(self, i: int, rng: Sampler) -> int:
+        return rng.sample_from(self.probs[i])
+
+    def __len__(self) -> int:
+        return self.probs.shape[0]
+
+
+TargetRows = GreedyRows | ProbRows
+
+
+def target_rows(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    history: Sequence[int],
+    num_prompt_tokens: int,
+    block: Sequence[int] = (),
+) -> TargetRows:
+    """What the rule needs from target logits ``[n, vocab]`` of a verified block.
+
+    Row ``i`` follows ``history + block[:i]`` (``history`` ends with the anchor). Greedy
+    requests get the argmax per row, others the full sampling distributions.
+    """
+    if params.greedy:
+        return GreedyRows(tuple(greedy_tokens(logits, params, history, num_prompt_tokens, block)))
+    return ProbRows(sampling_distributions(logits, params, history, num_prompt_tokens, block))
