@@ -326,8 +326,9 @@ def speculative_decode_with(
     decoder,
     prompt_tokens: Sequence[int],
     cache,
-    drafter: Drafter,
+    drafter: Drafter | None,
     options: SpeculativeOptions,
+    on_tokens: Callable[[list[int]], None] | None = None,
 ) -> SpeculativeDecodeResult:
     """Generates up to ``options.max_new_tokens`` tokens with speculative decoding.
 
@@ -340,7 +341,8 @@ def speculative_decode_with(
         prompt_tokens: non-empty token ids to append at ``options.start_pos``.
         cache: the decoder's `KvCache`, holding exactly the context before the prompt. On
             return it holds that context + prompt + every generated token except the last.
-        drafter: any `Drafter`.
+        drafter: any `Drafter`; ``None`` decodes plainly (one token per forward).
+        on_tokens: called with each step's newly committed tokens, in order (streaming).
 
     Raises:
         ValueError: empty prompt, ``start_pos != cache.seq_len``, or prompt +
@@ -358,16 +360,25 @@ def speculative_decode_with(
     logits, hidden = decoder.forward_batch_with_hidden(
         request.prefill_tokens(), options.start_pos, cache
     )
-    request.on_prefill(request.rows(logits[-1:]), hidden)
-    while not request.finished:
+    # Hidden rows are kept only for a drafter that conditions on them.
+    wants_hidden = drafter is not None and getattr(drafter, "wants_hidden", True)
+    request.on_prefill(request.rows(logits[-1:]), hidden if wants_hidden else None)
+    emitted = 0
+    while True:
+        if on_tokens is not None and len(request.generated) > emitted:
+            on_tokens(request.generated[emitted:])
+            emitted = len(request.generated)
+        if request.finished:
+            break
         budget = request.draft_budget()
         draft = DraftBlock.empty()
-        if budget > 0:
+        if budget > 0 and drafter is not None:
             draft = drafter.propose(tuple(request.history), request.take_hidden(), budget)
             draft.truncate(budget)
         batch = request.verify_tokens(draft)
         logits, hidden = decoder.forward_batch_with_hidden(batch, request.cache_len, cache)
-        keep = request.on_verify(draft, request.rows(logits, draft.tokens), hidden)
+        keep = request.on_verify(draft, request.rows(logits, draft.tokens),
+                                 hidden if wants_hidden else None)
         if cache.seq_len > keep:
             cache.truncate(keep)
     return request.result

