@@ -358,11 +358,11 @@ def speculative_decode_with(
     if request.finished:
         return request.result
     logits, hidden = decoder.forward_batch_with_hidden(
-        request.prefill_tokens(), options.start_pos, cache
+        request.prefill_tokens(), options.start_pos, cache, last_logits_only=True
     )
     # Hidden rows are kept only for a drafter that conditions on them.
     wants_hidden = drafter is not None and getattr(drafter, "wants_hidden", True)
-    request.on_prefill(request.rows(logits[-1:]), hidden if wants_hidden else None)
+    request.on_prefill(request.rows(logits), hidden if wants_hidden else None)
     emitted = 0
     while True:
         if on_tokens is not None and len(request.generated) > emitted:

@@ -1,0 +1,55 @@
+"""Speculative decoding on the real default model (SmolLM2-135M-Instruct): greedy output is
+token-identical to plain greedy decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator import SpeculativeOptions, speculative_decode_with
+from coordinator.cli import encode_prompt
+from drafter_worker import PromptLookupSpeculator
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "prompts"
+
+
+@pytest.fixture(scope="module")
+def model():
+    from target_worker import load_model
+
+    torch.set_num_threads(2)
+    yield load_model()
+    torch.set_num_threads(1)
+
+
+def plain_greedy(decoder, prompt, max_new, eos):
+    cache = decoder.new_cache()
+    logits = decoder.forward_batch(prompt, 0, cache)[-1]
+    out = []
+    for _ in range(max_new):
+        token = int(logits.argmax())
+        out.append(token)
+        if token == eos:
+            break
+        logits = decoder.forward_token(token, cache.seq_len, cache)
+    return out
+
+
+@pytest.mark.parametrize("name", ["code_edit", "open_question"])
+def test_greedy_speculative_decode_equals_plain_greedy(model, name):
+    decoder, tokenizer = model
+    prompt = encode_prompt(tokenizer, (PROMPTS / f"{name}.txt").read_text(), raw=False)
+    max_new = 48
+    result = speculative_decode_with(
+        decoder, prompt, decoder.new_cache(), PromptLookupSpeculator(3, 10),
+        SpeculativeOptions(max_new_tokens=max_new, stop_token_ids=(tokenizer.eos_token_id,)),
+    )
+    assert result.generated_tokens == plain_greedy(decoder, prompt, max_new,
+                                                   tokenizer.eos_token_id)
+    if name == "code_edit":
+        # The answer copies its prompt: speculation must have saved forward calls.
+        assert result.forward_calls < result.tokens_generated / 2
