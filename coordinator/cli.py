@@ -1,46 +1,22 @@
-"""``specd`` command line: ``specd generate "PROMPT"`` runs speculative decoding in-process."""
+"""``specd`` command line.
+
+``specd generate "PROMPT"`` runs one request through the service (an embedded one unless
+``--server``; ``--in-process`` skips Ray and gRPC); ``specd serve`` runs the service."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
 
 from .sampling import SamplingParams
 from .speculative import SpeculativeOptions, speculative_decode_with
+from .text import TextStream
 
 DRAFTERS = ("prompt-lookup", "none")
-
-
-class TextStream:
-    """Incremental detokenization: prints only text that can no longer change (holds back a
-    trailing partial UTF-8 character, like transformers' ``TextStreamer``)."""
-
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer = tokenizer
-        self.out = out
-        self.tokens: list[int] = []
-        self.printed = 0
-
-    def text(self) -> str:
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-
-    def push(self, tokens: Sequence[int]) -> None:
-        self.tokens.extend(tokens)
-        text = self.text()
-        if text.endswith("\ufffd"):
-            return
-        self.out.write(text[self.printed:])
-        self.out.flush()
-        self.printed = len(text)
-
-    def close(self) -> str:
-        text = self.text()
-        self.out.write(text[self.printed:] + "\n")
-        self.out.flush()
-        return text
 
 
 def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
@@ -105,7 +81,21 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None:
+    """Prints the JSON object (``--json``) and the metrics line to stderr."""
+    if args.json:
+        print(json.dumps({
+            "text": text,
+            "prompt_tokens": prompt_tokens,
+            "seconds": seconds,
+            "tokens_per_second": result.tokens_generated / seconds if seconds else 0.0,
+            "drafter": args.drafter,
+            **result.to_dict(),
+        }))
+    print(metrics_line(result, seconds), file=sys.stderr)
+
+
+def _generate_in_process(args: argparse.Namespace) -> int:
     from target_worker import load_model
 
     sampling = sampling_from_args(args)
@@ -118,42 +108,147 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop_token_ids=stops, stop_strings=tuple(args.stop),
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
     )
-    stream = None if args.json else TextStream(tokenizer)
+    stream = TextStream(tokenizer)
+
+    def on_tokens(tokens: list[int]) -> None:
+        delta = stream.push(tokens)
+        if not args.json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
     start = time.perf_counter()
     result = speculative_decode_with(decoder, prompt, decoder.new_cache(), drafter, options,
-                                     on_tokens=stream.push if stream else None)
+                                     on_tokens=on_tokens)
     seconds = time.perf_counter() - start
-    text = stream.close() if stream else tokenizer.decode(result.generated_tokens,
-                                                          skip_special_tokens=True)
-    if args.json:
-        payload = {
-            "text": text,
-            "prompt_tokens": len(prompt),
-            "seconds": seconds,
-            "tokens_per_second": result.tokens_generated / seconds if seconds else 0.0,
-            "drafter": args.drafter,
-            **result.to_dict(),
-        }
-        print(json.dumps(payload))
-    print(metrics_line(result, seconds), file=sys.stderr)
+    tail = stream.flush()
+    if not args.json:
+        print(tail)
+    _report(args, stream.text(), result, len(prompt), seconds)
+    return 0
+
+
+def _generate_via_service(args: argparse.Namespace) -> int:
+    from .client import generate_request, result_from_final, stream_generate
+    from .service import Service, ServiceConfig
+
+    sampling_from_args(args)  # validates before any service starts
+    if args.max_new_tokens <= 0:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    build_drafter(args.drafter, args.ngram_size, args.max_draft_len)
+    service = None
+    address = args.server
+    if address is None:
+        service = Service(ServiceConfig(
+            model=args.model, port=0, drafter=args.drafter, ngram_size=args.ngram_size,
+            max_draft_len=args.max_draft_len))
+        print("[specd] starting an embedded service (Ray + gRPC)...", file=sys.stderr)
+        address = service.start()
+    try:
+        request = generate_request(args, sampling_from_args(args))
+        start = time.perf_counter()
+        tokens: list[int] = []
+        text_parts: list[str] = []
+        final = None
+        for chunk in stream_generate(address, request, auth_token=args.auth_token,
+                                     tls_ca=args.tls_ca):
+            tokens.extend(chunk.token_ids)
+            text_parts.append(chunk.text)
+            if not args.json:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            if chunk.finish_reason:
+                final = chunk
+        seconds = time.perf_counter() - start
+        if not args.json:
+            print()
+        result = result_from_final(final, tokens)
+        _report(args, "".join(text_parts), result, final.usage.prompt_tokens, seconds)
+    finally:
+        if service is not None:
+            service.stop()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.in_process:
+        return _generate_in_process(args)
+    return _generate_via_service(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from .service import Service, ServiceConfig
+
+    service = Service(ServiceConfig(
+        model=args.model, host=args.host, port=args.port, address=args.address,
+        drafter=args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len,
+        max_active=args.max_active, target_threads=args.target_threads,
+        tls_cert=args.tls_cert, tls_key=args.tls_key,
+        auth_token=args.auth_token or None,
+    ))
+    stop = threading.Event()
+    try:
+        address = service.start()
+        # Installed after Ray starts: ray.init replaces the process's SIGTERM handler.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"[specd] serving specd.v1.Generation on {address} (Ctrl-C to stop)", flush=True)
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("[specd] shutting down", file=sys.stderr, flush=True)
+        service.stop()
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate a completion in-process")
+
+    gen = sub.add_parser("generate", help="generate a completion (embedded service, a running "
+                                          "server, or --in-process)")
     gen.add_argument("prompt")
     _add_sampling_flags(gen)
-    gen.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
-    gen.add_argument("--ngram-size", type=int, default=3)
-    gen.add_argument("--max-draft-len", type=int, default=10)
+    _add_drafter_flags(gen)
     gen.add_argument("--model", default=None,
                      help="path to a Llama-family .gguf (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--server", default=None, metavar="HOST:PORT",
+                     help="use a running `specd serve` instead of starting one")
+    gen.add_argument("--in-process", action="store_true",
+                     help="run the core loop in this process (no Ray, no gRPC)")
+    gen.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
+                     help="bearer token for --server (default $SPECD_AUTH_TOKEN)")
+    gen.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="run the service: Ray actors + the gRPC API")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="API listen address (default loopback only)")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--address", default=None, metavar="auto|HOST:PORT",
+                       help="join this Ray cluster (default: an embedded local Ray)")
+    serve.add_argument("--model", default=None)
+    _add_drafter_flags(serve)
+    serve.add_argument("--max-active", type=int, default=32,
+                       help="requests decoding at once")
+    serve.add_argument("--target-threads", type=int, default=2)
+    serve.add_argument("--tls-cert", default=None)
+    serve.add_argument("--tls-key", default=None)
+    serve.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
+                       help="require this bearer token (default $SPECD_AUTH_TOKEN)")
+    serve.set_defaults(func=cmd_serve)
     return parser
+
+
+def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
+    p.add_argument("--ngram-size", type=int, default=3)
+    p.add_argument("--max-draft-len", type=int, default=10)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

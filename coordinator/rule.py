@@ -102,7 +102,101 @@ class ProbRows:
         return self.probs.shape[0]
 
 
-TargetRows = GreedyRows | ProbRows
+@dataclass(frozen=True, eq=False)
+class SparseProbRows:
+    """`ProbRows` storing only each row's nonzero entries (CSR layout), for the top-k/top-p/
+    min-p distributions whose support is a few tokens out of the vocabulary.
+
+    Row ``i`` is ``token_ids[offsets[i]:offsets[i + 1]]`` (strictly increasing) with
+    probabilities ``probs[offsets[i]:offsets[i + 1]]``; every other token has probability 0.
+    Decisions and sampled tokens are bit-identical to `ProbRows` on the dense rows for the same
+    `Sampler` state: inverse-CDF sampling accumulates in float64 in increasing token order, and
+    dropping exact zeros from that order leaves every partial sum unchanged.
+
+    Attributes:
+        offsets: int64 ``[n + 1]``, ``offsets[0] == 0``.
+        token_ids: int32 ``[nnz]``.
+        probs: float32 ``[nnz]``, the dense rows' nonzero values.
+        vocab_size: width of the dense rows.
+    """
+
+    offsets: np.ndarray
+    token_ids: np.ndarray
+    probs: np.ndarray
+    vocab_size: int
+
+    @classmethod
+    def from_dense(cls, probs: torch.Tensor) -> SparseProbRows:
+        """From float32 rows ``[n, vocab]``; keeps every entry that is not exactly 0."""
+        dense = probs.detach().reshape(-1, probs.shape[-1]).to(torch.float32)
+        rows, cols = torch.nonzero(dense != 0, as_tuple=True)  # row-major: columns ascending
+        offsets = np.zeros(dense.shape[0] + 1, dtype=np.int64)
+        np.cumsum(np.bincount(rows.numpy(), minlength=dense.shape[0]), out=offsets[1:])
+        return cls(offsets, cols.numpy().astype(np.int32), dense[rows, cols].numpy(),
+                   dense.shape[1])
+
+    def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row ``i`` as (int32 token ids ``[s]``, float32 probabilities ``[s]``)."""
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.token_ids[lo:hi], self.probs[lo:hi]
+
+    def to_dense(self) -> torch.Tensor:
+        """The float32 ``[n, vocab]`` rows."""
+        dense = np.zeros((len(self), self.vocab_size), dtype=np.float32)
+        rows = np.repeat(np.arange(len(self)), np.diff(self.offsets))
+        dense[rows, self.token_ids] = self.probs
+        return torch.from_numpy(dense)
+
+    def nbytes(self) -> int:
+        return self.offsets.nbytes + self.token_ids.nbytes + self.probs.nbytes
+
+    def judge(self, i: int, token: int, dist: DraftDist, rng: Sampler) -> int | None:
+        # accept_or_resample, step for step, over the row's support only.
+        ids, probs = self.row(i)
+        p = 0.0
+        j = int(np.searchsorted(ids, token))
+        if j < ids.shape[0] and ids[j] == token:
+            p = float(probs[j])
+        q = dist.prob(token)
+        if q <= 0.0 or p >= q:
+            return None
+        if rng.uniform() < p / q:
+            return None
+        # Outside the row's support the dense residual is max(0 - q, 0) = 0 or 0 itself.
+        residual = probs.astype(np.float64)
+        tokens, qs = dist.arrays()
+        at = np.searchsorted(ids, tokens)
+        hit = at < ids.shape[0]
+        hit[hit] = ids[at[hit]] == tokens[hit]
+        at, qs = at[hit], qs[hit]
+        residual[at] = np.maximum(residual[at] - qs, 0.0)
+        if not residual.sum() > 0.0:  # positive iff the dense residual's sum is
+            return int(ids[rng.sample_from(probs)])
+        return int(ids[rng.sample_from(residual)])
+
+    def sample(self, i: int, rng: Sampler) -> int:
+        ids, probs = self.row(i)
+        return int(ids[rng.sample_from(probs)])
+
+    def __len__(self) -> int:
+        return self.offsets.shape[0] - 1
+
+
+TargetRows = GreedyRows | ProbRows | SparseProbRows
+
+
+def compact_rows(rows: TargetRows) -> TargetRows:
+    """`rows` in its smallest bit-exact form: a `ProbRows` becomes `SparseProbRows` when its
+    nonzeros (8 bytes each, plus 8 per row) take fewer bytes than the dense float32 rows;
+    anything else (also non-float32 rows, which would not round-trip exactly) is returned
+    unchanged."""
+    if not isinstance(rows, ProbRows) or rows.probs.dtype != torch.float32:
+        return rows
+    n, vocab = rows.probs.shape
+    nnz = int(torch.count_nonzero(rows.probs))
+    if nnz * 8 + (n + 1) * 8 >= n * vocab * 4:
+        return rows
+    return SparseProbRows.from_dense(rows.probs)
 
 
 def target_rows(

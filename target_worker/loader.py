@@ -26,6 +26,7 @@ import torch
 
 from .config import ModelConfig, MoEConfig
 from .model import Decoder
+from .testing import is_tiny_random_spec, load_tiny_random
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -375,17 +376,22 @@ def load_model(
 
     Args:
         source: None for the default SmolLM2-135M-Instruct (fetched once, see
-            :func:`default_model_path`), or the path of a ``.gguf`` file (llama or qwen2).
+            :func:`default_model_path`), the path of a ``.gguf`` file (llama or qwen2), or
+            ``"tiny-random[:vocab=V,seed=S,layers=L]"`` for a tiny random test model with a
+            `target_worker.testing.TinyTokenizer` (see `target_worker.testing`).
 
     Returns:
         ``(decoder, tokenizer)``; the tokenizer carries the file's ``eos_token_id`` and chat
         template.
 
     Raises:
-        ValueError: if ``source`` is not a ``.gguf`` path, or the file is unsupported.
+        ValueError: if ``source`` is neither a ``.gguf`` path nor a valid tiny-random spec,
+            or the file is unsupported.
         FileNotFoundError: if the ``.gguf`` file does not exist.
         RuntimeError: if fetching the default model fails.
     """
+    if is_tiny_random_spec(source):
+        return load_tiny_random(source)
     if source is None:
         path = default_model_path()
     else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -209,6 +210,19 @@ class MoE(nn.Module):
         return out
 
 
+@dataclass(frozen=True)
+class _Segment:
+    """One sequence inside a packed forward: activation rows ``[lo, hi)`` are fed at absolute
+    positions ``[start, start + hi - lo)`` of ``cache``; ``mask`` is its additive causal mask
+    (None for a single row)."""
+
+    lo: int
+    hi: int
+    start: int
+    cache: KvCache
+    mask: torch.Tensor | None
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE and a fused QKV projection.
 
@@ -232,34 +246,37 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         layer: int,
-        start: int,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KvCache,
+        segments: Sequence[_Segment],
     ) -> torch.Tensor:
         n = x.shape[0]
         h, kvh, d, g = self.n_heads, self.n_kv_heads, self.head_dim, self.group
-        end = start + n
+        # Projections run once over the rows of every segment; attention runs per segment.
         qkv = self.wqkv(x).reshape(n, h + 2 * kvh, d)
         # RoPE on Q and K heads together; sin carries rotate_half's sign (see Decoder._rope).
         qk = qkv[:, : h + kvh]
         half = d // 2
         qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
-        cache.k[layer, :, start:end] = qk[:, h:].transpose(0, 1)
-        cache.v[layer, :, start:end] = qkv[:, h + kvh :].transpose(0, 1)
-        keys = cache.k[layer, :, :end]  # [kvh, end, d]
-        values = cache.v[layer, :, :end]
-        # Fold each KV group's query heads into the query-length axis so K/V are never repeated.
-        q = qk[:, :h].reshape(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
-        # Plain bmm + softmax: ~2x faster than scaled_dot_product_attention at these sizes on CPU.
-        if mask is None:
-            scores = torch.bmm(q, keys.transpose(1, 2)).mul_(self.scale)
-        else:
-            scores = torch.baddbmm(mask, q, keys.transpose(1, 2), alpha=self.scale)
-        o = torch.bmm(torch.softmax(scores, dim=-1), values)
-        o = o.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, h * d)
-        return self.wo(o)
+        outs = []
+        for seg in segments:
+            lo, hi, cache = seg.lo, seg.hi, seg.cache
+            m, end = hi - lo, seg.start + hi - lo
+            cache.k[layer, :, seg.start : end] = qk[lo:hi, h:].transpose(0, 1)
+            cache.v[layer, :, seg.start : end] = qkv[lo:hi, h + kvh :].transpose(0, 1)
+            keys = cache.k[layer, :, :end]  # [kvh, end, d]
+            values = cache.v[layer, :, :end]
+            # Fold each KV group's query heads into the query-length axis so K/V are never
+            # repeated.
+            q = qk[lo:hi, :h].reshape(m, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * m, d)
+            # Plain bmm + softmax: ~2x faster than scaled_dot_product_attention here on CPU.
+            if seg.mask is None:
+                scores = torch.bmm(q, keys.transpose(1, 2)).mul_(self.scale)
+            else:
+                scores = torch.baddbmm(seg.mask, q, keys.transpose(1, 2), alpha=self.scale)
+            o = torch.bmm(torch.softmax(scores, dim=-1), values)
+            outs.append(o.view(kvh, g, m, d).permute(2, 0, 1, 3).reshape(m, h * d))
+        return self.wo(outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
 class Block(nn.Module):
@@ -280,13 +297,11 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         layer: int,
-        start: int,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KvCache,
+        segments: Sequence[_Segment],
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), layer, start, cos, sin, mask, cache)
+        x = x + self.attn(self.attn_norm(x), layer, cos, sin, segments)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -440,7 +455,39 @@ class Decoder(nn.Module):
             self._cos, self._sin = emb.cos(), sin
         return self._cos[start:end, None, :], self._sin[start:end, None, :]
 
-    @torch.inference_mode()
+    def forward_packed(
+        self,
+        segments: Sequence[tuple[Sequence[int] | torch.Tensor, int, KvCache]],
+        last_logits_only: Sequence[bool] | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One forward for several independent sequences, each over its own cache.
+
+        The rows of all segments are concatenated into one ``[N, hidden_size]`` activation, so
+        every projection (QKV, attention output, FFN/MoE, LM head) is one matmul over all
+        ``N = sum(n_i)`` rows; RoPE positions, KV writes and attention are per segment.
+        Results equal separate :meth:`forward_batch_with_hidden` calls up to float rounding
+        (a matmul over more rows may block differently: ~1e-6 on the tiny test models).
+
+        Args:
+            segments: ``(tokens, start_pos, cache)`` per sequence, each as in
+                :meth:`forward_batch`; every cache must be a distinct object.
+            last_logits_only: per segment, compute logits for its last row only (default:
+                all rows for every segment).
+
+        Returns:
+            Per segment, in order, ``(logits [n_i or 1, vocab_size], hidden [n_i,
+            hidden_size])``, float32. Both are views into buffers shared by all segments:
+            clone one before keeping it alone or sending it to another process.
+
+        Raises:
+            ValueError: no segments, a ``last_logits_only`` of another length, the same cache
+                twice, or (message prefixed ``segment i:``) anything :meth:`forward_batch`
+                rejects. Raised before any cache is written.
+        """
+        if last_logits_only is None:
+            last_logits_only = [False] * len(segments)
+        return self._forward_packed(segments, last_logits_only)
+
     def _forward(
         self,
         tokens: Sequence[int] | torch.Tensor,
@@ -448,6 +495,12 @@ class Decoder(nn.Module):
         cache: KvCache,
         last_logits_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._forward_packed([(tokens, start_pos, cache)], [last_logits_only])[0]
+
+    def _check_segment(
+        self, tokens: Sequence[int] | torch.Tensor, start_pos: int, cache: KvCache
+    ) -> torch.Tensor:
+        """Token ids as a long tensor ``[n]``, after checking the segment can be fed."""
         idx = self._as_tokens(tokens)
         if start_pos != cache.seq_len:
             raise ValueError(
@@ -457,25 +510,80 @@ class Decoder(nn.Module):
         c = self.config
         if cache.k.shape[0] != c.n_layers or cache.k.shape[1] != c.n_kv_heads:
             raise ValueError("cache was not created for this model (layer/KV-head shape differs)")
-        n = idx.numel()
-        end = start_pos + n
+        end = start_pos + idx.numel()
         if end > c.max_seq_len:
             raise ValueError(
-                f"start_pos {start_pos} + {n} tokens = {end} exceeds max_seq_len={c.max_seq_len}"
+                f"start_pos {start_pos} + {idx.numel()} tokens = {end} exceeds "
+                f"max_seq_len={c.max_seq_len}"
             )
-        cache.reserve(end)
-        cos, sin = self._rope(start_pos, end)
-        mask = None
-        if n > 1:
-            # Query i (absolute position start_pos + i) sees keys at positions <= start_pos + i;
-            # tiled over the query heads folded into the query axis in Attention.
-            # Additive float mask (0 / -inf), built once per forward and shared by all layers.
-            allowed = torch.arange(end)[None, :] <= torch.arange(start_pos, end)[:, None]
-            mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-            mask = mask.repeat(c.n_heads // c.n_kv_heads, 1)
-        x = self.embed_tokens(idx)
+        return idx
+
+    def _causal_mask(self, start: int, end: int) -> torch.Tensor:
+        """Additive float mask (0 / -inf) ``[group * (end - start), end]``: query i (absolute
+        position start + i) sees keys at positions <= start + i, tiled over the query heads
+        that Attention folds into the query axis. Built once per forward, shared by layers."""
+        allowed = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        return mask.repeat(self.config.n_heads // self.config.n_kv_heads, 1)
+
+    @torch.inference_mode()
+    def _forward_packed(
+        self,
+        segments: Sequence[tuple[Sequence[int] | torch.Tensor, int, KvCache]],
+        last_logits_only: Sequence[bool],
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not segments:
+            raise ValueError("forward_packed needs at least one segment")
+        if len(last_logits_only) != len(segments):
+            raise ValueError(
+                f"last_logits_only has {len(last_logits_only)} entries for "
+                f"{len(segments)} segments"
+            )
+        single = len(segments) == 1
+        # Validate everything before writing anything, so a bad segment leaves all caches as
+        # they were.
+        ids, seen = [], set()
+        for i, (tokens, start_pos, cache) in enumerate(segments):
+            if id(cache) in seen:
+                raise ValueError(f"segment {i}: its cache already appears in another segment")
+            seen.add(id(cache))
+            try:
+                ids.append(self._check_segment(tokens, start_pos, cache))
+            except ValueError as e:
+                if single:
+                    raise
+                raise ValueError(f"segment {i}: {e}") from None
+        segs, cos, sin, lo = [], [], [], 0
+        for idx, (_, start, cache) in zip(ids, segments, strict=True):
+            n = idx.numel()
+            cache.reserve(start + n)
+            c, s = self._rope(start, start + n)
+            cos.append(c)
+            sin.append(s)
+            mask = self._causal_mask(start, start + n) if n > 1 else None
+            segs.append(_Segment(lo, lo + n, start, cache, mask))
+            lo += n
+        x = self.embed_tokens(ids[0] if single else torch.cat(ids))
+        cos_all = cos[0] if single else torch.cat(cos)
+        sin_all = sin[0] if single else torch.cat(sin)
         for i, layer in enumerate(self.layers):
-            x = layer(x, i, start_pos, cos, sin, mask, cache)
-        cache._seq_len = end
+            x = layer(x, i, cos_all, sin_all, segs)
+        for seg in segs:
+            seg.cache._seq_len = seg.start + seg.hi - seg.lo
         hidden = self.norm(x)
-        return self.lm_head(hidden[-1:] if last_logits_only else hidden).contiguous(), hidden
+        if not any(last_logits_only):
+            head_in, counts = hidden, [seg.hi - seg.lo for seg in segs]
+        elif single:
+            head_in, counts = hidden[-1:], [1]
+        else:
+            rows = [
+                torch.arange(seg.hi - 1, seg.hi) if last else torch.arange(seg.lo, seg.hi)
+                for seg, last in zip(segs, last_logits_only, strict=True)
+            ]
+            head_in, counts = hidden[torch.cat(rows)], [r.numel() for r in rows]
+        logits = self.lm_head(head_in).contiguous()
+        out, row = [], 0
+        for seg, k in zip(segs, counts, strict=True):
+            out.append((logits[row : row + k], hidden[seg.lo : seg.hi]))
+            row += k
+        return out

@@ -45,12 +45,14 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculationOptions(_message.Message):
-    __slots__ = ("enabled", "max_draft_len")
+    __slots__ = ("enabled", "max_draft_len", "drafter")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     max_draft_len: int
-    def __init__(self, enabled: _Optional[bool] = ..., max_draft_len: _Optional[int] = ...) -> None: ...
+    drafter: str
+    def __init__(self, enabled: _Optional[bool] = ..., max_draft_len: _Optional[int] = ..., drafter: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "chat", "token_ids", "sampling", "seed", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "speculation")
@@ -139,7 +141,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("active_requests", "waiting_requests", "used_slots", "total_slots", "steps", "tokens_generated", "drafter_failures", "model")
+    __slots__ = ("active_requests", "waiting_requests", "used_slots", "total_slots", "steps", "tokens_generated", "drafter_failures", "model", "drafter", "forward_calls")
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +150,8 @@ class StatusResponse(_message.Message):
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
     active_requests: int
     waiting_requests: int
     used_slots: int
@@ -156,4 +160,6 @@ class StatusResponse(_message.Message):
     tokens_generated: int
     drafter_failures: int
     model: str
-    def __init__(self, active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., used_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., drafter_failures: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    drafter: str
+    forward_calls: int
+    def __init__(self, active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., used_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., drafter_failures: _Optional[int] = ..., model: _Optional[str] = ..., drafter: _Optional[str] = ..., forward_calls: _Optional[int] = ...) -> None: ...

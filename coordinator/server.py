@@ -1,0 +1,312 @@
+"""The gRPC ``specd.v1.Generation`` front end (grpc.aio) over a `Scheduler`.
+
+Bad input is refused with ``INVALID_ARGUMENT`` and a message naming the field; the server
+keeps serving others. A client that cancels (or whose deadline passes) stops its request at the
+next step boundary and frees its KV slot. Optional TLS and a bearer token checked by a server
+interceptor (the health service is exempt so probes work without it).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specd.v1 import generation_pb2, generation_pb2_grpc
+
+from .sampling import SamplingParams
+from .scheduler import Scheduler, ServiceRequest
+from .speculative import SpeculativeDecodeResult, SpeculativeOptions
+from .text import TextStream
+
+log = logging.getLogger(__name__)
+
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class InvalidRequest(ValueError):
+    """A request field is invalid; the message names it."""
+
+
+def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
+    """`SamplingParams` from the proto, unset fields taking their defaults.
+
+    Raises:
+        InvalidRequest: naming the out-of-range field.
+    """
+    fields = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+              "presence_penalty", "frequency_penalty")
+    kwargs = {f: getattr(msg, f) for f in fields if msg.HasField(f)}
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise InvalidRequest(f"sampling.{exc}") from exc
+
+
+def speculation_stats(result: SpeculativeDecodeResult, drafter_failures: int
+                      ) -> generation_pb2.SpeculationStats:
+    return generation_pb2.SpeculationStats(
+        forward_calls=result.forward_calls,
+        verification_steps=result.verification_steps,
+        drafted_tokens=result.drafted_tokens,
+        accepted_tokens=result.accepted_tokens,
+        acceptance_length=result.acceptance_length() or 0.0,
+        accept_rate=result.accept_rate() or 0.0,
+        evaluated_at_position=result.evaluated_at_position,
+        accepted_at_position=result.accepted_at_position,
+        drafter_failures=drafter_failures,
+    )
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """``specd.v1.Generation`` over a scheduler.
+
+    Args:
+        scheduler: the running `Scheduler`.
+        tokenizer: encodes text / chat prompts and decodes text deltas.
+        vocab_size, max_seq_len: the target's, for validation.
+        drafter_name: the service's drafter ("none" when it has none).
+        model_name: reported by Status.
+    """
+
+    def __init__(self, scheduler: Scheduler, tokenizer, vocab_size: int, max_seq_len: int,
+                 drafter_name: str, model_name: str):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        self.drafter_name = drafter_name
+        self.model_name = model_name
+
+    # ---- request parsing ----
+
+    def _prompt_tokens(self, request: generation_pb2.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidRequest("prompt: set one of text, chat or token_ids")
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"token_ids: id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        elif kind == "text":
+            ids = list(self.tokenizer.encode(request.text, add_special_tokens=True)) \
+                if request.text else []
+        else:
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages or not any(m["content"] for m in messages):
+                raise InvalidRequest("chat: at least one message with content is required")
+            rendered = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False)
+            ids = list(self.tokenizer.encode(rendered, add_special_tokens=False))
+        if not ids:
+            raise InvalidRequest(f"prompt: the {kind} prompt is empty")
+        return ids
+
+    def parse(self, request: generation_pb2.GenerateRequest
+              ) -> tuple[list[int], SpeculativeOptions, bool, int | None]:
+        """(prompt ids, options, speculate, max_draft_len) or `InvalidRequest`."""
+        prompt = self._prompt_tokens(request)
+        sampling = sampling_from_proto(request.sampling)
+        if request.max_new_tokens <= 0:
+            raise InvalidRequest("max_new_tokens: must be >= 1")
+        if len(prompt) + request.max_new_tokens - 1 > self.max_seq_len:
+            raise InvalidRequest(
+                f"max_new_tokens: prompt ({len(prompt)} tokens) + max_new_tokens "
+                f"({request.max_new_tokens}) exceeds the model's context of {self.max_seq_len}")
+        bad = [t for t in request.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"stop_token_ids: id {bad[0]} is outside the vocabulary")
+        if any(not s for s in request.stop):
+            raise InvalidRequest("stop: stop strings must be non-empty")
+        spec = request.speculation
+        drafter = spec.drafter
+        if drafter not in ("", "none", self.drafter_name):
+            raise InvalidRequest(
+                f"speculation.drafter: unknown drafter {drafter!r}; this service has "
+                f"{self.drafter_name!r} (or 'none')")
+        speculate = (drafter != "none" and (not spec.HasField("enabled") or spec.enabled)
+                     and self.drafter_name != "none")
+        max_draft_len = spec.max_draft_len if spec.HasField("max_draft_len") else None
+        stops = list(request.stop_token_ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is not None and not request.ignore_eos:
+            stops.append(eos)
+        options = SpeculativeOptions(
+            max_new_tokens=request.max_new_tokens,
+            sampling=sampling,
+            seed=request.seed if request.HasField("seed") else None,
+            stop_token_ids=tuple(stops),
+            stop_strings=tuple(request.stop),
+            detokenize=self._detokenize,
+        )
+        return prompt, options, speculate, max_draft_len
+
+    def _detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    async def _submit(self, request, context) -> ServiceRequest:
+        try:
+            prompt, options, speculate, max_draft_len = self.parse(request)
+            return self.scheduler.submit(prompt, options, speculate, max_draft_len)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # abort raises; keeps type checkers honest
+
+    # ---- RPCs ----
+
+    async def Generate(self, request, context):
+        req = await self._submit(request, context)
+        text = TextStream(self.tokenizer)
+        try:
+            while True:
+                event = await req.events.get()
+                if isinstance(event, list):
+                    yield generation_pb2.GenerateResponse(token_ids=event, text=text.push(event))
+                elif isinstance(event, SpeculativeDecodeResult):
+                    yield generation_pb2.GenerateResponse(
+                        text=text.flush(),
+                        finish_reason=event.finish_reason,
+                        usage=generation_pb2.Usage(
+                            prompt_tokens=req.decode.num_prompt_tokens,
+                            completion_tokens=event.tokens_generated),
+                        speculation=speculation_stats(event, req.drafter_failures),
+                    )
+                    return
+                else:
+                    await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {event}")
+        finally:
+            # Client cancel, deadline, or a dropped stream: free the slot at the next step.
+            self.scheduler.cancel(req)
+
+    async def GenerateUnary(self, request, context):
+        req = await self._submit(request, context)
+        tokens: list[int] = []
+        try:
+            while True:
+                event = await req.events.get()
+                if isinstance(event, list):
+                    tokens.extend(event)
+                elif isinstance(event, SpeculativeDecodeResult):
+                    return generation_pb2.GenerateResult(
+                        text=self._detokenize(tokens),
+                        token_ids=tokens,
+                        finish_reason=event.finish_reason,
+                        usage=generation_pb2.Usage(
+                            prompt_tokens=req.decode.num_prompt_tokens,
+                            completion_tokens=event.tokens_generated),
+                        speculation=speculation_stats(event, req.drafter_failures),
+                    )
+                else:
+                    await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {event}")
+        finally:
+            self.scheduler.cancel(req)
+
+    async def Status(self, request, context):
+        s = self.scheduler.status()
+        return generation_pb2.StatusResponse(
+            active_requests=s["active_requests"], waiting_requests=s["waiting_requests"],
+            used_slots=s["used_slots"], total_slots=s["total_slots"], steps=s["steps"],
+            tokens_generated=s["tokens_generated"], drafter_failures=s["drafter_failures"],
+            model=self.model_name, drafter=self.drafter_name, forward_calls=s["forward_calls"],
+        )
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Requires ``authorization: Bearer <token>`` metadata on every RPC except health checks;
+    anything else gets ``UNAUTHENTICATED``."""
+
+    EXEMPT = ("/grpc.health.v1.Health/",)
+
+    def __init__(self, token: str):
+        if not token:
+            raise ValueError("auth token must be non-empty")
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(self.EXEMPT):
+            return await continuation(handler_call_details)
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        given = str(metadata.get("authorization", "")).encode()
+        if hmac.compare_digest(given, self._expected):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        return _refusing(handler, "missing or invalid bearer token")
+
+
+def _refusing(handler: grpc.RpcMethodHandler | None, details: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that aborts with UNAUTHENTICATED."""
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+
+    async def streaming(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler is not None and handler.response_streaming:
+        if handler.request_streaming:
+            return grpc.stream_stream_rpc_method_handler(streaming)
+        return grpc.unary_stream_rpc_method_handler(streaming)
+    if handler is not None and handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary)
+    return grpc.unary_unary_rpc_method_handler(unary)
+
+
+async def start_generation_server(
+    servicer: GenerationServicer,
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    tls_cert: bytes | None = None,
+    tls_key: bytes | None = None,
+    auth_token: str | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """Starts the Generation server with health checking and reflection.
+
+    Returns:
+        (server, bound port) — ``port=0`` picks a free one.
+
+    Raises:
+        ValueError: only one of ``tls_cert``/``tls_key``, or the port cannot be bound.
+    """
+    interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+    )
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{host}:{port}"
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("TLS needs both a certificate and a key")
+    if tls_cert is not None:
+        credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)])
+        bound = server.add_secure_port(address, credentials)
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise ValueError(f"cannot listen on {address}")
+    await server.start()
+    for name in ("", GENERATION_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
+
+
+__all__ = [
+    "BearerTokenInterceptor",
+    "GenerationServicer",
+    "InvalidRequest",
+    "sampling_from_proto",
+    "start_generation_server",
+]
+

@@ -1,0 +1,35 @@
+"""Incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class TextStream:
+    """Turns a growing token list into text deltas that never change once returned: a
+    trailing partial UTF-8 character (decoded as U+FFFD) is held back until completed, as in
+    transformers' ``TextStreamer``. Special tokens are skipped."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.sent = 0
+
+    def text(self) -> str:
+        """The whole text so far."""
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def push(self, tokens: Sequence[int]) -> str:
+        """Adds tokens; returns the new stable text (possibly "")."""
+        self.tokens.extend(int(t) for t in tokens)
+        text = self.text()
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.sent = text[self.sent:], len(text)
+        return delta
+
+    def flush(self) -> str:
+        """Everything not yet returned, partial characters included."""
+        text = self.text()
+        delta, self.sent = text[self.sent:], len(text)
+        return delta

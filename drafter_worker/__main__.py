@@ -1,0 +1,60 @@
+"""``python -m drafter_worker``: serve one drafter over gRPC until SIGINT or SIGTERM.
+
+Prints ``drafter listening on HOST:PORT`` (one line, flushed) once bound; on a signal it
+stops accepting calls, lets in-flight ones finish (grace period) and exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from .server import DRAFTERS, build_drafter, start_drafter_server
+
+#: Seconds in-flight calls get to finish after a stop signal.
+_GRACE_S = 2.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m drafter_worker", description=__doc__)
+    parser.add_argument("--port", type=int, required=True, help="TCP port; 0 picks a free one")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
+    parser.add_argument("--drafter", default="prompt-lookup", choices=DRAFTERS)
+    parser.add_argument("--ngram-size", type=int, default=3)
+    parser.add_argument("--max-draft-len", type=int, default=10)
+    return parser.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Runs the server until SIGINT/SIGTERM, then stops it gracefully."""
+    drafter = build_drafter(args.drafter, args.ngram_size, args.max_draft_len)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server, port = await start_drafter_server(drafter, args.host, args.port)
+    print(f"drafter listening on {args.host}:{port}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(_GRACE_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(serve(args))
+    except (ValueError, RuntimeError) as e:  # bad sizes or an unbindable address
+        print(f"drafter_worker: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""A Ray actor hosting the drafter gRPC server in its own event loop.
+
+Usage::
+
+    actor = DrafterActor.remote("prompt-lookup", ngram_size=3, max_draft_len=10)
+    address = ray.get(actor.start.remote(host="0.0.0.0"))   # "node-ip:port"
+    client = DrafterClient(address)
+"""
+
+from __future__ import annotations
+
+import grpc
+import ray
+
+from .server import build_drafter, start_drafter_server
+
+#: Hosts that bind every interface: the actor then advertises its node's IP.
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
+
+
+class _DrafterActor:
+    """The actor's logic as a plain class (what `DrafterActor` wraps); async methods, so Ray
+    runs it as an async actor whose event loop hosts the grpc.aio server.
+
+    Raises:
+        ValueError: from `build_drafter` (unknown name or bad sizes), at construction.
+    """
+
+    def __init__(self, drafter: str = "prompt-lookup", ngram_size: int = 3,
+                 max_draft_len: int = 10):
+        self.drafter = build_drafter(drafter, ngram_size=ngram_size, max_draft_len=max_draft_len)
+        self._server: grpc.aio.Server | None = None
+        self._address: str | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Starts serving (idempotent: a second call returns the first address).
+
+        Returns:
+            ``"host:port"`` to connect to; for a wildcard ``host`` the node's IP address.
+
+        Raises:
+            RuntimeError: the address could not be bound.
+        """
+        if self._server is None:
+            server, bound = await start_drafter_server(self.drafter, host, port)
+            advertised = ray.util.get_node_ip_address() if host in _WILDCARD_HOSTS else host
+            self._server, self._address = server, f"{advertised}:{bound}"
+        return self._address
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Stops serving, letting in-flight calls finish for up to ``grace_s`` seconds."""
+        server, self._server, self._address = self._server, None, None
+        if server is not None:
+            await server.stop(grace_s)
+
+    def address(self) -> str | None:
+        """The served ``"host:port"``, or None when stopped."""
+        return self._address
+
+
+#: No CPU reservation: prompt lookup costs microseconds per call and must not block
+#: scheduling on small clusters; model drafters should be created with ``.options(...)``.
+DrafterActor = ray.remote(num_cpus=0)(_DrafterActor)

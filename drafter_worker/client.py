@@ -1,0 +1,262 @@
+"""The coordinator's async client for a drafter worker (``specd.v1.Drafter`` over grpc.aio).
+
+The client remembers, per request id, how many history tokens the worker holds and sends
+only the rest. Whenever it cannot be sure what the worker holds (an RPC error, a timeout,
+a cancelled call, a ``resync`` answer) it forgets the id, and the next call resends the
+whole history, so a proposal is always the drafter's proposal for the true history.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from specd.v1 import drafter_pb2, drafter_pb2_grpc
+
+from . import wire
+from .draft import DraftBlock
+from .server import grpc_options
+
+if TYPE_CHECKING:  # annotation only: importing coordinator here would load the target model code
+    from coordinator.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_UINT64_MASK = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class ProposeJob:
+    """One request's drafting job for one step.
+
+    Attributes:
+        request_id: the request's id; must be unique within one `DrafterClient.propose`.
+        history: the full committed history, prompt first, last entry the pending anchor.
+            Append-only between calls for the same id (call `DrafterClient.forget` before
+            reusing an id for another history).
+        max_len: the most draft tokens wanted, >= 0.
+        hidden: float32 ``[rows, hidden_size]`` target hidden rows committed since this
+            id's previous call (see `Drafter`), or None; send only if the drafter wants it.
+        sampling: the request's sampling parameters (temperature, top-k, top-p travel), or
+            None to send none.
+        seed: the request's seed (sent modulo 2**64, only together with ``sampling``).
+    """
+
+    request_id: str
+    history: Sequence[int]
+    max_len: int
+    hidden: torch.Tensor | None = None
+    sampling: SamplingParams | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    """What the worker serves: its drafter's type name, whether it uses hidden rows, and its
+    longest proposal (0 if it does not say)."""
+
+    name: str
+    wants_hidden: bool
+    max_draft_len: int
+
+
+class DrafterUnavailable(Exception):
+    """The drafter worker did not answer (connection failure, deadline, server error) or
+    answered malformed data."""
+
+
+class DrafterClient:
+    """Async client for one drafter worker.
+
+    Not safe for concurrent `propose` calls that share request ids; distinct ids may be
+    in flight concurrently.
+
+    Args:
+        address: the worker's ``host:port``.
+        timeout_s: deadline of every RPC, in seconds (> 0).
+        hidden_dtype: the wire dtype of hidden rows ("float32", "float16", "bfloat16").
+        channel_credentials: ``grpc.ChannelCredentials`` for TLS, or None for plaintext.
+
+    Attributes:
+        stats: ``{"calls": int, "errors": int, "latency_s": float}``: `propose` calls made,
+            of which failed, and their summed wall time in seconds.
+
+    Raises:
+        ValueError: a non-positive timeout or an unknown ``hidden_dtype``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 1.0,
+        hidden_dtype: str = "float32",
+        channel_credentials: grpc.ChannelCredentials | None = None,
+    ):
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if hidden_dtype not in wire.DTYPES:
+            raise ValueError(
+                f"unknown hidden_dtype {hidden_dtype!r}; expected one of {', '.join(wire.DTYPES)}"
+            )
+        self.address = address
+        self.timeout_s = float(timeout_s)
+        self.hidden_dtype = hidden_dtype
+        self._credentials = channel_credentials
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: drafter_pb2_grpc.DrafterStub | None = None
+        # request id -> number of history tokens the worker holds for it.
+        self._known: dict[str, int] = {}
+        self.stats: dict = {"calls": 0, "errors": 0, "latency_s": 0.0}
+
+    def _get_stub(self) -> drafter_pb2_grpc.DrafterStub:
+        # Created on first use, inside the event loop that will drive it.
+        if self._stub is None:
+            if self._credentials is None:
+                self._channel = grpc.aio.insecure_channel(self.address, options=grpc_options())
+            else:
+                self._channel = grpc.aio.secure_channel(
+                    self.address, self._credentials, options=grpc_options()
+                )
+            self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
+        return self._stub
+
+    def known(self, request_id: str) -> int:
+        """How many history tokens the client believes the worker holds for the id."""
+        return self._known.get(request_id, 0)
+
+    def forget(self, request_id: str) -> None:
+        """Local only: the id's next `propose` sends its whole history."""
+        self._known.pop(request_id, None)
+
+    async def info(self) -> DrafterInfo:
+        """The worker's `DrafterInfo`.
+
+        Raises:
+            DrafterUnavailable: the RPC failed or timed out.
+        """
+        try:
+            reply = await self._get_stub().Info(drafter_pb2.InfoRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise DrafterUnavailable(f"drafter {self.address}: Info failed: {_describe(e)}") from e
+        return DrafterInfo(reply.name, reply.wants_hidden, reply.max_draft_len)
+
+    def _item(self, job: ProposeJob) -> drafter_pb2.ProposeItem:
+        known = self._known.get(job.request_id, 0)
+        if known > len(job.history):  # the caller reused the id for a shorter history
+            known = 0
+        item = drafter_pb2.ProposeItem(
+            request_id=job.request_id,
+            known=known,
+            append=[int(t) for t in job.history[known:]],
+            max_len=job.max_len,
+        )
+        if job.hidden is not None:
+            item.hidden.CopyFrom(wire.tensor_to_proto(job.hidden, self.hidden_dtype))
+        if job.sampling is not None:
+            item.sampling.CopyFrom(
+                drafter_pb2.DraftSampling(
+                    temperature=job.sampling.temperature,
+                    top_k=job.sampling.top_k,
+                    top_p=job.sampling.top_p,
+                    seed=job.seed & _UINT64_MASK,
+                )
+            )
+        return item
+
+    async def propose(self, jobs: Sequence[ProposeJob]) -> list[DraftBlock]:
+        """One draft block per job, in order, each at most ``job.max_len`` long.
+
+        A job the worker answers with ``resync`` (its view of the history was not what this
+        client assumed) gets an empty block; its next call resends the whole history.
+
+        Raises:
+            ValueError: a negative ``max_len``, a repeated request id, a token id outside
+                int32, or bad hidden rows; nothing is sent and no state changes.
+            DrafterUnavailable: the RPC failed, timed out, or answered the wrong number of
+                results. Every job's id is forgotten (the worker may or may not have
+                applied the call).
+        """
+        if not jobs:
+            return []
+        ids = [job.request_id for job in jobs]
+        if len(set(ids)) != len(ids):
+            raise ValueError("propose: a request id appears twice in one call")
+        for job in jobs:
+            if job.max_len < 0:
+                raise ValueError(f"request {job.request_id!r}: max_len {job.max_len} < 0")
+        request = drafter_pb2.ProposeRequest(items=[self._item(job) for job in jobs])
+        # Forget first: a call that fails or is cancelled anywhere below leaves the ids
+        # unknown, so their next call resends everything.
+        for rid in ids:
+            self._known.pop(rid, None)
+        self.stats["calls"] += 1
+        start = time.perf_counter()
+        try:
+            reply = await self._get_stub().Propose(request, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            self.stats["errors"] += 1
+            raise DrafterUnavailable(
+                f"drafter {self.address}: Propose failed: {_describe(e)}"
+            ) from e
+        finally:
+            self.stats["latency_s"] += time.perf_counter() - start
+        if len(reply.results) != len(jobs):
+            self.stats["errors"] += 1
+            raise DrafterUnavailable(
+                f"drafter {self.address}: {len(reply.results)} results for {len(jobs)} jobs"
+            )
+        blocks = []
+        for job, result in zip(jobs, reply.results, strict=True):
+            if result.resync:
+                blocks.append(DraftBlock.empty())
+                continue
+            self._known[job.request_id] = len(job.history)
+            try:
+                block = wire.block_from_proto(result.block)
+            except ValueError:
+                # The worker's view is intact; only this proposal is unusable.
+                log.exception("drafter %s: malformed block for request %r", self.address,
+                              job.request_id)
+                block = DraftBlock.empty()
+            if len(block) > job.max_len:
+                block.truncate(job.max_len)
+            blocks.append(block)
+        return blocks
+
+    async def release(self, request_ids: Sequence[str]) -> None:
+        """Tells the worker to forget the ids (and forgets them locally). Best effort: errors
+        are logged, never raised."""
+        if not request_ids:
+            return
+        for rid in request_ids:
+            self._known.pop(rid, None)
+        try:
+            await self._get_stub().Release(
+                drafter_pb2.ReleaseRequest(request_ids=list(request_ids)), timeout=self.timeout_s
+            )
+        except Exception as e:  # best effort: a lost release only leaks worker memory
+            log.warning("drafter %s: Release failed: %s", self.address, _describe(e))
+
+    async def close(self) -> None:
+        """Closes the channel; a later call opens a new one."""
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close()
+
+    async def __aenter__(self) -> DrafterClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"
+    return repr(e)

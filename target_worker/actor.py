@@ -1,0 +1,80 @@
+"""The target worker as a Ray actor body: a plain class the service wraps with ``ray.remote``.
+
+Kept free of Ray imports so it is importable (and testable) anywhere; every method is a thin
+call into `TargetEngine`. Arguments and results travel by pickle, so they stay small: greedy
+rows are tuples of ints, sampling rows sparse when that is smaller, hidden rows only when an
+item asks for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .engine import PrefillItem, StepOutput, TargetEngine, VerifyItem
+from .loader import load_model
+
+__all__ = ["TargetActor"]
+
+
+class TargetActor:
+    """Holds the target model and its slots in one (actor) process.
+
+    Args:
+        model: a `load_model` source: None for the default SmolLM2, a ``.gguf`` path, or a
+            ``"tiny-random[:...]"`` test spec. The tokenizer is not kept: the coordinator
+            tokenizes.
+        max_slots: the most requests held at once.
+        num_threads: torch intra-op threads for this process (Ray starts actors with
+            ``OMP_NUM_THREADS=1``, which would otherwise leave torch on one thread).
+
+    Raises:
+        ValueError: a bad ``model`` source, ``max_slots`` or ``num_threads``.
+    """
+
+    def __init__(self, model: str | None = None, max_slots: int = 64, num_threads: int = 2):
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+            raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+        torch.set_num_threads(num_threads)
+        decoder, _ = load_model(model)
+        self.model = model
+        self.engine = TargetEngine(decoder, max_slots=max_slots)
+
+    def allocate(self) -> int:
+        """A free slot id. Raises RuntimeError when every slot is in use."""
+        return self.engine.allocate()
+
+    def free(self, slot: int) -> None:
+        """Releases ``slot``. Raises ValueError for an unknown slot."""
+        self.engine.free(slot)
+
+    def prefill(self, items: Sequence[PrefillItem]) -> list[StepOutput]:
+        """See `TargetEngine.prefill`."""
+        return self.engine.prefill(items)
+
+    def verify(self, items: Sequence[VerifyItem]) -> list[StepOutput]:
+        """See `TargetEngine.verify`."""
+        return self.engine.verify(items)
+
+    def rollback(self, slot: int, length: int) -> None:
+        """See `TargetEngine.rollback`."""
+        self.engine.rollback(slot, length)
+
+    def status(self) -> dict:
+        """``{"used_slots": int, "max_slots": int, "stats": dict}`` (`TargetEngine.stats`)."""
+        return {
+            "used_slots": self.engine.used_slots,
+            "max_slots": self.engine.max_slots,
+            "stats": dict(self.engine.stats),
+        }
+
+    def model_info(self) -> dict:
+        """``{"model": source or None, "vocab_size", "hidden_size", "max_seq_len"}`` (ints)."""
+        c = self.engine.config
+        return {
+            "model": self.model,
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size,
+            "max_seq_len": c.max_seq_len,
+        }

@@ -1,0 +1,112 @@
+"""Test doubles for running the service end to end without the real model.
+
+``load_model("tiny-random")`` or ``load_model("tiny-random:vocab=64,seed=0,layers=2")``
+returns a tiny random `Decoder` (`ModelConfig.tiny_test`) and a `TinyTokenizer`. Neither is a
+language model: the output is deterministic noise, which is all a plumbing test needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .config import ModelConfig
+from .model import Decoder
+
+__all__ = ["TINY_RANDOM", "TinyTokenizer", "is_tiny_random_spec", "load_tiny_random"]
+
+#: Model source prefix routed here by `target_worker.load_model`.
+TINY_RANDOM = "tiny-random"
+_DEFAULTS = {"vocab": 64, "seed": 0, "layers": 2}
+
+
+class TinyTokenizer:
+    """A deterministic character-level tokenizer (test double with the slice of the Hugging
+    Face tokenizer API the service uses).
+
+    Each character ``c`` encodes to ``ord(c) % (vocab_size - 1) + 1``, so encoding never
+    produces ``eos_token_id`` (0); each id decodes to the printable character
+    ``chr(0x41 + id % 58)`` ("A".."z"), so text grows by one character per token. Encoding
+    is not the inverse of decoding.
+
+    Raises:
+        ValueError: ``vocab_size < 2``.
+    """
+
+    eos_token_id = 0
+    bos_token_id = None
+    pad_token_id = None
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"TinyTokenizer needs vocab_size >= 2, got {vocab_size}")
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids in ``[1, vocab_size)``, one per character (no special tokens added)."""
+        return [ord(c) % (self.vocab_size - 1) + 1 for c in text]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """One character per id; ``skip_special_tokens`` drops the EOS id."""
+        return "".join(
+            chr(0x41 + int(i) % 58)
+            for i in ids
+            if not (skip_special_tokens and int(i) == self.eos_token_id)
+        )
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+    ) -> str | list[int]:
+        """``"role: content\\n"`` per message, then ``"assistant: "`` when
+        ``add_generation_prompt``; token ids instead of text when ``tokenize``."""
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "assistant: "
+        return self.encode(text) if tokenize else text
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": self.encode(text, add_special_tokens)}
+
+
+def is_tiny_random_spec(source: object) -> bool:
+    """Whether ``source`` names the tiny random test model (``tiny-random[:k=v,...]``)."""
+    return isinstance(source, str) and (
+        source == TINY_RANDOM or source.startswith(TINY_RANDOM + ":")
+    )
+
+
+def load_tiny_random(spec: str = TINY_RANDOM) -> tuple[Decoder, TinyTokenizer]:
+    """``(Decoder.random(ModelConfig.tiny_test(vocab, n_layers=layers), seed),
+    TinyTokenizer(vocab))`` for ``spec = "tiny-random[:vocab=V,seed=S,layers=L]"``
+    (defaults vocab 64, seed 0, layers 2; any subset, any order).
+
+    Raises:
+        ValueError: not such a spec, an unknown or repeated key, a non-integer value,
+            ``vocab < 2``, ``layers < 1`` or ``seed < 0``.
+    """
+    if not is_tiny_random_spec(spec):
+        raise ValueError(f"not a tiny-random model spec: {spec!r}")
+    options = dict(_DEFAULTS)
+    given: set[str] = set()
+    params = spec[len(TINY_RANDOM) + 1 :]
+    for part in params.split(",") if params else []:
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in _DEFAULTS:
+            raise ValueError(
+                f"bad tiny-random option {part!r} in {spec!r}: expected key=value with key in "
+                f"{sorted(_DEFAULTS)}"
+            )
+        if key in given:
+            raise ValueError(f"tiny-random option {key!r} given twice in {spec!r}")
+        given.add(key)
+        try:
+            options[key] = int(value)
+        except ValueError:
+            raise ValueError(f"tiny-random option {key}={value!r} is not an integer") from None
+    if options["vocab"] < 2 or options["layers"] < 1 or options["seed"] < 0:
+        raise ValueError(f"tiny-random needs vocab >= 2, layers >= 1, seed >= 0: {options}")
+    config = ModelConfig.tiny_test(options["vocab"], n_layers=options["layers"])
+    return Decoder.random(config, seed=options["seed"]), TinyTokenizer(options["vocab"])

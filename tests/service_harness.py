@@ -1,0 +1,94 @@
+"""An in-process service for tests: target engine, drafter gRPC server, scheduler and the
+Generation gRPC server on loopback, driven by an asyncio loop in a background thread (no Ray:
+the Ray wiring has its own, fewer, tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+
+import grpc
+
+from coordinator.scheduler import LocalTarget, Scheduler
+from coordinator.server import GenerationServicer, start_generation_server
+from drafter_worker import PromptLookupSpeculator
+from drafter_worker.client import DrafterClient
+from drafter_worker.server import start_drafter_server
+from specd.v1 import generation_pb2_grpc
+from target_worker import load_model
+from target_worker.engine import TargetEngine
+
+MODEL = "tiny-random:vocab=64,seed=0,layers=2"
+
+
+class LocalService:
+    """Starts everything on a private event loop; ``address`` is the Generation API."""
+
+    def __init__(self, ngram_size: int = 2, max_draft_len: int = 6, max_active: int = 16,
+                 auth_token: str | None = None, drafter_timeout_s: float = 2.0):
+        self.decoder, self.tokenizer = load_model(MODEL)
+        self.engine = TargetEngine(self.decoder, max_slots=max_active)
+        self.drafter_impl = PromptLookupSpeculator(ngram_size, max_draft_len)
+        self.max_active = max_active
+        self.auth_token = auth_token
+        self.drafter_timeout_s = drafter_timeout_s
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def call(self, coro):
+        """Runs a coroutine on the service loop and waits for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
+
+    async def _start(self) -> None:
+        self.drafter_server, drafter_port = await start_drafter_server(self.drafter_impl)
+        self.drafter_address = f"127.0.0.1:{drafter_port}"
+        self.drafter = DrafterClient(self.drafter_address, timeout_s=self.drafter_timeout_s)
+        self.scheduler = Scheduler(LocalTarget(self.engine), self.drafter,
+                                   max_active=self.max_active)
+        self.scheduler.start()
+        servicer = GenerationServicer(
+            self.scheduler, self.tokenizer, vocab_size=self.decoder.config.vocab_size,
+            max_seq_len=self.decoder.config.max_seq_len, drafter_name="prompt-lookup",
+            model_name=MODEL)
+        self.server, port = await start_generation_server(
+            servicer, "127.0.0.1", 0, auth_token=self.auth_token)
+        self.address = f"127.0.0.1:{port}"
+
+    def start(self) -> LocalService:
+        self.thread.start()
+        self.call(self._start())
+        return self
+
+    def stop_drafter(self) -> None:
+        """Kills the drafter worker (no grace): later Propose calls fail."""
+        self.call(self.drafter_server.stop(None))
+
+    async def _stop(self) -> None:
+        await self.server.stop(None)
+        await self.scheduler.close()
+        await self.drafter.close()
+        await self.drafter_server.stop(None)
+
+    def stop(self) -> None:
+        self.call(self._stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+    def stub(self) -> tuple[grpc.Channel, generation_pb2_grpc.GenerationStub]:
+        channel = grpc.insecure_channel(self.address)
+        return channel, generation_pb2_grpc.GenerationStub(channel)
+
+
+def run_in_thread(fn, *args) -> Future:
+    """Runs ``fn(*args)`` in a fresh thread; the returned future holds its result."""
+    future: Future = Future()
+
+    def target():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting test
+            future.set_exception(exc)
+
+    threading.Thread(target=target, daemon=True).start()
+    return future
