@@ -53,3 +53,25 @@ def test_greedy_speculative_decode_equals_plain_greedy(model, name):
     if name == "code_edit":
         # The answer copies its prompt: speculation must have saved forward calls.
         assert result.forward_calls < result.tokens_generated / 2
+
+
+def test_greedy_through_the_service_equals_the_in_process_core(model):
+    import grpc
+
+    from coordinator.service import Service, ServiceConfig
+    from specd.v1 import generation_pb2, generation_pb2_grpc
+
+    decoder, tokenizer = model
+    text = (PROMPTS / "code_edit.txt").read_text()
+    prompt = encode_prompt(tokenizer, text, raw=False)
+    expected = speculative_decode_with(
+        decoder, prompt, decoder.new_cache(), PromptLookupSpeculator(3, 10),
+        SpeculativeOptions(max_new_tokens=32, stop_token_ids=(tokenizer.eos_token_id,)),
+    ).generated_tokens
+    request = generation_pb2.GenerateRequest(max_new_tokens=32)
+    request.chat.messages.add(role="user", content=text)
+    with Service(ServiceConfig(port=0)) as service, \
+            grpc.insecure_channel(service.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        tokens = [t for chunk in stub.Generate(request, timeout=300) for t in chunk.token_ids]
+    assert tokens == expected
