@@ -68,12 +68,24 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the request's generator (default: fresh entropy)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable)")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The validated sampling flags.
+
+    Raises:
+        ValueError: naming the bad flag (seed, max-new-tokens, prompt, or a sampling field).
+    """
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
+    if args.max_new_tokens <= 0:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise ValueError("the prompt must not be empty")
     return SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
@@ -132,8 +144,6 @@ def _generate_via_service(args: argparse.Namespace) -> int:
     from .service import Service, ServiceConfig
 
     sampling_from_args(args)  # validates before any service starts
-    if args.max_new_tokens <= 0:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     build_drafter(args.drafter, args.ngram_size, args.max_draft_len)
     service = None
     address = args.server
@@ -256,10 +266,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # bad flags, a missing or unreadable model file
         parser.exit(2, f"specd: error: {exc}\n")
+    except RuntimeError as exc:  # e.g. the model fetch failed its checksum
+        parser.exit(1, f"specd: error: {exc}\n")
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        import grpc
+
+        if isinstance(exc, grpc.RpcError):
+            parser.exit(1, f"specd: error: {exc.code().name}: {exc.details()}\n")
+        raise
 
 
 if __name__ == "__main__":

@@ -47,12 +47,13 @@ def generate_request(args, sampling: SamplingParams) -> generation_pb2.GenerateR
             min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
             presence_penalty=sampling.presence_penalty,
             frequency_penalty=sampling.frequency_penalty),
-        seed=args.seed,
         max_new_tokens=args.max_new_tokens,
         stop=args.stop,
         speculation=generation_pb2.SpeculationOptions(
             enabled=args.drafter != "none", max_draft_len=args.max_draft_len),
     )
+    if args.seed is not None:
+        request.seed = args.seed
     if args.raw:
         request.text = args.prompt
     else:

@@ -53,12 +53,12 @@ class ServiceConfig:
 
 def load_tokenizer_for(model: str | None):
     """The tokenizer of ``model`` without loading its weights (the coordinator needs only it)."""
-    from target_worker import default_model_path, load_model
-    from target_worker.loader import load_tokenizer
+    from target_worker.loader import load_tokenizer, model_path
+    from target_worker.testing import is_tiny_random_spec, load_tiny_random
 
-    if model is not None and str(model).startswith("tiny-random"):
-        return load_model(model)[1]  # a test double: no weights worth avoiding
-    return load_tokenizer(default_model_path() if model is None else Path(model))
+    if is_tiny_random_spec(model):
+        return load_tiny_random(model)[1]  # a test double
+    return load_tokenizer(model_path(model))
 
 
 class CoordinatorActor:
@@ -150,6 +150,12 @@ class Service:
         from target_worker.actor import TargetActor
 
         cfg = self.config
+        if cfg.model is None:
+            # Fetch the default model here, once, with the progress bar in this terminal (the
+            # actors' output is not forwarded), rather than racing in two actors.
+            from target_worker import default_model_path
+
+            default_model_path()
         if not ray.is_initialized():
             if cfg.address is None:
                 # Embedded: every Ray port on loopback, no dashboard.

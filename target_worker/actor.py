@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from .engine import PrefillItem, StepOutput, TargetEngine, VerifyItem
-from .loader import load_model
+from .loader import load_decoder
 
 __all__ = ["TargetActor"]
 
@@ -22,7 +22,7 @@ class TargetActor:
     """Holds the target model and its slots in one (actor) process.
 
     Args:
-        model: a `load_model` source: None for the default SmolLM2, a ``.gguf`` path, or a
+        model: a `load_decoder` source: None for the default SmolLM2, a ``.gguf`` path, or a
             ``"tiny-random[:...]"`` test spec. The tokenizer is not kept: the coordinator
             tokenizes.
         max_slots: the most requests held at once.
@@ -37,7 +37,7 @@ class TargetActor:
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
         torch.set_num_threads(num_threads)
-        decoder, _ = load_model(model)
+        decoder = load_decoder(model)
         self.model = model
         self.engine = TargetEngine(decoder, max_slots=max_slots)
 

@@ -225,7 +225,8 @@ class TargetEngine:
         for item, slot, (logits, hidden) in zip(items, slots, results, strict=True):
             tokens = [int(t) for t in item.tokens]
             # History = committed tokens + the anchor; the draft is the block rows follow.
-            history = [*slot.tokens, tokens[0]]
+            # Only penalties read the history: skip copying a long context when none is set.
+            history = [*slot.tokens, tokens[0]] if item.sampling.has_penalties else tokens[:1]
             rows = target_rows(logits, item.sampling, history, slot.num_prompt_tokens,
                                tokens[1:])
             slot.tokens.extend(tokens)

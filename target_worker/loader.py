@@ -197,7 +197,10 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
     import gguf
 
     path = Path(path)
-    reader = gguf.GGUFReader(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError) as exc:  # gguf's own messages do not name the file
+        raise ValueError(f"{path}: not a readable GGUF file ({exc})") from exc
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -365,7 +368,10 @@ def load_tokenizer(path: str | os.PathLike, use_cache: bool = True) -> PreTraine
         shutil.rmtree(tmp, ignore_errors=True)
         tok.save_pretrained(tmp)
         shutil.rmtree(cached, ignore_errors=True)
-        os.replace(tmp, cached)
+        try:
+            os.replace(tmp, cached)
+        except OSError:  # another process (a concurrent actor) cached it first
+            shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
 
@@ -392,10 +398,30 @@ def load_model(
     """
     if is_tiny_random_spec(source):
         return load_tiny_random(source)
-    if source is None:
-        path = default_model_path()
-    else:
-        path = Path(source)
-        if path.suffix.lower() != ".gguf":
-            raise ValueError(f"unsupported model source {str(source)!r}: expected a .gguf file")
+    path = model_path(source)
     return load_gguf_decoder(path), load_tokenizer(path)
+
+
+def model_path(source: str | os.PathLike | None) -> Path:
+    """The GGUF file a `load_model` source names (fetching the default model if needed).
+
+    Raises:
+        ValueError: not a ``.gguf`` path. RuntimeError: the default model's fetch failed.
+    """
+    if source is None:
+        return default_model_path()
+    path = Path(source)
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"unsupported model source {str(source)!r}: expected a .gguf file")
+    return path
+
+
+def load_decoder(source: str | os.PathLike | None = None) -> Decoder:
+    """`load_model` without the tokenizer (a target worker never tokenizes).
+
+    Raises:
+        As `load_model`.
+    """
+    if is_tiny_random_spec(source):
+        return load_tiny_random(source)[0]
+    return load_gguf_decoder(model_path(source))

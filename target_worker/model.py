@@ -465,8 +465,9 @@ class Decoder(nn.Module):
         The rows of all segments are concatenated into one ``[N, hidden_size]`` activation, so
         every projection (QKV, attention output, FFN/MoE, LM head) is one matmul over all
         ``N = sum(n_i)`` rows; RoPE positions, KV writes and attention are per segment.
-        Results equal separate :meth:`forward_batch_with_hidden` calls up to float rounding
-        (a matmul over more rows may block differently: ~1e-6 on the tiny test models).
+        Results equal separate :meth:`forward_batch_with_hidden` calls up to float rounding,
+        since a matmul over more rows may block differently (measured: < 2e-6 on the tiny test
+        models, < 6e-5 on SmolLM2-135M logits, argmax identical).
 
         Args:
             segments: ``(tokens, start_pos, cache)`` per sequence, each as in
