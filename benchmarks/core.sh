@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 for prompt in code_edit open_question; do
   for drafter in none prompt-lookup; do
-    specd generate "$(cat "prompts/$prompt.txt")" --max-new-tokens 128 --drafter "$drafter" \
+    specd generate "$(cat "prompts/$prompt.txt")" --max-new-tokens 128 --drafter "$drafter" --in-process \
       --json "$@" 2>/dev/null | python3 -c "
 import json, sys
 r = json.load(sys.stdin)
