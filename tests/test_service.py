@@ -239,3 +239,42 @@ def test_the_bearer_token_is_required_except_for_health():
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         svc.stop()
+
+
+def test_tls_with_a_bearer_token(tmp_path):
+    import shutil
+    import subprocess
+
+    from coordinator.server import GenerationServicer, start_generation_server
+    from specd.v1 import generation_pb2_grpc
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost"], check=True, capture_output=True)
+    svc = LocalService().start()
+    try:
+        servicer = GenerationServicer(svc.scheduler, svc.tokenizer, 64, 256, "prompt-lookup",
+                                      "tiny")
+        server, port = svc.call(start_generation_server(
+            servicer, "127.0.0.1", 0, cert.read_bytes(), key.read_bytes(), "tok"))
+        creds = grpc.ssl_channel_credentials(cert.read_bytes())
+        req = request([1, 2, 3], max_new=3)
+        with grpc.secure_channel(f"localhost:{port}", creds) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            reply = stub.GenerateUnary(req, metadata=[("authorization", "Bearer tok")],
+                                       timeout=30)
+            assert len(reply.token_ids) == 3
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GenerateUnary(req, timeout=30)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # plaintext is refused
+            with pytest.raises(grpc.RpcError) as err:
+                generation_pb2_grpc.GenerationStub(channel).GenerateUnary(
+                    req, metadata=[("authorization", "Bearer tok")], timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        svc.call(server.stop(None))
+    finally:
+        svc.stop()
