@@ -141,15 +141,27 @@ def _filter_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(probs, params.top_k, dim=-1).values[..., -1:]
         probs = torch.where(probs < kth, torch.zeros_like(probs), probs)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        total = sorted_probs.sum(dim=-1, keepdim=True)
-        # Keep the smallest prefix whose mass reaches top_p; the top token always survives.
-        drop_sorted = mass_before >= params.top_p * total
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = torch.where(drop, torch.zeros_like(probs), probs)
+        probs = _top_p(probs, params.top_p)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+# The nucleus almost always lies within the top few hundred tokens: sort those, not the vocab.
+_TOP_P_CANDIDATES = 1024
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keeps, per row of ``[n, vocab]``, the smallest most-likely prefix whose mass reaches
+    ``top_p`` of the row's total (the top token always survives)."""
+    total = probs.sum(dim=-1, keepdim=True)
+    k = min(probs.shape[-1], _TOP_P_CANDIDATES)
+    values, order = torch.topk(probs, k, dim=-1)  # sorted, descending
+    if k < probs.shape[-1] and not bool((values.sum(-1, keepdim=True) >= top_p * total).all()):
+        values, order = torch.sort(probs, dim=-1, descending=True)  # a very flat row
+    mass_before = torch.cumsum(values, dim=-1) - values
+    keep_sorted = mass_before < top_p * total
+    keep_sorted[..., 0] = True
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep_sorted)
+    return torch.where(keep, probs, torch.zeros_like(probs))
 
 
 def sampling_distributions(

@@ -102,3 +102,19 @@ def test_the_argmax_always_survives_filtering():
         logits, SamplingParams(temperature=0.1, top_k=1, top_p=0.01, min_p=1.0), []
     )
     assert probs.tolist() == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("top_p,scale", [(0.9, 3.0), (0.5, 1.0), (0.99, 0.05), (0.3, 8.0)])
+def test_top_p_over_a_large_vocab_equals_the_full_sort_definition(top_p, scale):
+    # Peaked rows take the top-candidates path, flat rows (scale 0.05) the full sort.
+    torch.manual_seed(1)
+    logits = torch.randn(3, 5000) * scale
+    got = sampling_distributions(logits, SamplingParams(temperature=1.0, top_p=top_p), [])
+    probs = torch.softmax(logits, -1)
+    for row, expected_row in zip(got, probs, strict=True):
+        sorted_probs, order = torch.sort(expected_row, descending=True)
+        cutoff = int((torch.cumsum(sorted_probs, 0) - sorted_probs < top_p).sum())
+        keep = torch.zeros(5000, dtype=torch.bool)
+        keep[order[:max(cutoff, 1)]] = True
+        expected = torch.where(keep, expected_row, torch.zeros_like(expected_row))
+        torch.testing.assert_close(row, expected / expected.sum())
