@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -140,6 +141,10 @@ def _generate_in_process(args: argparse.Namespace) -> int:
 
 
 def _generate_via_service(args: argparse.Namespace) -> int:
+    import signal
+
+    import grpc
+
     from .client import generate_request, result_from_final, stream_generate
     from .service import Service, ServiceConfig
 
@@ -159,15 +164,25 @@ def _generate_via_service(args: argparse.Namespace) -> int:
         tokens: list[int] = []
         text_parts: list[str] = []
         final = None
-        for chunk in stream_generate(address, request, auth_token=args.auth_token,
-                                     tls_ca=args.tls_ca):
-            tokens.extend(chunk.token_ids)
-            text_parts.append(chunk.text)
-            if not args.json:
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-            if chunk.finish_reason:
-                final = chunk
+        call = stream_generate(address, request, auth_token=args.auth_token,
+                               tls_ca=args.tls_ca)
+        # gRPC's blocking iteration does not return to Python for signals: Ctrl-C cancels
+        # the call instead, which ends the iteration with CANCELLED.
+        signal.signal(signal.SIGINT, lambda *_: call.cancel())
+        try:
+            for chunk in call:
+                tokens.extend(chunk.token_ids)
+                text_parts.append(chunk.text)
+                if not args.json:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                if chunk.finish_reason:
+                    final = chunk
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                print(file=sys.stderr)
+                raise KeyboardInterrupt from None
+            raise
         seconds = time.perf_counter() - start
         if not args.json:
             print()
@@ -264,6 +279,8 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Keep stderr to specd's own lines: Ray's start-up notices are not for this terminal.
+    logging.getLogger("ray").setLevel(logging.ERROR)
     try:
         return args.func(args)
     except (ValueError, OSError) as exc:  # bad flags, a missing or unreadable model file

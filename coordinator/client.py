@@ -28,15 +28,34 @@ def stream_generate(
     tls_ca: str | None = None,
     timeout_s: float | None = None,
 ) -> Iterator[generation_pb2.GenerateResponse]:
-    """Streams a ``Generate`` call's chunks.
+    """Starts a ``Generate`` call: iterate it for the chunks; ``.cancel()`` stops it. The
+    channel closes when the call ends.
 
-    Raises:
+    Raises (while iterating):
         grpc.RpcError: with the server's status (INVALID_ARGUMENT names the bad field).
     """
     metadata = [("authorization", f"Bearer {auth_token}")] if auth_token else None
-    with open_channel(address, tls_ca) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        yield from stub.Generate(request, metadata=metadata, timeout=timeout_s)
+    channel = open_channel(address, tls_ca)
+    call = generation_pb2_grpc.GenerationStub(channel).Generate(
+        request, metadata=metadata, timeout=timeout_s)
+    return _Stream(channel, call)
+
+
+class _Stream:
+    """A streaming call that owns its channel (closed once iteration ends)."""
+
+    def __init__(self, channel: grpc.Channel, call):
+        self._channel = channel
+        self._call = call
+
+    def __iter__(self) -> Iterator[generation_pb2.GenerateResponse]:
+        try:
+            yield from self._call
+        finally:
+            self._channel.close()
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 def generate_request(args, sampling: SamplingParams) -> generation_pb2.GenerateRequest:

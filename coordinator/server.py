@@ -44,8 +44,8 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
     kwargs = {f: getattr(msg, f) for f in fields if msg.HasField(f)}
     try:
         return SamplingParams(**kwargs)
-    except ValueError as exc:
-        raise InvalidRequest(f"sampling.{exc}") from exc
+    except ValueError as exc:  # "SamplingParams.top_p=..." -> "sampling.top_p=..."
+        raise InvalidRequest(str(exc).replace("SamplingParams.", "sampling.", 1)) from exc
 
 
 def speculation_stats(result: SpeculativeDecodeResult, drafter_failures: int
@@ -116,6 +116,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         sampling = sampling_from_proto(request.sampling)
         if request.max_new_tokens <= 0:
             raise InvalidRequest("max_new_tokens: must be >= 1")
+        if len(prompt) >= self.max_seq_len:
+            raise InvalidRequest(f"prompt: {len(prompt)} tokens leave no room in the model's "
+                                 f"context of {self.max_seq_len}")
         if len(prompt) + request.max_new_tokens - 1 > self.max_seq_len:
             raise InvalidRequest(
                 f"max_new_tokens: prompt ({len(prompt)} tokens) + max_new_tokens "
@@ -227,14 +230,15 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str):
         if not token:
             raise ValueError("auth token must be non-empty")
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
 
     async def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(self.EXEMPT):
             return await continuation(handler_call_details)
         metadata = dict(handler_call_details.invocation_metadata or ())
-        given = str(metadata.get("authorization", "")).encode()
-        if hmac.compare_digest(given, self._expected):
+        scheme, _, given = str(metadata.get("authorization", "")).partition(" ")
+        # The scheme name is case-insensitive (RFC 6750); the token is compared in constant time.
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), self._expected):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         return _refusing(handler, "missing or invalid bearer token")
@@ -279,7 +283,9 @@ async def start_generation_server(
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                 # A second server on a busy port must fail, not silently share it.
+                 ("grpc.so_reuseport", 0)],
     )
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -289,13 +295,15 @@ async def start_generation_server(
     address = f"{host}:{port}"
     if (tls_cert is None) != (tls_key is None):
         raise ValueError("TLS needs both a certificate and a key")
-    if tls_cert is not None:
-        credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)])
-        bound = server.add_secure_port(address, credentials)
-    else:
-        bound = server.add_insecure_port(address)
-    if bound == 0:
-        raise ValueError(f"cannot listen on {address}")
+    try:
+        if tls_cert is not None:
+            credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)])
+            bound = server.add_secure_port(address, credentials)
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+        raise ValueError(f"cannot listen on {address}: the address is in use or invalid") \
+            from exc
     await server.start()
     for name in ("", GENERATION_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

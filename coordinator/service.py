@@ -114,6 +114,21 @@ class CoordinatorActor:
             await self.drafter.close()
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Fails fast, before Ray and the model start, when the API port is taken.
+
+    Raises:
+        ValueError: naming the address.
+    """
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+
+
 class Service:
     """Starts and stops the service's actors from a driver process (``specd serve``, a batch
     job, a test). Usable as a context manager.
@@ -150,6 +165,8 @@ class Service:
         from target_worker.actor import TargetActor
 
         cfg = self.config
+        if cfg.port != 0:
+            _check_port_free(cfg.host, cfg.port)
         if cfg.model is None:
             # Fetch the default model here, once, with the progress bar in this terminal (the
             # actors' output is not forwarded), rather than racing in two actors.
@@ -158,7 +175,7 @@ class Service:
             default_model_path()
         if not ray.is_initialized():
             if cfg.address is None:
-                # Embedded: every Ray port on loopback, no dashboard.
+                # Embedded: no dashboard; this setting keeps most of Ray's ports on loopback.
                 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
                 ray.init(include_dashboard=False, log_to_driver=False,
                          configure_logging=False)

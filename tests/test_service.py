@@ -124,6 +124,7 @@ def test_same_seed_same_tokens_alone_or_batched_and_unseeded_requests_differ(ser
         (lambda r: setattr(r, "max_new_tokens", 0), "max_new_tokens"),
         (lambda r: setattr(r, "max_new_tokens", 100_000), "max_new_tokens"),
         (lambda r: setattr(r.speculation, "drafter", "medusa"), "drafter"),
+        (lambda r: r.token_ids.ids.extend([1] * 300), "prompt"),
     ],
 )
 def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(service, mutate, field):
@@ -134,12 +135,24 @@ def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(service, mut
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(bad, timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(("prompt", "token_ids", "chat", "sampling.",
+                                               "max_new_tokens", "speculation."))
         assert field in err.value.details()
         with pytest.raises(grpc.RpcError) as err:
             stub.GenerateUnary(bad, timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         good = stub.GenerateUnary(request([1, 2, 3], max_new=4), timeout=30)
         assert len(good.token_ids) == 4
+
+
+def test_a_second_server_on_a_busy_port_is_refused(service):
+    from coordinator.server import GenerationServicer, start_generation_server
+
+    port = int(service.address.rsplit(":", 1)[1])
+    servicer = GenerationServicer(service.scheduler, service.tokenizer, 64, 256,
+                                  "prompt-lookup", "tiny")
+    with pytest.raises(ValueError, match="cannot listen"):
+        service.call(start_generation_server(servicer, "127.0.0.1", port))
 
 
 def test_unary_equals_streaming(service):
@@ -231,9 +244,10 @@ def test_the_bearer_token_is_required_except_for_health():
                 with pytest.raises(grpc.RpcError) as err:
                     list(stub.Generate(req, metadata=metadata, timeout=30))
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            ok = stub.GenerateUnary(req, metadata=[("authorization", "Bearer s3cret")],
-                                    timeout=30)
-            assert len(ok.token_ids) == 3
+            for scheme in ("Bearer", "bearer"):  # the scheme is case-insensitive (RFC 6750)
+                ok = stub.GenerateUnary(req, metadata=[("authorization", f"{scheme} s3cret")],
+                                        timeout=30)
+                assert len(ok.token_ids) == 3
             health = health_pb2_grpc.HealthStub(channel)
             reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
