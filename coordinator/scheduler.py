@@ -23,7 +23,7 @@ from typing import Protocol
 
 from drafter_worker import DraftBlock
 
-from .speculative import DecodeRequest, SpeculativeDecodeResult, SpeculativeOptions
+from .speculative import DecodeRequest, SpeculativeOptions
 
 log = logging.getLogger(__name__)
 
@@ -299,12 +299,8 @@ class Scheduler:
         req.push_new_tokens()
         if req.decode.finished:
             self.stats.tokens_generated += len(req.decode.generated)
-            req.events.put_nowait(self.result_of(req))
+            req.events.put_nowait(req.decode.result)
             await self._release(req)
-
-    @staticmethod
-    def result_of(req: ServiceRequest) -> SpeculativeDecodeResult:
-        return req.decode.result
 
     async def _release(self, req: ServiceRequest, count: bool = True) -> None:
         if req.slot is not None:
