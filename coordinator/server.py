@@ -63,6 +63,16 @@ def speculation_stats(result: SpeculativeDecodeResult, drafter_failures: int
     )
 
 
+def _final_fields(req: ServiceRequest, result: SpeculativeDecodeResult) -> dict:
+    """The finish reason, usage and speculation counters both RPC shapes end with."""
+    return {
+        "finish_reason": result.finish_reason,
+        "usage": generation_pb2.Usage(prompt_tokens=req.decode.num_prompt_tokens,
+                                      completion_tokens=result.tokens_generated),
+        "speculation": speculation_stats(result, req.drafter_failures),
+    }
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """``specd.v1.Generation`` over a scheduler.
 
@@ -175,11 +185,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 elif isinstance(event, SpeculativeDecodeResult):
                     yield generation_pb2.GenerateResponse(
                         text=text.flush(),
-                        finish_reason=event.finish_reason,
-                        usage=generation_pb2.Usage(
-                            prompt_tokens=req.decode.num_prompt_tokens,
-                            completion_tokens=event.tokens_generated),
-                        speculation=speculation_stats(event, req.drafter_failures),
+                        **_final_fields(req, event),
                     )
                     return
                 else:
@@ -200,11 +206,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     return generation_pb2.GenerateResult(
                         text=self._detokenize(tokens),
                         token_ids=tokens,
-                        finish_reason=event.finish_reason,
-                        usage=generation_pb2.Usage(
-                            prompt_tokens=req.decode.num_prompt_tokens,
-                            completion_tokens=event.tokens_generated),
-                        speculation=speculation_stats(event, req.drafter_failures),
+                        **_final_fields(req, event),
                     )
                 else:
                     await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {event}")
