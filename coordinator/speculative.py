@@ -21,6 +21,7 @@ import torch
 
 from drafter_worker import DraftBlock, Drafter, PromptLookupSpeculator
 
+from .adaptive import AdaptiveDraftLength
 from .rule import TargetRows, target_rows
 from .sampling import Sampler, SamplingParams
 
@@ -329,6 +330,7 @@ def speculative_decode_with(
     drafter: Drafter | None,
     options: SpeculativeOptions,
     on_tokens: Callable[[list[int]], None] | None = None,
+    adaptive: AdaptiveDraftLength | None = None,
 ) -> SpeculativeDecodeResult:
     """Generates up to ``options.max_new_tokens`` tokens with speculative decoding.
 
@@ -343,6 +345,10 @@ def speculative_decode_with(
             return it holds that context + prompt + every generated token except the last.
         drafter: any `Drafter`; ``None`` decodes plainly (one token per forward).
         on_tokens: called with each step's newly committed tokens, in order (streaming).
+        adaptive: this request's `AdaptiveDraftLength`; when given, each step drafts at most
+            ``adaptive.next_len(...)`` tokens (0: the drafter is not called) and reports
+            what was accepted. Output stays lossless; seeded sampled output can differ from
+            a run without it, since draft lengths change how the seed's stream is consumed.
 
     Raises:
         ValueError: empty prompt, ``start_pos != cache.seq_len``, or prompt +
@@ -363,6 +369,8 @@ def speculative_decode_with(
     # Hidden rows are kept only for a drafter that conditions on them.
     wants_hidden = drafter is not None and getattr(drafter, "wants_hidden", True)
     request.on_prefill(request.rows(logits), hidden if wants_hidden else None)
+    # The drafter's own cap, where it declares one (prompt lookup's max_draft_len).
+    drafter_max = getattr(drafter, "max_draft_len", None) or None
     emitted = 0
     while True:
         if on_tokens is not None and len(request.generated) > emitted:
@@ -371,16 +379,22 @@ def speculative_decode_with(
         if request.finished:
             break
         budget = request.draft_budget()
+        consulted = adaptive is not None and budget > 0 and drafter is not None
+        if consulted:
+            budget = min(budget, adaptive.next_len(budget, drafter_max))
         draft = DraftBlock.empty()
         if budget > 0 and drafter is not None:
             draft = drafter.propose(tuple(request.history), request.take_hidden(), budget)
             draft.truncate(budget)
+        accepted_before = request.result.accepted_tokens
         batch = request.verify_tokens(draft)
         logits, hidden = decoder.forward_batch_with_hidden(batch, request.cache_len, cache)
         keep = request.on_verify(draft, request.rows(logits, draft.tokens),
                                  hidden if wants_hidden else None)
         if cache.seq_len > keep:
             cache.truncate(keep)
+        if consulted:
+            adaptive.update(len(draft), request.result.accepted_tokens - accepted_before)
     return request.result
 
 

@@ -1,0 +1,341 @@
+"""Adaptive draft length: draft only as many tokens as the target's forward cost repays.
+
+A verification step feeds the anchor plus ``k`` drafts in one target forward. Drafts are not
+free: on a CPU a forward of 2-8 tokens costs ~1.7x a forward of 1, so a fixed ``k`` loses
+to plain decoding whenever drafts miss. Each step, `choose_draft_len` picks the ``k`` that
+maximises expected committed tokens per second from
+
+- `AcceptanceTracker`: the request's recent per-position acceptance, and
+- `ForwardCostModel`: the target's forward time as a function of tokens fed.
+
+`AdaptiveDraftLength` glues the two for one request; `speculative_decode_with` takes one
+through its ``adaptive`` argument. The choice only limits how many drafts are verified, so
+the output distribution is unchanged (the rejection rule is lossless at every ``k``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+
+class ForwardCostModel:
+    """Target forward time, in seconds, as a function of the tokens fed in one step.
+
+    Piecewise-linear between measured points; flat below the smallest point; beyond the
+    largest, extended with the last segment's slope (never decreasing). `observe` folds a
+    new measurement into its bucket with an exponential moving average.
+
+    Args:
+        points: ``{n_tokens: seconds}``, at least one point, ``n_tokens >= 1``, seconds finite
+            and > 0. E.g. ``{1: 0.057, 2: 0.097, 8: 0.097, 16: 0.114, 32: 0.143}``.
+        alpha: EMA weight of a new observation, in ``(0, 1]``.
+
+    Raises:
+        ValueError: an empty ``points``, a bad key or value, or ``alpha`` out of range.
+    """
+
+    def __init__(self, points: Mapping[int, float], alpha: float = 0.2):
+        if not points:
+            raise ValueError("points must hold at least one measurement")
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = float(alpha)
+        self._points: dict[int, float] = {}
+        for n, seconds in points.items():
+            self._points[self._check(n, seconds)] = float(seconds)
+        self._keys = sorted(self._points)
+
+    @staticmethod
+    def _check(n_tokens: int, seconds: float) -> int:
+        if isinstance(n_tokens, bool) or int(n_tokens) != n_tokens or n_tokens < 1:
+            raise ValueError(f"n_tokens must be an int >= 1, got {n_tokens!r}")
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"seconds must be finite and > 0, got {seconds!r}")
+        return int(n_tokens)
+
+    def points(self) -> dict[int, float]:
+        """A copy of the current ``{n_tokens: seconds}`` buckets."""
+        return {n: self._points[n] for n in self._keys}
+
+    def cost(self, n_tokens: int) -> float:
+        """Seconds for one forward of ``n_tokens >= 1`` tokens.
+
+        Raises:
+            ValueError: ``n_tokens < 1``.
+        """
+        if n_tokens < 1:
+            raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
+        keys, pts = self._keys, self._points
+        if n_tokens <= keys[0]:
+            return pts[keys[0]]
+        if n_tokens >= keys[-1]:
+            if len(keys) == 1:
+                return pts[keys[-1]]
+            a, b = keys[-2], keys[-1]
+            slope = max(0.0, (pts[b] - pts[a]) / (b - a))
+            return pts[b] + slope * (n_tokens - b)
+        i = bisect.bisect_right(keys, n_tokens)
+        a, b = keys[i - 1], keys[i]
+        t = (n_tokens - a) / (b - a)
+        return pts[a] + t * (pts[b] - pts[a])
+
+    def observe(self, n_tokens: int, seconds: float) -> None:
+        """Folds one measured forward into the model.
+
+        An existing bucket moves ``alpha`` of the way to ``seconds``; a new ``n_tokens`` gets
+        a bucket that starts at the current prediction and moves the same way, so one noisy
+        sample shifts the curve by ``alpha`` of its error, never all of it.
+
+        Raises:
+            ValueError: ``n_tokens < 1`` or ``seconds`` not finite and > 0.
+        """
+        n = self._check(n_tokens, seconds)
+        if n not in self._points:
+            self._points[n] = self.cost(n)
+            bisect.insort(self._keys, n)
+        self._points[n] += self.alpha * (float(seconds) - self._points[n])
+
+
+def calibrate(
+    decoder,
+    cache_len: int = 300,
+    sizes: Sequence[int] = (1, 2, 4, 8, 16),
+    repeats: int = 3,
+    alpha: float = 0.2,
+) -> ForwardCostModel:
+    """Measures a `ForwardCostModel` by timing real forwards on a scratch cache.
+
+    Fills a fresh cache with ``cache_len`` tokens, then for each size feeds that many tokens
+    at position ``cache_len`` and truncates back; the bucket is the median of ``repeats``
+    timed runs after one untimed warm-up. Wall-clock, so the result varies run to run.
+
+    Args:
+        decoder: a `target_worker.Decoder`.
+        cache_len: context length to measure at (cost grows with it through attention), >= 1.
+        sizes: tokens per forward to measure, each >= 1.
+        repeats: timed runs per size, >= 1.
+        alpha: passed to the returned model.
+
+    Raises:
+        ValueError: empty ``sizes``, a bad argument, or ``cache_len + max(sizes)`` beyond the
+            model's context.
+    """
+    if not sizes or min(sizes) < 1 or cache_len < 1 or repeats < 1:
+        raise ValueError(
+            f"need cache_len >= 1, repeats >= 1 and sizes >= 1, got cache_len={cache_len}, "
+            f"repeats={repeats}, sizes={tuple(sizes)}"
+        )
+    vocab, context = decoder.config.vocab_size, decoder.config.max_seq_len
+    if cache_len + max(sizes) > context:
+        raise ValueError(
+            f"cache_len {cache_len} + {max(sizes)} tokens exceeds the context of {context}"
+        )
+    cache = decoder.new_cache(cache_len + max(sizes))
+    tokens = [(7 * i + 1) % vocab for i in range(cache_len + max(sizes))]
+    with torch.inference_mode():
+        decoder.forward_batch(tokens[:cache_len], 0, cache)
+        points = {}
+        for n in sizes:
+            batch = tokens[cache_len:cache_len + n]
+            times = []
+            for r in range(repeats + 1):
+                start = time.perf_counter()
+                decoder.forward_batch_with_hidden(batch, cache_len, cache)
+                elapsed = time.perf_counter() - start
+                cache.truncate(cache_len)
+                if r:  # the first run is a warm-up
+                    times.append(elapsed)
+            points[int(n)] = sorted(times)[len(times) // 2]
+    return ForwardCostModel(points, alpha=alpha)
+
+
+class AcceptanceTracker:
+    """One request's running acceptance rate at each draft position.
+
+    Position ``i``'s rate is conditional: P(draft ``i`` accepted | drafts ``0..i-1``
+    accepted), estimated as ``(a_i + w * p_i) / (e_i + w)`` from decayed counts of times
+    evaluated ``e_i`` and accepted ``a_i``, with prior ``p_i`` of weight ``w``. Every recorded
+    step first multiplies all counts by ``decay``, so recent steps dominate and evidence that
+    is no longer refreshed (positions not reached, or steps that drafted nothing) fades back
+    to the prior; that is what lets a request that stopped drafting try again later.
+
+    Args:
+        prior: the prior rate for every position, or one per position (later positions reuse
+            the last entry); each in ``[0, 1]``.
+        prior_weight: ``w``, pseudo-observations behind the prior, >= 0 (> 0 if the prior
+            must stand in for positions never evaluated: with 0 they read as the prior anyway).
+        decay: per-step factor on past counts, in ``(0, 1]``; 1 never forgets.
+
+    Raises:
+        ValueError: an argument out of range.
+    """
+
+    def __init__(
+        self,
+        prior: float | Sequence[float] = 0.5,
+        prior_weight: float = 2.0,
+        decay: float = 0.9,
+    ):
+        priors = [float(prior)] if isinstance(prior, int | float) else [float(p) for p in prior]
+        if not priors or any(not 0.0 <= p <= 1.0 for p in priors):
+            raise ValueError(f"prior must be rates in [0, 1], got {prior!r}")
+        if prior_weight < 0:
+            raise ValueError(f"prior_weight must be >= 0, got {prior_weight}")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.priors = priors
+        self.prior_weight = float(prior_weight)
+        self.decay = float(decay)
+        self._evaluated: list[float] = []
+        self._accepted: list[float] = []
+
+    def prior_at(self, position: int) -> float:
+        return self.priors[min(position, len(self.priors) - 1)]
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """Records one verification step.
+
+        Args:
+            drafted: drafts verified this step, >= 0 (0 for a step that drafted nothing;
+                it still ages the evidence).
+            accepted: the accepted prefix length, ``0 <= accepted <= drafted``. Positions
+                ``< accepted`` count as accepted, position ``accepted`` (if ``< drafted``)
+                as rejected; later ones were not reached and count as nothing.
+
+        Raises:
+            ValueError: counts out of range.
+        """
+        if drafted < 0 or not 0 <= accepted <= drafted:
+            raise ValueError(f"need 0 <= accepted <= drafted, got {accepted}, {drafted}")
+        self._evaluated = [e * self.decay for e in self._evaluated]
+        self._accepted = [a * self.decay for a in self._accepted]
+        reached = min(drafted, accepted + 1)
+        if len(self._evaluated) < reached:
+            grow = reached - len(self._evaluated)
+            self._evaluated.extend([0.0] * grow)
+            self._accepted.extend([0.0] * grow)
+        for i in range(reached):
+            self._evaluated[i] += 1.0
+            if i < accepted:
+                self._accepted[i] += 1.0
+
+    def rates(self, n: int | None = None) -> list[float]:
+        """Conditional accept probability per position, ``n`` of them (default: every
+        position evaluated so far); positions never evaluated read as their prior."""
+        n = len(self._evaluated) if n is None else n
+        out = []
+        for i in range(n):
+            e = self._evaluated[i] if i < len(self._evaluated) else 0.0
+            a = self._accepted[i] if i < len(self._accepted) else 0.0
+            w, p = self.prior_weight, self.prior_at(i)
+            out.append((a + w * p) / (e + w) if e + w > 0 else p)
+        return out
+
+
+def expected_tokens(rates: Sequence[float], k: int) -> float:
+    """Expected tokens committed by a step verifying ``k`` drafts:
+    ``1 + sum_{i<k} prod_{j<=i} rates[j]``.
+
+    Draft ``i`` is committed only if drafts ``0..i`` are all accepted; the 1 is the token
+    every step commits anyway (the bonus token, or the resample at the first rejection).
+    With a constant rate ``a`` this is ``(1 - a^(k+1)) / (1 - a)``, the expected tokens per
+    step in Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+    Decoding" (arXiv 2211.17192); per-position rates generalise it. Their walltime analysis
+    divides it by a step's time, ``k`` drafter runs plus one target run; `choose_draft_len` divides
+    by the target forward's measured cost at ``k + 1`` tokens and leaves drafter time out.
+
+    Raises:
+        ValueError: ``k`` < 0 or more than ``len(rates)``.
+    """
+    if not 0 <= k <= len(rates):
+        raise ValueError(f"k must be in [0, {len(rates)}], got {k}")
+    total, reach = 1.0, 1.0
+    for i in range(k):
+        reach *= rates[i]
+        total += reach
+    return total
+
+
+def choose_draft_len(
+    rates: Sequence[float],
+    cost_model: ForwardCostModel,
+    max_k: int,
+    batch_tokens: int = 0,
+) -> int:
+    """The draft length in ``[0, max_k]`` with the most expected tokens per second.
+
+    Scores ``k`` as ``expected_tokens(rates, k) / cost(batch_tokens + k + 1)``: the step
+    feeds the anchor and ``k`` drafts alongside ``batch_tokens`` tokens of other requests
+    sharing the forward, so on a flat cost curve a busy batch makes drafting cheaper. Ties
+    go to the shorter draft, so 0 (plain decoding) unless drafting strictly wins. The score
+    is this request's throughput; it ignores that a longer block also slows the others.
+
+    Args:
+        rates: conditional accept probability per position, each in ``[0, 1]``, at least
+            ``max_k`` of them (`AcceptanceTracker.rates`).
+        cost_model: the target's forward cost.
+        max_k: the most drafts allowed (budget, drafter limit), >= 0.
+        batch_tokens: other requests' tokens in the same forward, >= 0.
+
+    Raises:
+        ValueError: a negative ``max_k`` or ``batch_tokens``, too few rates, or a rate
+            outside ``[0, 1]``.
+    """
+    if max_k < 0 or batch_tokens < 0:
+        raise ValueError(f"max_k and batch_tokens must be >= 0, got {max_k}, {batch_tokens}")
+    if len(rates) < max_k:
+        raise ValueError(f"need {max_k} rates, got {len(rates)}")
+    if any(not 0.0 <= r <= 1.0 for r in rates[:max_k]):
+        raise ValueError(f"rates must be in [0, 1], got {list(rates[:max_k])}")
+    best_k, best = 0, 1.0 / cost_model.cost(batch_tokens + 1)
+    expected, reach = 1.0, 1.0
+    for k in range(1, max_k + 1):
+        reach *= rates[k - 1]
+        expected += reach
+        score = expected / cost_model.cost(batch_tokens + k + 1)
+        if score > best:
+            best_k, best = k, score
+    return best_k
+
+
+class AdaptiveDraftLength:
+    """Per-request draft-length policy: `next_len` before drafting, `update` after verifying.
+
+    Args:
+        cost_model: the target's forward cost; may be shared between requests (it describes
+            the model and machine, not the request).
+        tracker: this request's acceptance; a fresh `AcceptanceTracker()` by default. Never
+            share one between requests.
+
+    Not thread-safe; one instance per request.
+    """
+
+    def __init__(self, cost_model: ForwardCostModel, tracker: AcceptanceTracker | None = None):
+        self.cost_model = cost_model
+        self.tracker = tracker if tracker is not None else AcceptanceTracker()
+        #: Every length `next_len` returned, in order (observability and tests).
+        self.chosen: list[int] = []
+
+    def next_len(self, budget: int, drafter_max: int | None = None, batch_tokens: int = 0) -> int:
+        """Drafts to request this step, in ``[0, min(budget, drafter_max)]``; 0 means do not
+        call the drafter.
+
+        Args:
+            budget: the request's draft budget (`DecodeRequest.draft_budget`), >= 0.
+            drafter_max: the drafter's own limit, or None for none.
+            batch_tokens: other requests' tokens in the same forward, >= 0.
+        """
+        limit = max(0, budget if drafter_max is None else min(budget, drafter_max))
+        k = choose_draft_len(self.tracker.rates(limit), self.cost_model, limit, batch_tokens)
+        self.chosen.append(k)
+        return k
+
+    def update(self, draft_len: int, accepted: int) -> None:
+        """Records a verified step: ``draft_len`` drafts fed, ``accepted`` of them accepted
+        (the accepted prefix). See `AcceptanceTracker.record`."""
+        self.tracker.record(draft_len, accepted)
