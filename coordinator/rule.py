@@ -41,23 +41,43 @@ def accept_or_resample(
         ``max(0, p - q)``. A token with ``q(token) == 0`` breaks the `DraftDist` contract; it
         is accepted (the ``p/q -> inf`` limit) rather than silently biasing the output.
     """
-    p_all = _as_numpy(target_probs)
-    p = float(p_all[token]) if 0 <= token < p_all.shape[0] else 0.0
+    return _rule(_as_numpy(target_probs), None, draft, int(token), rng)
+
+
+def _support_index(ids: np.ndarray | None, width: int, tokens: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Where ``tokens`` sit in a row (dense when ``ids`` is None, else its sorted support):
+    (positions, mask of the tokens present)."""
+    if ids is None:
+        return tokens, (tokens >= 0) & (tokens < width)
+    at = np.searchsorted(ids, tokens)
+    hit = at < ids.shape[0]
+    hit[hit] = ids[at[hit]] == tokens[hit]
+    return at, hit
+
+
+def _rule(probs: np.ndarray, ids: np.ndarray | None, draft: DraftDist, token: int,
+          rng: Sampler) -> int | None:
+    """`accept_or_resample` on one target row: dense ``probs [vocab]`` (``ids`` None) or a
+    sparse support (``probs[j] = p(ids[j])``, ``ids`` increasing). Tokens outside a sparse
+    support have p = 0, where the dense residual ``max(0, 0 - q)`` is 0 too, so both forms
+    make the same decisions and draw the same tokens from the same generator state."""
+    at, hit = _support_index(ids, probs.shape[0], np.array([token]))
+    p = float(probs[at[0]]) if hit[0] else 0.0
     q = draft.prob(token)
     if q <= 0.0 or p >= q:
         return None
     if rng.uniform() < p / q:  # p < q: a real coin flip
         return None
-    residual = p_all.astype(np.float64)
+    residual = probs.astype(np.float64)
     tokens, qs = draft.arrays()
-    inside = tokens < residual.shape[0]
-    tokens, qs = tokens[inside], qs[inside]
-    residual[tokens] = np.maximum(residual[tokens] - qs, 0.0)
-    if not residual.sum() > 0.0:
-        # Only when p == q, where acceptance was certain; sampling from nothing is not an
-        # option, so fall back to the target itself.
-        return rng.sample_from(p_all)
-    return rng.sample_from(residual)
+    at, hit = _support_index(ids, probs.shape[0], tokens)
+    at, qs = at[hit], qs[hit]
+    residual[at] = np.maximum(residual[at] - qs, 0.0)
+    # An empty residual only when p == q, where acceptance was certain; sampling from
+    # nothing is not an option, so fall back to the target itself.
+    chosen = rng.sample_from(residual if residual.sum() > 0.0 else probs)
+    return chosen if ids is None else int(ids[chosen])
 
 
 def _as_numpy(probs: torch.Tensor | np.ndarray | Sequence[float]) -> np.ndarray:
@@ -151,28 +171,8 @@ class SparseProbRows:
         return self.offsets.nbytes + self.token_ids.nbytes + self.probs.nbytes
 
     def judge(self, i: int, token: int, dist: DraftDist, rng: Sampler) -> int | None:
-        # accept_or_resample, step for step, over the row's support only.
         ids, probs = self.row(i)
-        p = 0.0
-        j = int(np.searchsorted(ids, token))
-        if j < ids.shape[0] and ids[j] == token:
-            p = float(probs[j])
-        q = dist.prob(token)
-        if q <= 0.0 or p >= q:
-            return None
-        if rng.uniform() < p / q:
-            return None
-        # Outside the row's support the dense residual is max(0 - q, 0) = 0 or 0 itself.
-        residual = probs.astype(np.float64)
-        tokens, qs = dist.arrays()
-        at = np.searchsorted(ids, tokens)
-        hit = at < ids.shape[0]
-        hit[hit] = ids[at[hit]] == tokens[hit]
-        at, qs = at[hit], qs[hit]
-        residual[at] = np.maximum(residual[at] - qs, 0.0)
-        if not residual.sum() > 0.0:  # positive iff the dense residual's sum is
-            return int(ids[rng.sample_from(probs)])
-        return int(ids[rng.sample_from(residual)])
+        return _rule(probs, ids, dist, int(token), rng)
 
     def sample(self, i: int, rng: Sampler) -> int:
         ids, probs = self.row(i)
