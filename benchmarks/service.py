@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 
 from coordinator import SpeculativeOptions, speculative_decode_with
-from coordinator.cli import encode_prompt
 from coordinator.service import Service, ServiceConfig
+from coordinator.text import encode_prompt
 from drafter_worker import PromptLookupSpeculator
 from specd.v1 import generation_pb2, generation_pb2_grpc
 from target_worker import load_model

@@ -15,19 +15,9 @@ from collections.abc import Sequence
 
 from .sampling import SamplingParams
 from .speculative import SpeculativeOptions, speculative_decode_with
-from .text import TextStream
+from .text import TextStream, encode_prompt
 
 DRAFTERS = ("prompt-lookup", "none")
-
-
-def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
-    """Token ids for ``prompt``: through the model's chat template unless ``raw``."""
-    if raw:
-        return list(tokenizer.encode(prompt, add_special_tokens=True))
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-    )
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def build_drafter(name: str, ngram_size: int, max_draft_len: int):

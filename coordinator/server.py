@@ -21,7 +21,7 @@ from specd.v1 import generation_pb2, generation_pb2_grpc
 from .sampling import SamplingParams
 from .scheduler import Scheduler, ServiceRequest
 from .speculative import SpeculativeDecodeResult, SpeculativeOptions
-from .text import TextStream
+from .text import TextStream, encode_chat, encode_prompt
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +106,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 raise InvalidRequest(
                     f"token_ids: id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         elif kind == "text":
-            ids = list(self.tokenizer.encode(request.text, add_special_tokens=True)) \
-                if request.text else []
+            ids = encode_prompt(self.tokenizer, request.text, raw=True) if request.text else []
         else:
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             if not messages or not any(m["content"] for m in messages):
                 raise InvalidRequest("chat: at least one message with content is required")
-            rendered = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False)
-            ids = list(self.tokenizer.encode(rendered, add_special_tokens=False))
+            ids = encode_chat(self.tokenizer, messages)
         if not ids:
             raise InvalidRequest(f"prompt: the {kind} prompt is empty")
         return ids

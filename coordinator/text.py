@@ -5,6 +5,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def encode_chat(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` rendered with the model's chat template, ending where the
+    assistant's turn begins (the template adds the special tokens itself)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
+    """Token ids for one user ``prompt``: through the chat template unless ``raw``."""
+    if raw:
+        return list(tokenizer.encode(prompt, add_special_tokens=True))
+    return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+
+
 class TextStream:
     """Turns a growing token list into text deltas that never change once returned: a
     trailing partial UTF-8 character (decoded as U+FFFD) is held back until completed, as in

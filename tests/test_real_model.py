@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator import SpeculativeOptions, speculative_decode_with
-from coordinator.cli import encode_prompt
+from coordinator.text import encode_prompt
 from drafter_worker import PromptLookupSpeculator
 
 pytestmark = pytest.mark.slow
