@@ -26,13 +26,9 @@ def build_drafter(name: str, ngram_size: int, max_draft_len: int):
     Raises:
         ValueError: an unknown name or invalid sizes.
     """
-    from drafter_worker import PromptLookupSpeculator
+    from drafter_worker.server import build_drafter as build_named
 
-    if name == "none":
-        return None
-    if name == "prompt-lookup":
-        return PromptLookupSpeculator(ngram_size, max_draft_len)
-    raise ValueError(f"unknown drafter {name!r}; choose from {', '.join(DRAFTERS)}")
+    return None if name == "none" else build_named(name, ngram_size, max_draft_len)
 
 
 def metrics_line(result, seconds: float) -> str:
