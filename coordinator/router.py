@@ -235,7 +235,8 @@ class Router:
     def submit(self, prompt_tokens: Sequence[int], options: SpeculativeOptions,
                speculate: bool = True, max_draft_len: int | None = None) -> ServiceRequest:
         """Queues a request on the least-loaded serving replica (`ReplicaScheduler.load`;
-        ties go to the oldest replica).
+        ties go to the replica that was given fewer requests so far, so a lightly loaded
+        service still spreads them).
 
         Raises:
             ValueError: an empty prompt or invalid options.
@@ -244,7 +245,7 @@ class Router:
         serving = self.serving()
         if not serving:
             raise RuntimeError("no target replica is serving")
-        replica = min(serving, key=lambda r: r.scheduler.load())
+        replica = min(serving, key=lambda r: (*r.scheduler.load(), r.scheduler.placed))
         req = replica.scheduler.submit(prompt_tokens, options, speculate, max_draft_len)
         self._placement[req] = replica
         self._owner[req.id] = req
