@@ -186,7 +186,9 @@ class Replica:
     reported: dict = field(default_factory=dict)  # the replica's last status()
 
 
-def _check_count(name: str, value, minimum: int) -> None:
+def check_count(name: str, value, minimum: int) -> None:
+    """Raises ValueError naming ``name`` unless ``value`` is None or an int in
+    [minimum, `MAX_COUNT`]."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_COUNT:
@@ -326,8 +328,8 @@ class Router:
             RuntimeError: starting a replica or drafter failed (the others that started are
                 kept; the message names the failure).
         """
-        _check_count("target_replicas", target_replicas, 1)
-        _check_count("drafters", drafters, 0)
+        check_count("target_replicas", target_replicas, 1)
+        check_count("drafters", drafters, 0)
         if drafters and self.drafter_factory is None:
             raise ValueError("drafters: this service runs without a drafter (--drafter none)")
         async with self._lock:
