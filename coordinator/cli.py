@@ -198,6 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         drafter=args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len,
         max_active=args.max_active, target_threads=args.target_threads,
         tp=args.tp, target_replicas=args.target_replicas, drafters=args.drafters,
+        metrics_port=args.metrics_port,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
     ))
@@ -208,6 +209,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         print(f"[specd] serving specd.v1.Generation on {address} (Ctrl-C to stop)", flush=True)
+        if args.metrics_port is not None:
+            print(f"[specd] Prometheus metrics on http://{service.metrics_address}/metrics",
+                  flush=True)
         stop.wait()
     except KeyboardInterrupt:
         pass
@@ -253,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch threads per target rank (default: this machine's cores "
                             "divided among all replicas x tp ranks, at least 1)")
     _add_scale_flags(serve)
+    serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                       help="serve Prometheus /metrics on --host:PORT (0 picks one)")
     serve.add_argument("--tls-cert", default=None)
     serve.add_argument("--tls-key", default=None)
     serve.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),

@@ -171,6 +171,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # abort raises; keeps type checkers honest
+        except RuntimeError as exc:  # a router with no serving replica
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            raise
 
     # ---- RPCs ----
 

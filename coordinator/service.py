@@ -42,6 +42,8 @@ class ServiceConfig:
         drafter_timeout_s: deadline of one Propose call; a miss decodes the step undrafted.
         tls_cert, tls_key: PEM file paths for TLS on the API.
         auth_token: bearer token required by the API (health checks exempt).
+        metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0 picks a
+            port; None: off). Needs prometheus_client.
     """
 
     model: str | None = None
@@ -60,6 +62,7 @@ class ServiceConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     auth_token: str | None = None
+    metrics_port: int | None = None
 
 
 def default_target_threads(replicas: int, tp: int = 1, cpus: int | None = None) -> int:
@@ -91,6 +94,8 @@ class CoordinatorActor:
         self.config = config
         self.server = None
         self.router = None
+        self.metrics_server = None
+        self.metrics_port: int | None = None
         self._drafter_actors: dict[str, object] = {}
         self._replica_handles: dict[str, object] = {}
         self._threads = config.target_threads or default_target_threads(
@@ -169,7 +174,20 @@ class CoordinatorActor:
         key = Path(cfg.tls_key).read_bytes() if cfg.tls_key else None
         self.server, port = await start_generation_server(
             servicer, cfg.host, cfg.port, cert, key, cfg.auth_token)
+        if cfg.metrics_port is not None:
+            import asyncio
+
+            from .metrics import start_exporter
+
+            self.metrics_server, self.metrics_port = start_exporter(
+                self.router, asyncio.get_running_loop(), cfg.host, cfg.metrics_port)
         return port
+
+    def metrics_address(self) -> str | None:
+        """``host:port`` of the Prometheus endpoint, or None when off."""
+        if self.metrics_port is None:
+            return None
+        return f"{self.config.host}:{self.metrics_port}"
 
     async def scale(self, target_replicas: int | None = None, drafters: int | None = None
                     ) -> dict:
@@ -195,6 +213,8 @@ class CoordinatorActor:
         return dict(self._replica_handles)
 
     async def stop(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         if self.server is not None:
             await self.server.stop(grace=1.0)
         if self.router is not None:
@@ -293,6 +313,13 @@ class Service:
             self.stop()
             raise
         return self.address
+
+    @property
+    def metrics_address(self) -> str | None:
+        """``host:port`` serving Prometheus ``/metrics``, or None when off."""
+        import ray
+
+        return ray.get(self.coordinator.metrics_address.remote())
 
     def status(self) -> dict:
         """See `CoordinatorActor.status`."""

@@ -361,3 +361,35 @@ def test_rate_meter_counts_the_window_only():
     assert meter.rate() == pytest.approx(2.0)
     now[0] = 200.0
     assert meter.rate() == 0.0
+
+
+def test_prometheus_export_labels_every_replica_and_drafter():
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    from coordinator.metrics import start_exporter
+
+    svc = LocalService(replicas=2, drafters=2).start()
+    try:
+        futures = [run_in_thread(stream_tokens, svc, request(p, max_new=16)) for p in PROMPTS]
+        total = sum(len(f.result(timeout=120)[0]) for f in futures)
+        server, port = start_exporter(svc.router, svc.loop, "127.0.0.1", 0)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+                text = r.read().decode()
+        finally:
+            server.shutdown()
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        emitted = [samples[f'specd_replica_tokens_total{{replica="replica-{i}"}}']
+                   for i in (0, 1)]
+        assert sum(emitted) == total and min(emitted) > 0
+        for i in (0, 1):
+            assert samples[f'specd_drafter_calls_total{{drafter="drafter-{i}"}}'] > 0
+            assert samples[f'specd_drafter_errors_total{{drafter="drafter-{i}"}}'] == 0
+            assert samples[f'specd_replica_step_seconds{{replica="replica-{i}"}}'] > 0
+    finally:
+        svc.stop()
