@@ -24,7 +24,7 @@ REPLICA_METRICS = (
     ("step_seconds", "step_seconds",
      "Mean wall time of a verify call seen by the coordinator.", "gauge"),
     ("forward_seconds_per_call", "forward_seconds_per_call",
-     "Mean forward time per forward call reported by the replica.", "gauge"),
+     "Mean forward time per forward call (prefills included) reported by the replica.", "gauge"),
     ("bytes_sent_per_step", "bytes_sent_per_step", "Mean pickled verify input bytes.", "gauge"),
     ("bytes_received_per_step", "bytes_received_per_step",
      "Mean pickled verify output bytes.", "gauge"),
