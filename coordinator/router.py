@@ -186,6 +186,11 @@ class Replica:
     reported: dict = field(default_factory=dict)  # the replica's last status()
 
 
+_GAUGES = ("active_requests", "waiting_requests", "used_slots", "total_slots")
+_COUNTERS = ("steps", "tokens_generated", "forward_calls", "drafter_failures", "completed",
+             "cancelled")
+
+
 def check_count(name: str, value, minimum: int) -> None:
     """Raises ValueError naming ``name`` unless ``value`` is None or an int in
     [minimum, `MAX_COUNT`]."""
@@ -225,6 +230,7 @@ class Router:
             weakref.WeakKeyDictionary()
         self._lock = asyncio.Lock()
         self._hidden_known = False
+        self._retired = dict.fromkeys(_COUNTERS, 0)  # counters of removed replicas
 
     # ---- the Scheduler interface ----
 
@@ -267,9 +273,9 @@ class Router:
         """The `Scheduler.status` fields summed over replicas, plus ``replicas`` (one dict
         per replica, see `replica_status`) and ``drafters`` (`DrafterPool.status`)."""
         replicas = [self.replica_status(r) for r in self.replicas.values()]
-        total = {key: sum(r[key] for r in replicas) for key in (
-            "active_requests", "waiting_requests", "used_slots", "total_slots", "steps",
-            "tokens_generated", "forward_calls", "drafter_failures", "completed", "cancelled")}
+        total = {key: sum(r[key] for r in replicas) for key in (*_GAUGES, *_COUNTERS)}
+        for key, value in self._retired.items():  # counters never go back on a scale-down
+            total[key] += value
         return {**total, "replicas": replicas, "drafters": self.pool.status()}
 
     def replica_status(self, replica: Replica) -> dict:
@@ -398,6 +404,9 @@ class Router:
 
     async def _remove_replica(self, replica: Replica) -> None:
         await replica.scheduler.drain()
+        final = replica.scheduler.status()
+        for key in _COUNTERS:
+            self._retired[key] += final[key]
         del self.replicas[replica.name]
         if replica.stop is not None:
             await replica.stop()

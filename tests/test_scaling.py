@@ -185,6 +185,9 @@ def test_draining_a_replica_finishes_its_requests_before_removing_it():
                           "removed": [draining]}
         assert svc.destroyed == {draining: 0}  # destroyed only once its slots were free
         assert list(svc.router.replicas) == [other]
+        totals = svc.router.status()  # the removed replica's work still counts
+        assert totals["completed"] == 6
+        assert totals["tokens_generated"] == sum(len(t) for t, _ in outs)
         # A request after the scale runs on the remaining replica.
         tokens, _ = stream_tokens(svc, request(REPEATING, max_new=12))
         assert tokens == greedy_solo(svc, REPEATING, 12)
