@@ -4,6 +4,8 @@ scale`` down while streams run. Greedy outputs must equal the in-process core's.
 
 from __future__ import annotations
 
+import urllib.request
+
 import grpc
 import pytest
 from service_harness import MODEL, run_in_thread
@@ -42,7 +44,8 @@ def test_two_replicas_two_drafters_on_ray_then_scale_down_while_streaming(capsys
                                        ).generated_tokens
 
     cfg = ServiceConfig(model=MODEL, port=0, ngram_size=2, max_draft_len=6,
-                        target_replicas=2, drafters=2, drafter_timeout_s=5.0)
+                        target_replicas=2, drafters=2, drafter_timeout_s=5.0,
+                        metrics_port=0)
     with Service(cfg) as svc:
         jobs = [(PROMPTS[i % len(PROMPTS)], 20 + 3 * i) for i in range(12)]
         futures = [run_in_thread(stream, svc.address, greedy(p, n)) for p, n in jobs]
@@ -55,6 +58,11 @@ def test_two_replicas_two_drafters_on_ray_then_scale_down_while_streaming(capsys
         assert all(r["forward_seconds_per_call"] > 0 for r in status["replicas"])
         assert [d["name"] for d in status["drafters"]] == ["drafter-0", "drafter-1"]
         assert all(d["calls"] > 0 and d["errors"] == 0 for d in status["drafters"])
+
+        with urllib.request.urlopen(f"http://{svc.metrics_address}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        assert 'specd_replica_requests_placed_total{replica="replica-1"}' in text
+        assert 'specd_drafter_calls_total{drafter="drafter-1"}' in text
 
         with pytest.raises(ValueError, match="target_replicas"):
             svc.scale(target_replicas=0)
