@@ -1,7 +1,8 @@
 """``specd`` command line.
 
 ``specd generate "PROMPT"`` runs one request through the service (an embedded one unless
-``--server``; ``--in-process`` skips Ray and gRPC); ``specd serve`` runs the service."""
+``--server``; ``--in-process`` skips Ray and gRPC); ``specd serve`` runs the service;
+``specd scale`` changes a running service's replica and drafter counts."""
 
 from __future__ import annotations
 
@@ -196,6 +197,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, address=args.address,
         drafter=args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len,
         max_active=args.max_active, target_threads=args.target_threads,
+        tp=args.tp, target_replicas=args.target_replicas, drafters=args.drafters,
+        metrics_port=args.metrics_port,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
     ))
@@ -206,6 +209,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         print(f"[specd] serving specd.v1.Generation on {address} (Ctrl-C to stop)", flush=True)
+        if args.metrics_port is not None:
+            print(f"[specd] Prometheus metrics on http://{service.metrics_address}/metrics",
+                  flush=True)
         stop.wait()
     except KeyboardInterrupt:
         pass
@@ -246,14 +252,61 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=None)
     _add_drafter_flags(serve)
     serve.add_argument("--max-active", type=int, default=32,
-                       help="requests decoding at once")
-    serve.add_argument("--target-threads", type=int, default=2)
+                       help="requests decoding at once, per target replica")
+    serve.add_argument("--target-threads", type=int, default=None,
+                       help="torch threads per target rank (default: this machine's cores "
+                            "divided among all replicas x tp ranks, at least 1)")
+    _add_scale_flags(serve)
+    serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                       help="serve Prometheus /metrics on --host:PORT (0 picks one)")
     serve.add_argument("--tls-cert", default=None)
     serve.add_argument("--tls-key", default=None)
     serve.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
                        help="require this bearer token (default $SPECD_AUTH_TOKEN)")
     serve.set_defaults(func=cmd_serve)
+
+    scale = sub.add_parser("scale", help="change a running service's target replicas and "
+                                         "drafter workers (removed replicas drain first)")
+    scale.add_argument("--target-replicas", type=int, default=None, metavar="M")
+    scale.add_argument("--drafters", type=int, default=None, metavar="N")
+    scale.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
+    scale.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
+                       help="bearer token (default $SPECD_AUTH_TOKEN)")
+    scale.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
+    scale.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                       help="give up waiting after this long (the scale still completes)")
+    scale.set_defaults(func=cmd_scale)
     return parser
+
+
+def _add_scale_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per target replica")
+    p.add_argument("--target-replicas", type=int, default=1, metavar="M",
+                   help="target replicas (data parallel)")
+    p.add_argument("--drafters", type=int, default=1, metavar="N",
+                   help="drafter workers (ignored with --drafter none)")
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    """Calls the Scale RPC and prints the counts now serving and what changed."""
+    from specd.v1 import generation_pb2, generation_pb2_grpc
+
+    from .client import open_channel
+
+    if args.target_replicas is None and args.drafters is None:
+        raise ValueError("give --target-replicas and/or --drafters")
+    request = generation_pb2.ScaleRequest()
+    if args.target_replicas is not None:
+        request.target_replicas = args.target_replicas
+    if args.drafters is not None:
+        request.drafters = args.drafters
+    metadata = [("authorization", f"Bearer {args.auth_token}")] if args.auth_token else None
+    with open_channel(args.server, args.tls_ca) as channel:
+        reply = generation_pb2_grpc.GenerationStub(channel).Scale(
+            request, metadata=metadata, timeout=args.timeout)
+    print(f"[specd] target_replicas={reply.target_replicas} drafters={reply.drafters} "
+          f"added=[{' '.join(reply.added)}] removed=[{' '.join(reply.removed)}]")
+    return 0
 
 
 def _add_drafter_flags(p: argparse.ArgumentParser) -> None:

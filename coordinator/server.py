@@ -8,6 +8,7 @@ interceptor (the health service is exempt so probes work without it).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Sequence
@@ -77,7 +78,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """``specd.v1.Generation`` over a scheduler.
 
     Args:
-        scheduler: the running `Scheduler`.
+        scheduler: the running `Scheduler`, or a `coordinator.router.Router` (replicas and
+            drafters; then Status reports them and Scale works).
         tokenizer: encodes text / chat prompts and decodes text deltas.
         vocab_size, max_seq_len: the target's, for validation.
         drafter_name: the service's drafter ("none" when it has none).
@@ -92,6 +94,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.max_seq_len = max_seq_len
         self.drafter_name = drafter_name
         self.model_name = model_name
+        self._scale_tasks: set[asyncio.Task] = set()
 
     # ---- request parsing ----
 
@@ -168,6 +171,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # abort raises; keeps type checkers honest
+        except RuntimeError as exc:  # a router with no serving replica
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            raise
 
     # ---- RPCs ----
 
@@ -211,13 +217,50 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.scheduler.cancel(req)
 
     async def Status(self, request, context):
+        refresh = getattr(self.scheduler, "refresh", None)  # a Router: replicas' own stats
+        if refresh is not None:
+            await refresh()
         s = self.scheduler.status()
         return generation_pb2.StatusResponse(
             active_requests=s["active_requests"], waiting_requests=s["waiting_requests"],
             used_slots=s["used_slots"], total_slots=s["total_slots"], steps=s["steps"],
             tokens_generated=s["tokens_generated"], drafter_failures=s["drafter_failures"],
             model=self.model_name, drafter=self.drafter_name, forward_calls=s["forward_calls"],
+            replicas=[_replica_proto(r) for r in s.get("replicas", ())],
+            drafters=[_drafter_proto(d) for d in s.get("drafters", ())],
         )
+
+    async def Scale(self, request, context):
+        """Admin: scales replicas and drafters (`coordinator.router.Router.scale`). The work
+        runs to completion even if the caller goes away (a half-done scale helps no one)."""
+        scale = getattr(self.scheduler, "scale", None)
+        if scale is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server cannot scale")
+        task = asyncio.ensure_future(scale(
+            target_replicas=(request.target_replicas if request.HasField("target_replicas")
+                             else None),
+            drafters=request.drafters if request.HasField("drafters") else None))
+        self._scale_tasks.add(task)
+        task.add_done_callback(self._scale_tasks.discard)
+        try:
+            result = await asyncio.shield(task)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"scaling failed: {exc}")
+        return generation_pb2.ScaleResponse(**result)
+
+
+def _replica_proto(r: dict) -> generation_pb2.ReplicaStatus:
+    fields = generation_pb2.ReplicaStatus.DESCRIPTOR.fields_by_name
+    return generation_pb2.ReplicaStatus(**{k: v for k, v in r.items() if k in fields})
+
+
+def _drafter_proto(d: dict) -> generation_pb2.DrafterStatus:
+    return generation_pb2.DrafterStatus(
+        name=d["name"], address=d["address"], state=d["state"], calls=d["calls"],
+        errors=d["errors"], mean_latency_seconds=d["mean_latency_s"],
+        assigned_requests=d["assigned_requests"], in_flight=d["in_flight"])
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

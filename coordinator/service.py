@@ -1,12 +1,16 @@
-"""The distributed service: Ray actors for the target, the drafter worker and the coordinator.
+"""The distributed service: Ray actors for the targets, the drafter workers and the
+coordinator.
 
 ``Service(config).start()`` joins a Ray cluster (``config.address``) or starts an embedded
-local one bound to loopback, then starts:
+local one bound to loopback, then starts the coordinator actor (pinned to this node so the API
+listens where ``specd serve`` runs), which starts:
 
-- a target actor (`target_worker.actor.TargetActor`: the model and its KV-cache slots),
-- a drafter actor serving the ``specd.v1.Drafter`` gRPC API (unless ``drafter == "none"``),
-- the coordinator actor: the `Scheduler` loop plus the ``specd.v1.Generation`` gRPC server,
-  pinned to this node so the API listens where ``specd serve`` runs.
+- ``target_replicas`` target replicas of ``tp`` ranks each (`target_worker.tp`: the model and
+  its KV-cache slots), one `coordinator.router.ReplicaScheduler` loop per replica,
+- ``drafters`` drafter actors serving the ``specd.v1.Drafter`` gRPC API (unless
+  ``drafter == "none"``), shared through a `coordinator.drafter_pool.DrafterPool`,
+- the ``specd.v1.Generation`` gRPC server over the `coordinator.router.Router`; its Scale RPC
+  (and `Service.scale`) adds and removes replicas and drafters while serving.
 """
 
 from __future__ import annotations
@@ -29,11 +33,17 @@ class ServiceConfig:
         host, port: where the Generation API listens (port 0 picks a free one).
         address: a Ray address to join (``"auto"`` or ``HOST:PORT``); None embeds a local Ray.
         drafter: ``"prompt-lookup"`` or ``"none"``.
-        max_active: requests decoding at once; the rest wait.
-        target_threads: torch threads of the target actor.
+        max_active: requests decoding at once per target replica; the rest wait.
+        tp: ranks (tensor-parallel degree) of each target replica.
+        target_replicas: target replicas (data parallel) at start, >= 1.
+        drafters: drafter workers at start, >= 0 (ignored with ``drafter="none"``).
+        target_threads: torch threads per target rank; None divides this machine's cores
+            among all ranks (`default_target_threads`).
         drafter_timeout_s: deadline of one Propose call; a miss decodes the step undrafted.
         tls_cert, tls_key: PEM file paths for TLS on the API.
         auth_token: bearer token required by the API (health checks exempt).
+        metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0 picks a
+            port; None: off). Needs prometheus_client.
     """
 
     model: str | None = None
@@ -44,11 +54,24 @@ class ServiceConfig:
     ngram_size: int = 3
     max_draft_len: int = 10
     max_active: int = 32
-    target_threads: int = 2
+    tp: int = 1
+    target_replicas: int = 1
+    drafters: int = 1
+    target_threads: int | None = None
     drafter_timeout_s: float = 1.0
     tls_cert: str | None = None
     tls_key: str | None = None
     auth_token: str | None = None
+    metrics_port: int | None = None
+
+
+def default_target_threads(replicas: int, tp: int = 1, cpus: int | None = None) -> int:
+    """Torch threads per target rank when not given: the cores divided evenly among all
+    ``replicas * tp`` ranks, at least 1 (oversubscribed torch threads slow every process on
+    the machine down badly; the coordinator and prompt-lookup drafters need little CPU).
+    On 2 cores: 1 replica -> 2 threads, 2 replicas -> 1 each."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(1, cpus // max(1, replicas * tp))
 
 
 def load_tokenizer_for(model: str | None):
@@ -62,56 +85,140 @@ def load_tokenizer_for(model: str | None):
 
 
 class CoordinatorActor:
-    """Runs the scheduler and the Generation gRPC server in one async Ray actor."""
+    """Runs the router (one scheduler per target replica, a drafter pool) and the Generation
+    gRPC server in one async Ray actor. It creates the replicas and drafter workers itself,
+    at start and on `scale`, so the Scale RPC can add and remove them while serving; they
+    are its child actors (Ray also ends them if this actor dies)."""
 
-    def __init__(self, config: ServiceConfig, target, drafter_address: str | None):
+    def __init__(self, config: ServiceConfig):
         self.config = config
-        self.target = target
-        self.drafter_address = drafter_address
         self.server = None
-        self.scheduler = None
-        self.drafter = None
+        self.router = None
+        self.metrics_server = None
+        self.metrics_port: int | None = None
+        self._drafter_actors: dict[str, object] = {}
+        self._replica_handles: dict[str, object] = {}
+        self._threads = config.target_threads or default_target_threads(
+            config.target_replicas, config.tp)
 
-    async def start(self) -> int:
-        """Starts serving; returns the bound API port."""
+    async def _start_replica(self, name: str):
+        import asyncio
+
+        from target_worker.tp import create_target_replica, destroy_target_replica
+
+        from .scheduler import RayTarget
+
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        # May block (placement groups): off the event loop, which keeps serving.
+        handle = await loop.run_in_executor(None, lambda: create_target_replica(
+            cfg.model, tp=cfg.tp, max_slots=cfg.max_active, num_threads=self._threads))
+        try:
+            info = dict(await handle.model_info.remote())  # waits for the model to load
+        except BaseException:
+            await loop.run_in_executor(None, destroy_target_replica, handle)
+            raise
+        self._replica_handles[name] = handle
+        info.update(tp=cfg.tp, num_threads=self._threads)
+
+        async def stop() -> None:
+            self._replica_handles.pop(name, None)
+            await loop.run_in_executor(None, destroy_target_replica, handle)
+
+        return RayTarget(handle), stop, info
+
+    async def _start_drafter(self, name: str):
+        import ray
+
+        from drafter_worker.actor import DrafterActor
         from drafter_worker.client import DrafterClient
 
-        from .scheduler import RayTarget, Scheduler
+        cfg = self.config
+        actor = DrafterActor.options(num_cpus=0).remote(
+            cfg.drafter, cfg.ngram_size, cfg.max_draft_len)
+        # Embedded: loopback only. On a cluster the actor may land on another node; it binds
+        # there and answers with its own node's address.
+        host = "127.0.0.1" if cfg.address is None else "0.0.0.0"
+        try:
+            address = await actor.start.remote(host, 0)
+        except BaseException:
+            ray.kill(actor)
+            raise
+        self._drafter_actors[name] = actor
+
+        async def stop() -> None:
+            self._drafter_actors.pop(name, None)
+            ray.kill(actor)
+
+        return DrafterClient(address, timeout_s=cfg.drafter_timeout_s), stop
+
+    async def start(self) -> int:
+        """Starts the drafters, the replicas, then the API; returns the bound API port."""
+        from .router import Router
         from .server import GenerationServicer, start_generation_server
 
         cfg = self.config
         tokenizer = load_tokenizer_for(cfg.model)
-        info = await self.target.model_info.remote()
-        wants_hidden = False
-        if self.drafter_address is not None:
-            self.drafter = DrafterClient(self.drafter_address, timeout_s=cfg.drafter_timeout_s)
-            wants_hidden = (await self.drafter.info()).wants_hidden
-        self.scheduler = Scheduler(RayTarget(self.target), self.drafter,
-                                   max_active=cfg.max_active, wants_hidden=wants_hidden)
-        self.scheduler.start()
+        with_drafter = cfg.drafter != "none"
+        self.router = Router(self._start_replica,
+                             self._start_drafter if with_drafter else None,
+                             max_active=cfg.max_active)
+        await self.router.scale(target_replicas=cfg.target_replicas,
+                                drafters=cfg.drafters if with_drafter else 0)
+        info = self.router.model_info()
         servicer = GenerationServicer(
-            self.scheduler, tokenizer, vocab_size=info["vocab_size"],
+            self.router, tokenizer, vocab_size=info["vocab_size"],
             max_seq_len=info["max_seq_len"], drafter_name=cfg.drafter,
             model_name=cfg.model or "SmolLM2-135M-Instruct")
         cert = Path(cfg.tls_cert).read_bytes() if cfg.tls_cert else None
         key = Path(cfg.tls_key).read_bytes() if cfg.tls_key else None
         self.server, port = await start_generation_server(
             servicer, cfg.host, cfg.port, cert, key, cfg.auth_token)
+        if cfg.metrics_port is not None:
+            import asyncio
+
+            from .metrics import start_exporter
+
+            self.metrics_server, self.metrics_port = start_exporter(
+                self.router, asyncio.get_running_loop(), cfg.host, cfg.metrics_port)
         return port
 
+    def metrics_address(self) -> str | None:
+        """``host:port`` of the Prometheus endpoint, or None when off."""
+        if self.metrics_port is None:
+            return None
+        return f"{self.config.host}:{self.metrics_port}"
+
+    async def scale(self, target_replicas: int | None = None, drafters: int | None = None
+                    ) -> dict:
+        """See `coordinator.router.Router.scale`."""
+        return await self.router.scale(target_replicas=target_replicas, drafters=drafters)
+
     async def status(self) -> dict:
-        status = self.scheduler.status() if self.scheduler else {}
-        if self.drafter is not None:
-            status["drafter"] = dict(self.drafter.stats)
+        """`Router.status` after refreshing the replicas' own reports; ``drafter`` holds the
+        summed drafter client counters."""
+        if self.router is None:
+            return {}
+        await self.router.refresh()
+        status = self.router.status()
+        status["drafter"] = self.router.pool.stats
         return status
 
+    def drafter_actors(self) -> dict:
+        """Drafter worker actor handles by pool name (tests kill them)."""
+        return dict(self._drafter_actors)
+
+    def replica_handles(self) -> dict:
+        """Target replica handles by name."""
+        return dict(self._replica_handles)
+
     async def stop(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         if self.server is not None:
             await self.server.stop(grace=1.0)
-        if self.scheduler is not None:
-            await self.scheduler.close()
-        if self.drafter is not None:
-            await self.drafter.close()
+        if self.router is not None:
+            await self.router.close()
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -134,7 +241,9 @@ class Service:
     job, a test). Usable as a context manager.
 
     Raises:
-        ValueError: an invalid configuration (unknown drafter, TLS half configured).
+        ValueError: an invalid configuration (unknown drafter, TLS half configured, bad
+            counts, a TP degree the model cannot be split into — checked before any actor
+            starts).
     """
 
     def __init__(self, config: ServiceConfig):
@@ -144,12 +253,22 @@ class Service:
             raise ValueError("--tls-cert and --tls-key must be given together")
         if config.drafter != "none":
             build_drafter(config.drafter, config.ngram_size, config.max_draft_len)  # validates
+        from .router import check_count
+
+        check_count("target_replicas", config.target_replicas, 1)
+        check_count("drafters", config.drafters, 0)
+        for name in ("tp", "max_active"):
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if config.target_threads is not None and (
+                isinstance(config.target_threads, bool) or
+                not isinstance(config.target_threads, int) or config.target_threads < 1):
+            raise ValueError(
+                f"target_threads must be a positive integer, got {config.target_threads!r}")
         self.config = config
         self.port: int | None = None
-        self._actors: list = []
         self._owns_ray = False
-        self.target_actor = None
-        self.drafter_actor = None
         self.coordinator = None
 
     @property
@@ -161,18 +280,18 @@ class Service:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from drafter_worker.actor import DrafterActor
-        from target_worker.actor import TargetActor
+        from target_worker.tp import validate_tp
 
         cfg = self.config
         if cfg.port != 0:
             _check_port_free(cfg.host, cfg.port)
         if cfg.model is None:
             # Fetch the default model here, once, with the progress bar in this terminal (the
-            # actors' output is not forwarded), rather than racing in two actors.
+            # actors' output is not forwarded), rather than racing in several actors.
             from target_worker import default_model_path
 
             default_model_path()
+        validate_tp(cfg.model, cfg.tp)  # before any actor starts
         if not ray.is_initialized():
             if cfg.address is None:
                 # Embedded: no dashboard; this setting keeps most of Ray's ports on loopback.
@@ -185,47 +304,70 @@ class Service:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                               soft=False)
         try:
-            target = self.target_actor = ray.remote(num_cpus=0)(TargetActor).remote(
-                cfg.model, max_slots=cfg.max_active, num_threads=cfg.target_threads)
-            self._actors.append(target)
-            drafter_address = None
-            if cfg.drafter != "none":
-                drafter = self.drafter_actor = DrafterActor.options(num_cpus=0).remote(
-                    cfg.drafter, cfg.ngram_size, cfg.max_draft_len)
-                self._actors.append(drafter)
-                # Embedded: loopback only. On a cluster the actor may land on another node;
-                # it binds there and answers with its own node's address.
-                host = "127.0.0.1" if cfg.address is None else "0.0.0.0"
-                drafter_address = ray.get(drafter.start.remote(host, 0))
+            # The coordinator is pinned to this node so the API listens where `serve` runs;
+            # it starts the replicas and drafter workers itself.
             self.coordinator = ray.remote(num_cpus=0)(CoordinatorActor).options(
-                scheduling_strategy=here).remote(cfg, target, drafter_address)
-            self._actors.append(self.coordinator)
+                scheduling_strategy=here).remote(cfg)
             self.port = ray.get(self.coordinator.start.remote())
         except BaseException:
             self.stop()
             raise
         return self.address
 
+    @property
+    def metrics_address(self) -> str | None:
+        """``host:port`` serving Prometheus ``/metrics``, or None when off."""
+        import ray
+
+        return ray.get(self.coordinator.metrics_address.remote())
+
     def status(self) -> dict:
+        """See `CoordinatorActor.status`."""
         import ray
 
         return ray.get(self.coordinator.status.remote())
 
+    def scale(self, target_replicas: int | None = None, drafters: int | None = None) -> dict:
+        """Scales while serving (`coordinator.router.Router.scale`); blocks until done.
+
+        Raises:
+            ValueError: bad counts (nothing changes).
+        """
+        import ray
+
+        try:
+            return ray.get(self.coordinator.scale.remote(target_replicas, drafters))
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, ValueError):
+                raise ValueError(str(exc.cause)) from None
+            raise
+
+    @property
+    def drafter_actors(self) -> dict:
+        """The drafter worker actors by pool name."""
+        import ray
+
+        return ray.get(self.coordinator.drafter_actors.remote())
+
+    @property
+    def drafter_actor(self):
+        """The first drafter worker actor, or None."""
+        return next(iter(self.drafter_actors.values()), None)
+
     def stop(self) -> None:
-        """Stops the API, kills the actors, and shuts Ray down if this service started it."""
+        """Stops the API, destroys replicas and drafters, kills the coordinator, and shuts Ray
+        down if this service started it."""
         import ray
 
         if not ray.is_initialized():
             return
         if self.coordinator is not None:
             try:
-                ray.get(self.coordinator.stop.remote(), timeout=10)
+                ray.get(self.coordinator.stop.remote(), timeout=30)
             except Exception:
                 log.exception("coordinator stop failed")
-        for actor in reversed(self._actors):
-            ray.kill(actor)
-        self._actors.clear()
-        self.coordinator = self.target_actor = self.drafter_actor = None
+            ray.kill(self.coordinator)  # its child actors die with it
+        self.coordinator = None
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False

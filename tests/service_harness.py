@@ -10,7 +10,8 @@ from concurrent.futures import Future
 
 import grpc
 
-from coordinator.scheduler import LocalTarget, Scheduler
+from coordinator.router import Router
+from coordinator.scheduler import LocalTarget
 from coordinator.server import GenerationServicer, start_generation_server
 from drafter_worker import PromptLookupSpeculator
 from drafter_worker.client import DrafterClient
@@ -23,16 +24,24 @@ MODEL = "tiny-random:vocab=64,seed=0,layers=2"
 
 
 class LocalService:
-    """Starts everything on a private event loop; ``address`` is the Generation API."""
+    """Starts everything on a private event loop; ``address`` is the Generation API.
+
+    The production front end (`Router`): ``replicas`` target engines (each its own slots over
+    one shared decoder) and ``drafters`` drafter gRPC servers, all scalable with ``scale``.
+    """
 
     def __init__(self, ngram_size: int = 2, max_draft_len: int = 6, max_active: int = 16,
-                 auth_token: str | None = None, drafter_timeout_s: float = 2.0):
+                 auth_token: str | None = None, drafter_timeout_s: float = 2.0,
+                 replicas: int = 1, drafters: int = 1):
         self.decoder, self.tokenizer = load_model(MODEL)
-        self.engine = TargetEngine(self.decoder, max_slots=max_active)
         self.drafter_impl = PromptLookupSpeculator(ngram_size, max_draft_len)
         self.max_active = max_active
         self.auth_token = auth_token
         self.drafter_timeout_s = drafter_timeout_s
+        self.initial = (replicas, drafters)
+        self.engines: dict[str, TargetEngine] = {}  # live replicas' engines by name
+        self.destroyed: dict[str, int] = {}  # destroyed replica -> slots it still held
+        self.drafter_servers: dict[str, grpc.aio.Server] = {}
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -40,15 +49,32 @@ class LocalService:
         """Runs a coroutine on the service loop and waits for it."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)
 
+    async def _start_replica(self, name: str):
+        engine = self.engines[name] = TargetEngine(self.decoder, max_slots=self.max_active)
+
+        async def stop() -> None:
+            self.destroyed[name] = engine.used_slots  # slots still held when destroyed
+            del self.engines[name]
+
+        return LocalTarget(engine), stop, {"vocab_size": self.decoder.config.vocab_size,
+                                           "max_seq_len": self.decoder.config.max_seq_len}
+
+    async def _start_drafter(self, name: str):
+        server, port = await start_drafter_server(self.drafter_impl)
+        self.drafter_servers[name] = server
+
+        async def stop() -> None:
+            await self.drafter_servers.pop(name).stop(None)
+
+        return DrafterClient(f"127.0.0.1:{port}", timeout_s=self.drafter_timeout_s), stop
+
     async def _start(self) -> None:
-        self.drafter_server, drafter_port = await start_drafter_server(self.drafter_impl)
-        self.drafter_address = f"127.0.0.1:{drafter_port}"
-        self.drafter = DrafterClient(self.drafter_address, timeout_s=self.drafter_timeout_s)
-        self.scheduler = Scheduler(LocalTarget(self.engine), self.drafter,
-                                   max_active=self.max_active)
-        self.scheduler.start()
+        self.router = Router(self._start_replica, self._start_drafter,
+                             max_active=self.max_active)
+        replicas, drafters = self.initial
+        await self.router.scale(target_replicas=replicas, drafters=drafters)
         servicer = GenerationServicer(
-            self.scheduler, self.tokenizer, vocab_size=self.decoder.config.vocab_size,
+            self.router, self.tokenizer, vocab_size=self.decoder.config.vocab_size,
             max_seq_len=self.decoder.config.max_seq_len, drafter_name="prompt-lookup",
             model_name=MODEL)
         self.server, port = await start_generation_server(
@@ -60,15 +86,27 @@ class LocalService:
         self.call(self._start())
         return self
 
+    @property
+    def scheduler(self) -> Router:
+        return self.router
+
+    @property
+    def engine(self) -> TargetEngine:
+        """The first live replica's engine."""
+        return next(iter(self.engines.values()))
+
+    @property
+    def drafter_address(self) -> str:
+        return self.router.pool.serving()[0].client.address
+
     def stop_drafter(self) -> None:
-        """Kills the drafter worker (no grace): later Propose calls fail."""
-        self.call(self.drafter_server.stop(None))
+        """Kills every drafter worker (no grace): later Propose calls fail."""
+        for server in self.drafter_servers.values():
+            self.call(server.stop(None))
 
     async def _stop(self) -> None:
         await self.server.stop(None)
-        await self.scheduler.close()
-        await self.drafter.close()
-        await self.drafter_server.stop(None)
+        await self.router.close()
 
     def stop(self) -> None:
         self.call(self._stop())

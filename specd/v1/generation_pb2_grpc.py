@@ -49,6 +49,11 @@ class GenerationStub:
                 request_serializer=specd_dot_v1_dot_generation__pb2.StatusRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_generation__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/specd.v1.Generation/Scale',
+                request_serializer=specd_dot_v1_dot_generation__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_generation__pb2.ScaleResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -72,6 +77,12 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=specd_dot_v1_dot_generation__pb2.StatusRequest.FromString,
                     response_serializer=specd_dot_v1_dot_generation__pb2.StatusResponse.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=specd_dot_v1_dot_generation__pb2.ScaleRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_generation__pb2.ScaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class Generation:
             '/specd.v1.Generation/Status',
             specd_dot_v1_dot_generation__pb2.StatusRequest.SerializeToString,
             specd_dot_v1_dot_generation__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.Generation/Scale',
+            specd_dot_v1_dot_generation__pb2.ScaleRequest.SerializeToString,
+            specd_dot_v1_dot_generation__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,241 @@
+"""Several drafter workers behind the one-drafter client interface the scheduler uses.
+
+A `DrafterPool` has `DrafterClient`'s ``propose`` / ``release`` / ``info`` / ``stats``, so a
+`Scheduler` drives N drafters exactly as it drives one. Assignment is **sticky per request**:
+a request's first proposal goes to the drafter with the fewest requests (then fewest calls in
+flight), and it stays there until that drafter is removed or fails a call. Why sticky rather
+than least-outstanding per call: the worker keeps each request's history (and a model drafter
+its own KV cache) so a step ships only the new tokens; moving a request costs a full-history
+resend and, for a model drafter, recomputing its cache. Load still spreads, because every new
+request lands on the least-loaded drafter.
+
+Moving a request is always safe: the new drafter's client does not know the id, so its first
+call sends the whole history (``known = 0``), and drafts never change a greedy output (the
+rejection rule keeps sampled outputs distributed as the target's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from drafter_worker import DraftBlock
+from drafter_worker.client import DrafterInfo, DrafterUnavailable, ProposeJob
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PoolMember:
+    """One drafter worker in the pool.
+
+    Attributes:
+        name: the pool's name for it (``"drafter-0"``...).
+        client: its `DrafterClient` (or anything with the same async methods and ``stats``).
+        stop: awaited after the member leaves the pool (kills the worker), or None.
+        state: ``"serving"`` or ``"leaving"`` (gets no requests; in-flight calls finish).
+        assigned: request ids whose proposals go to this member.
+        in_flight: Propose calls now outstanding.
+        consecutive_errors: failed calls since its last success (> 0 puts it last in line).
+    """
+
+    name: str
+    client: object
+    stop: Callable[[], Awaitable[None]] | None = None
+    state: str = "serving"
+    assigned: set[str] = field(default_factory=set)
+    in_flight: int = 0
+    consecutive_errors: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def status(self) -> dict:
+        """``name, address, state, calls, errors, latency_s`` (summed seconds),
+        ``mean_latency_s, assigned_requests, in_flight``."""
+        s = self.client.stats
+        calls = int(s.get("calls", 0))
+        return {
+            "name": self.name,
+            "address": str(getattr(self.client, "address", "")),
+            "state": self.state,
+            "calls": calls,
+            "errors": int(s.get("errors", 0)),
+            "latency_s": float(s.get("latency_s", 0.0)),
+            "mean_latency_s": float(s.get("latency_s", 0.0)) / calls if calls else 0.0,
+            "assigned_requests": len(self.assigned),
+            "in_flight": self.in_flight,
+        }
+
+
+class DrafterPool:
+    """Drafter workers that can join and leave while requests run.
+
+    Args:
+        on_failure: called with the request ids whose proposal failed in a call (they decode
+            that step without drafts); the router uses it for per-request counters.
+    """
+
+    def __init__(self, on_failure: Callable[[list[str]], None] | None = None):
+        self.members: dict[str, PoolMember] = {}
+        self.on_failure = on_failure
+        self._owner: dict[str, PoolMember] = {}
+        self._order = itertools.count()
+        self._rank: dict[str, int] = {}
+
+    # ---- membership ----
+
+    def add(self, name: str, client, stop: Callable[[], Awaitable[None]] | None = None
+            ) -> PoolMember:
+        """Adds a serving member.
+
+        Raises:
+            ValueError: the name is taken.
+        """
+        if name in self.members:
+            raise ValueError(f"drafter {name!r} is already in the pool")
+        member = self.members[name] = PoolMember(name, client, stop)
+        self._rank[name] = next(self._order)
+        return member
+
+    def serving(self) -> list[PoolMember]:
+        return [m for m in self.members.values() if m.state == "serving"]
+
+    async def remove(self, name: str) -> None:
+        """Takes a member out: no new calls go to it, its requests move to other members at
+        their next step (full-history resend), its in-flight calls finish (or time out),
+        then its client closes and ``stop`` runs.
+
+        Raises:
+            KeyError: no such member.
+        """
+        member = self.members[name]
+        member.state = "leaving"
+        for rid in list(member.assigned):
+            self._unassign(rid)
+        await member.idle.wait()
+        del self.members[name]
+        try:
+            await member.client.close()
+        finally:
+            if member.stop is not None:
+                await member.stop()
+
+    async def close(self) -> None:
+        """Removes every member."""
+        for name in list(self.members):
+            try:
+                await self.remove(name)
+            except Exception:
+                log.exception("stopping drafter %s failed", name)
+
+    # ---- the DrafterClient interface ----
+
+    async def info(self) -> DrafterInfo:
+        """The first serving member's `DrafterInfo` (all members run the same drafter kind).
+
+        Raises:
+            DrafterUnavailable: no member, or its Info call failed.
+        """
+        serving = self.serving()
+        if not serving:
+            raise DrafterUnavailable("the drafter pool is empty")
+        return await serving[0].client.info()
+
+    @property
+    def stats(self) -> dict:
+        """Summed over current members: ``calls``, ``errors``, ``latency_s``."""
+        total = {"calls": 0, "errors": 0, "latency_s": 0.0}
+        for m in self.members.values():
+            for key in total:
+                total[key] += m.client.stats.get(key, 0)
+        return total
+
+    def status(self) -> list[dict]:
+        """`PoolMember.status` of every member, in the order they joined."""
+        return [m.status() for m in sorted(self.members.values(),
+                                           key=lambda m: self._rank[m.name])]
+
+    async def propose(self, jobs: Sequence[ProposeJob]) -> list[DraftBlock]:
+        """One block per job, in order. Jobs are grouped by their request's drafter and the
+        groups proposed concurrently. A group whose call fails gets empty blocks (reported to
+        ``on_failure``) and its requests are unassigned, so their next step picks a drafter
+        afresh; the other groups are unaffected. With no drafter, every block is empty.
+
+        Raises:
+            ValueError: from `DrafterClient.propose` (bad jobs); nothing is sent.
+        """
+        blocks = [DraftBlock.empty() for _ in jobs]
+        if not jobs or not self.serving():
+            return blocks
+        groups: dict[str, list[int]] = {}
+        for i, job in enumerate(jobs):
+            groups.setdefault(self._owner_of(job.request_id).name, []).append(i)
+        members = [self.members[name] for name in groups]
+        results = await asyncio.gather(
+            *(self._call(m, [jobs[i] for i in groups[m.name]]) for m in members),
+            return_exceptions=True)
+        failed: list[str] = []
+        for member, result in zip(members, results, strict=True):
+            where = groups[member.name]
+            if isinstance(result, DrafterUnavailable):
+                log.warning("drafter %s failed; %d request(s) decode this step undrafted: %s",
+                            member.name, len(where), result)
+                ids = [jobs[i].request_id for i in where]
+                for rid in ids:
+                    self._unassign(rid)
+                failed.extend(ids)
+                continue
+            if isinstance(result, BaseException):
+                raise result
+            for i, block in zip(where, result, strict=True):
+                blocks[i] = block
+        if failed and self.on_failure is not None:
+            self.on_failure(failed)
+        return blocks
+
+    async def release(self, request_ids: Sequence[str]) -> None:
+        """Forgets the ids on their drafters (best effort, never raises)."""
+        by_member: dict[str, list[str]] = {}
+        for rid in request_ids:
+            member = self._owner.get(rid)
+            self._unassign(rid)
+            if member is not None and member.name in self.members:
+                by_member.setdefault(member.name, []).append(rid)
+        for name, ids in by_member.items():
+            await self.members[name].client.release(ids)
+
+    # ---- internals ----
+
+    def _owner_of(self, rid: str) -> PoolMember:
+        member = self._owner.get(rid)
+        if member is None or member.state != "serving":
+            member = min(self.serving(), key=lambda m: (
+                m.consecutive_errors > 0, len(m.assigned), m.in_flight, self._rank[m.name]))
+            self._owner[rid] = member
+            member.assigned.add(rid)
+        return member
+
+    def _unassign(self, rid: str) -> None:
+        member = self._owner.pop(rid, None)
+        if member is not None:
+            member.assigned.discard(rid)
+
+    async def _call(self, member: PoolMember, jobs: list[ProposeJob]) -> list[DraftBlock]:
+        member.in_flight += 1
+        member.idle.clear()
+        try:
+            blocks = await member.client.propose(jobs)
+        except DrafterUnavailable:
+            member.consecutive_errors += 1
+            raise
+        finally:
+            member.in_flight -= 1
+            if member.in_flight == 0:
+                member.idle.set()
+        member.consecutive_errors = 0
+        return blocks

@@ -1,0 +1,93 @@
+"""Prometheus export of the router's metrics (optional; ``specd serve --metrics-port``).
+
+The scrape runs on prometheus_client's HTTP thread; the router lives on the coordinator's
+event loop, so the collector asks that loop for a `Router.status` snapshot (after a
+`Router.refresh`) rather than reading the router's state from another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+log = logging.getLogger(__name__)
+
+#: (metric suffix, status key, help, kind) per replica; kind "counter" or "gauge".
+REPLICA_METRICS = (
+    ("active_requests", "active_requests", "Requests decoding now.", "gauge"),
+    ("waiting_requests", "waiting_requests", "Requests waiting for a slot.", "gauge"),
+    ("used_slots", "used_slots", "KV-cache slots in use.", "gauge"),
+    ("requests_placed", "requests_placed", "Requests placed on the replica.", "counter"),
+    ("steps", "steps", "Verification steps.", "counter"),
+    ("tokens", "tokens_emitted", "Tokens emitted.", "counter"),
+    ("tokens_per_second", "tokens_per_second", "Tokens per second over the last 10 s.", "gauge"),
+    ("step_seconds", "step_seconds",
+     "Mean wall time of a verify call seen by the coordinator.", "gauge"),
+    ("forward_seconds_per_call", "forward_seconds_per_call",
+     "Mean forward time per forward call (prefills included) reported by the replica.", "gauge"),
+    ("bytes_sent_per_step", "bytes_sent_per_step", "Mean pickled verify input bytes.", "gauge"),
+    ("bytes_received_per_step", "bytes_received_per_step",
+     "Mean pickled verify output bytes.", "gauge"),
+    ("drafter_failures", "drafter_failures", "Steps decoded undrafted: drafter failed.",
+     "counter"),
+)
+
+#: The same for each drafter worker.
+DRAFTER_METRICS = (
+    ("calls", "calls", "Propose calls.", "counter"),
+    ("errors", "errors", "Failed or timed-out Propose calls.", "counter"),
+    ("latency_seconds", "latency_s", "Summed Propose wall time.", "counter"),
+    ("assigned_requests", "assigned_requests", "Requests drafted by this worker.", "gauge"),
+    ("in_flight", "in_flight", "Propose calls outstanding.", "gauge"),
+)
+
+
+class RouterCollector:
+    """A prometheus_client collector over a `coordinator.router.Router` on ``loop``."""
+
+    def __init__(self, router, loop: asyncio.AbstractEventLoop, timeout_s: float = 5.0):
+        self.router = router
+        self.loop = loop
+        self.timeout_s = timeout_s
+
+    async def _snapshot(self) -> dict:
+        await self.router.refresh()
+        return self.router.status()
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        try:
+            status = asyncio.run_coroutine_threadsafe(self._snapshot(), self.loop).result(
+                self.timeout_s)
+        except Exception as exc:  # a scrape must not crash the exporter
+            log.warning("metrics snapshot failed: %r", exc)
+            return
+        for prefix, label, rows, table in (
+                ("specd_replica_", "replica", status["replicas"], REPLICA_METRICS),
+                ("specd_drafter_", "drafter", status["drafters"], DRAFTER_METRICS)):
+            for suffix, key, doc, kind in table:
+                family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                    prefix + suffix, doc, labels=[label])
+                for row in rows:
+                    family.add_metric([row["name"]], float(row[key]))
+                yield family
+
+
+def start_exporter(router, loop: asyncio.AbstractEventLoop, host: str = "127.0.0.1",
+                   port: int = 0):
+    """Serves ``/metrics`` on ``host:port`` (0 picks a free port) from a private registry.
+
+    Returns:
+        ``(server, bound_port)``; stop with ``server.shutdown()``.
+
+    Raises:
+        ImportError: prometheus_client is not installed (``pip install 'specd[metrics]'``).
+        OSError: the port cannot be bound.
+    """
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RouterCollector(router, loop))
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server, server.server_port
