@@ -374,7 +374,18 @@ class Decoder(nn.Module):
         c = self.config
         if capacity is None:
             capacity = min(DEFAULT_CACHE_CAPACITY, c.max_seq_len)
-        return KvCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, c.max_seq_len)
+        return KvCache(c.n_layers, self.cache_kv_heads, c.head_dim, capacity, c.max_seq_len,
+                       dtype=self.dtype)
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """KV heads a cache of this decoder holds (a tensor-parallel shard holds its own only)."""
+        return self.config.n_kv_heads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype: the weights' (float32 here; a GPU shard may use bfloat16)."""
+        return self.norm.weight.dtype
 
     def forward_batch(
         self, tokens: Sequence[int] | torch.Tensor, start_pos: int, cache: KvCache
@@ -452,7 +463,7 @@ class Decoder(nn.Module):
             sin = emb.sin()
             # rotate_half(x) = cat(-x2, x1): fold the minus sign into the first half of sin.
             sin[:, : d // 2].neg_()
-            self._cos, self._sin = emb.cos(), sin
+            self._cos, self._sin = emb.cos().to(self.dtype), sin.to(self.dtype)
         return self._cos[start:end, None, :], self._sin[start:end, None, :]
 
     def forward_packed(
@@ -509,7 +520,7 @@ class Decoder(nn.Module):
                 f"cache.seq_len={cache.seq_len}"
             )
         c = self.config
-        if cache.k.shape[0] != c.n_layers or cache.k.shape[1] != c.n_kv_heads:
+        if cache.k.shape[0] != c.n_layers or cache.k.shape[1] != self.cache_kv_heads:
             raise ValueError("cache was not created for this model (layer/KV-head shape differs)")
         end = start_pos + idx.numel()
         if end > c.max_seq_len:
@@ -524,7 +535,7 @@ class Decoder(nn.Module):
         position start + i) sees keys at positions <= start + i, tiled over the query heads
         that Attention folds into the query axis. Built once per forward, shared by layers."""
         allowed = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
         return mask.repeat(self.config.n_heads // self.config.n_kv_heads, 1)
 
     @torch.inference_mode()
@@ -582,9 +593,15 @@ class Decoder(nn.Module):
                 for seg, last in zip(segs, last_logits_only, strict=True)
             ]
             head_in, counts = hidden[torch.cat(rows)], [r.numel() for r in rows]
-        logits = self.lm_head(head_in).contiguous()
+        logits = self._logits(head_in)
         out, row = [], 0
         for seg, k in zip(segs, counts, strict=True):
-            out.append((logits[row : row + k], hidden[seg.lo : seg.hi]))
+            rows = None if logits is None else logits[row : row + k]
+            out.append((rows, hidden[seg.lo : seg.hi]))
             row += k
         return out
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """LM head over ``hidden [n, hidden_size]``: float32 ``[n, vocab_size]``, contiguous.
+        A tensor-parallel shard overrides it (and returns None on ranks other than 0)."""
+        return self.lm_head(hidden).contiguous()
