@@ -156,7 +156,7 @@ def test_smollm2_tp3_logits_match_tp1_within_float32_noise(tmp_path):
     projections, all-reduce) round differently: measured max |diff| 3.2e-4 here, while the
     float32 model itself is up to 4.7e-3 away from a float64 run of the same weights. So the
     bound is 1e-4 relative to the logits' scale, and TP=3 must be as close to float64 as the
-    unsharded float32 model is (within 2x)."""
+    unsharded float32 model is (within 2x, over all four forwards)."""
     from target_worker.loader import ensure_weights_cache, load_decoder, model_path
 
     weights = str(ensure_weights_cache(model_path(None)))
@@ -166,10 +166,11 @@ def test_smollm2_tp3_logits_match_tp1_within_float32_noise(tmp_path):
     got = ranks[0]
     assert got["greedy_tokens"] == ref["greedy_tokens"]
     exact = engine_script(copy.deepcopy(decoder).double(), decoder.config.vocab_size)
+    err_plain = err_tp = 0.0
     for a, b, e in zip(ref["logits"], got["logits"], exact["logits"], strict=True):
         scale = e.abs().max().item()
         assert (a - b).abs().max().item() <= 1e-4 * scale
-        err_plain = (a.double() - e).abs().max().item()
-        err_tp = (b.double() - e).abs().max().item()
-        assert err_tp <= 2 * err_plain + 1e-5
+        err_plain = max(err_plain, (a.double() - e).abs().max().item())
+        err_tp = max(err_tp, (b.double() - e).abs().max().item())
+    assert err_tp <= 2 * err_plain
     assert got["cache_kv_heads"] == 1  # 3 KV heads over 3 ranks
