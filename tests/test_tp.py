@@ -158,3 +158,23 @@ def test_an_indivisible_tp_is_refused_before_any_actor_starts():
         create_target_replica(MOE, tp=3)
     # Starting an actor (or a placement group) would have initialised Ray implicitly.
     assert not ray.is_initialized()
+
+
+def test_a_bfloat16_shard_computes_in_bf16_and_answers_in_float32():
+    # The GPU path's dtype plumbing (bf16 weights, cache, RoPE and mask; float32 results),
+    # exercised on the CPU with tp=1.
+    from target_worker.sharded import ShardedDecoder, StateDictSource
+
+    decoder, _ = load_tiny_random(MOE)
+    shard = ShardedDecoder.load(decoder.config, StateDictSource(decoder.state_dict()), 0, 1,
+                                dtype=torch.bfloat16)
+    assert shard.dtype == torch.bfloat16
+    cache = shard.new_cache()
+    assert cache.k.dtype == torch.bfloat16
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6]
+    (logits, hidden), = shard.forward_packed([(tokens, 0, cache)])
+    ref, ref_hidden = decoder.forward_batch_with_hidden(tokens, 0, decoder.new_cache())
+    assert logits.dtype == hidden.dtype == torch.float32
+    # bf16 keeps 8 significant bits: errors of a few 1e-2 on these O(1) logits, not more.
+    assert (logits - ref).abs().max().item() < 0.1
+    assert (hidden - ref_hidden).abs().max().item() < 0.1
