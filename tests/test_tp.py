@@ -178,3 +178,40 @@ def test_a_bfloat16_shard_computes_in_bf16_and_answers_in_float32():
     # bf16 keeps 8 significant bits: errors of a few 1e-2 on these O(1) logits, not more.
     assert (logits - ref).abs().max().item() < 0.1
     assert (hidden - ref_hidden).abs().max().item() < 0.1
+
+
+def test_gguf_shards_are_slices_of_the_full_model(tmp_path, monkeypatch):
+    # GGUF -> float32 cache -> per-rank slices, against the whole-model load of the same file.
+    from test_loader import tiny_dense, write_gguf
+
+    from target_worker.loader import load_gguf_decoder, model_config, weights_cache_path
+    from target_worker.tp import load_shard
+
+    monkeypatch.setenv("SPECD_CACHE", str(tmp_path / "cache"))
+    config = tiny_dense()  # 6 heads, 2 KV heads, FFN 32
+    path = write_gguf(Decoder.random(config, seed=4), tmp_path / "m.gguf")
+    assert model_config(path) == config  # from the GGUF metadata: no cache yet
+    assert not weights_cache_path(path).exists()
+    with pytest.raises(ValueError, match=r"attention heads \(6\) is not divisible by tp=4"):
+        validate_tp(str(path), 4)
+    validate_tp(str(path), 2)
+    shards = [load_shard(str(path), rank, 2) for rank in range(2)]
+    assert weights_cache_path(path).exists() and model_config(path) == config
+    full = load_gguf_decoder(path)
+    h, kvh, d, ffn = config.n_heads, config.n_kv_heads, config.head_dim, config.ffn_dim
+    for rank, shard in enumerate(shards):
+        for i in range(config.n_layers):
+            f, s = full.layers[i], shard.layers[i]
+            wqkv = f.attn.wqkv.weight
+            q = wqkv[rank * h // 2 * d:(rank + 1) * h // 2 * d]
+            k = wqkv[h * d:][rank * kvh // 2 * d:(rank + 1) * kvh // 2 * d]
+            v = wqkv[(h + kvh) * d:][rank * kvh // 2 * d:(rank + 1) * kvh // 2 * d]
+            assert torch.equal(s.attn.wqkv.weight, torch.cat([q, k, v]))
+            cols = slice(rank * h // 2 * d, (rank + 1) * h // 2 * d)
+            assert torch.equal(s.attn.wo.weight, f.attn.wo.weight[:, cols])
+            part = slice(rank * ffn // 2, (rank + 1) * ffn // 2)
+            gate, up = f.ffn.w_gate_up.weight[:ffn], f.ffn.w_gate_up.weight[ffn:]
+            assert torch.equal(s.ffn.w_gate_up.weight, torch.cat([gate[part], up[part]]))
+            assert torch.equal(s.ffn.w_down.weight, f.ffn.w_down.weight[:, part])
+        lo, hi = vocab_range(config.vocab_size, rank, 2)
+        assert torch.equal(shard.embed_tokens.weight, full.embed_tokens.weight[lo:hi])
