@@ -18,9 +18,11 @@ Parameter Language Models Using Model Parallelism", section 3) for a Llama block
   the LM head computes ``[n, V/S]`` logits per rank and gathers them to rank 0. Chosen over
   replication because it splits both the memory (the tied 49152 x 576 matrix is 21% of
   SmolLM2-135M) and the LM head's matmul, the largest single matmul of a decode step; the
-  gather moves ``n * V * 4`` bytes per step. Measured on SmolLM2 (README, "Tensor-parallel
-  target") ``vocab_parallel=False`` (each rank holds the whole matrix; rank 0 alone computes
-  the head, no gather) was no faster on this 2-core CPU, so the memory saving decides.
+  gather moves ``n * V * 4`` bytes per step. ``vocab_parallel=False`` replicates the table on
+  every rank (rank 0 alone computes the head, no gather). Measured on SmolLM2, TP=3, on the
+  shared 2-core CPU (``benchmarks/tp_decode.py``): 607 vs 642 ms/token replicated vs
+  vocab-parallel, inside the run-to-run spread (521-684 vs 583-664 ms), while a rank holds
+  63.7M parameters replicated vs 44.9M vocab-parallel; so vocab-parallel is the default.
 
 Two all-reduces per block (after attention, after the FFN) plus one for the embedding and one
 gather for the logits per forward. Rank 0 returns full logits; other ranks return None (the
