@@ -149,6 +149,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Spelled out: F.rms_norm dispatches to a slower composite on CPU for one-row inputs.
+        if x.dtype != torch.float32:  # bf16 (GPU shards): normalise in float32, as HF does
+            y = x.float()
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True).add_(self.eps))
+            return y.to(x.dtype) * self.weight
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps)) * self.weight
 
 
@@ -274,7 +278,8 @@ class Attention(nn.Module):
                 scores = torch.bmm(q, keys.transpose(1, 2)).mul_(self.scale)
             else:
                 scores = torch.baddbmm(seg.mask, q, keys.transpose(1, 2), alpha=self.scale)
-            o = torch.bmm(torch.softmax(scores, dim=-1), values)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # bf16 scores: as HF
+            o = torch.bmm(probs if probs.dtype == values.dtype else probs.to(values.dtype), values)
             outs.append(o.view(kvh, g, m, d).permute(2, 0, 1, 3).reshape(m, h * d))
         return self.wo(outs[0] if len(outs) == 1 else torch.cat(outs))
 
