@@ -174,3 +174,54 @@ def test_smollm2_tp3_logits_match_tp1_within_float32_noise(tmp_path):
         err_tp = max(err_tp, (b.double() - e).abs().max().item())
     assert err_tp <= 2 * err_plain
     assert got["cache_kv_heads"] == 1  # 3 KV heads over 3 ranks
+
+
+def test_the_coordinators_scheduler_runs_unchanged_on_a_tp2_replica(ray_local):
+    """Scheduler + gRPC prompt-lookup drafter over `RayTarget(tp=2 replica)`: six concurrent
+    requests (greedy and seeded sampling) stream exactly what the in-process core produces."""
+    import asyncio
+
+    from coordinator import SpeculativeOptions, speculative_decode_with
+    from coordinator.scheduler import RayTarget, Scheduler
+    from drafter_worker.client import DrafterClient
+    from drafter_worker.server import start_drafter_server
+    from target_worker import load_model
+
+    decoder, _ = load_model(MOE)
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [1, 2, 3, 1, 2, 3, 1], [40, 41, 42],
+               [9, 9, 9, 9, 9, 9], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [60, 2, 60, 2, 60]]
+    options = [SpeculativeOptions(max_new_tokens=20,
+                                  sampling=SAMPLED if i % 3 == 2 else GREEDY, seed=i)
+               for i in range(len(prompts))]
+    expected = [speculative_decode_with(decoder, p, decoder.new_cache(),
+                                        PromptLookupSpeculator(2, 6), o).generated_tokens
+                for p, o in zip(prompts, options, strict=True)]
+    replica = create_target_replica(MOE, tp=2, num_threads=1)
+
+    async def serve() -> list[list[int]]:
+        server, port = await start_drafter_server(PromptLookupSpeculator(2, 6))
+        drafter = DrafterClient(f"127.0.0.1:{port}", timeout_s=30)
+        scheduler = Scheduler(RayTarget(replica), drafter, max_active=8)
+        scheduler.start()
+        try:
+            requests = [scheduler.submit(p, o) for p, o in zip(prompts, options, strict=True)]
+            outputs = []
+            for req in requests:
+                tokens = []
+                while isinstance(event := await asyncio.wait_for(req.events.get(), 300), list):
+                    tokens += event
+                if isinstance(event, Exception):
+                    raise event
+                outputs.append(tokens)
+            return outputs
+        finally:
+            await scheduler.close()
+            await drafter.close()
+            await server.stop(None)
+
+    try:
+        assert asyncio.run(serve()) == expected
+        status = ray_local.get(replica.status.remote())
+        assert status["used_slots"] == 0 and status["stats"]["verify_calls"] > 0
+    finally:
+        destroy_target_replica(replica)
