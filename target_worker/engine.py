@@ -165,7 +165,8 @@ class TargetEngine:
 
         Returns:
             Per item, in order: rows for the last prompt position (1 row), hidden rows of
-            every prompt position when asked.
+            every prompt position when asked. None per item when the decoder returns no
+            logits (a tensor-parallel shard on a rank other than 0, `target_worker.tp`).
 
         Raises:
             ValueError: an unknown or repeated slot, an empty prompt, a token id outside the
@@ -186,6 +187,9 @@ class TargetEngine:
         for item, slot, (logits, hidden) in zip(items, slots, results, strict=True):
             slot.tokens.extend(int(t) for t in item.tokens)
             slot.num_prompt_tokens = len(item.tokens)
+            if logits is None:  # a tensor-parallel rank other than 0: rank 0 answers
+                outputs.append(None)
+                continue
             rows = target_rows(logits, item.sampling, slot.tokens, slot.num_prompt_tokens)
             outputs.append(StepOutput(compact_rows(rows), _own(hidden, item.want_hidden)))
         self.stats["rows_seconds"] += time.perf_counter() - t0
@@ -200,7 +204,7 @@ class TargetEngine:
 
         Returns:
             Per item, in order: ``len(tokens)`` rows, hidden ``[len(tokens), hidden_size]``
-            when asked.
+            when asked (None per item on a tensor-parallel rank other than 0, as `prefill`).
 
         Raises:
             ValueError: an unknown or repeated slot, empty ``tokens``, ``start_pos`` beyond
@@ -224,6 +228,10 @@ class TargetEngine:
         t0 = time.perf_counter()
         for item, slot, (logits, hidden) in zip(items, slots, results, strict=True):
             tokens = [int(t) for t in item.tokens]
+            if logits is None:  # a tensor-parallel rank other than 0: rank 0 answers
+                slot.tokens.extend(tokens)
+                outputs.append(None)
+                continue
             # History = committed tokens + the anchor; the draft is the block rows follow.
             # Only penalties read the history: skip copying a long context when none is set.
             history = [*slot.tokens, tokens[0]] if item.sampling.has_penalties else tokens[:1]

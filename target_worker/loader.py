@@ -26,7 +26,7 @@ import torch
 
 from .config import ModelConfig, MoEConfig
 from .model import Decoder
-from .testing import is_tiny_random_spec, load_tiny_random
+from .testing import is_tiny_random_spec, load_tiny_random, tiny_random_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -182,6 +182,67 @@ def _permute_reverse(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows_per_half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _open_gguf(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError) as exc:  # gguf's own messages do not name the file
+        raise ValueError(f"{path}: not a readable GGUF file ({exc})") from exc
+
+
+def _config_from_reader(reader: Any, path: Path) -> tuple[ModelConfig, str]:
+    """``(config, architecture)`` from a GGUF file's metadata and tensor shapes (no data)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+    def meta(key: str, default: Any = ...) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    if meta("expert_count", 0):
+        raise ValueError(f"{path}: mixture-of-experts GGUF files are not supported")
+    names = {t.name: t for t in reader.tensors}
+    scaling = meta("rope.scaling.type", "none")
+    if scaling not in ("none", "") or "rope_freqs.weight" in names:
+        raise ValueError(f"{path}: RoPE scaling ({scaling!r}/rope_freqs) is not supported")
+    hidden = int(meta("embedding_length"))
+    n_heads = int(meta("attention.head_count"))
+    n_kv_heads = int(meta("attention.head_count_kv", n_heads))
+    head_dim = int(meta("attention.key_length", hidden // n_heads))
+    if int(meta("attention.value_length", head_dim)) != head_dim:
+        raise ValueError(f"{path}: attention.value_length != key_length is not supported")
+    if int(meta("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"{path}: partial rotary embeddings are not supported")
+    if "token_embd.weight" not in names:
+        raise ValueError(f"{path}: tensor 'token_embd.weight' is missing")
+    embed_shape = tuple(reversed(names["token_embd.weight"].shape.tolist()))
+    tokens_field = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = len(tokens_field.data) if tokens_field is not None else embed_shape[0]
+    if embed_shape != (vocab, hidden):
+        raise ValueError(
+            f"{path}: token_embd is {embed_shape}, expected (vocab {vocab}, hidden {hidden})"
+        )
+    config = ModelConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        n_layers=int(meta("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        ffn_dim=int(meta("feed_forward_length")),
+        max_seq_len=int(meta("context_length")),
+        rope_theta=_f32(meta("rope.freq_base", 10000.0)),
+        rms_norm_eps=_f32(meta("attention.layer_norm_rms_epsilon")),
+        tie_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+    )
+    return config, arch
+
+
 def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Parse a Llama-family GGUF file into a config and a float32 Decoder state dict.
 
@@ -197,34 +258,9 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
     import gguf
 
     path = Path(path)
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError) as exc:  # gguf's own messages do not name the file
-        raise ValueError(f"{path}: not a readable GGUF file ({exc})") from exc
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"{path}: GGUF architecture {arch!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-
-    def meta(key: str, default: Any = ...) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
-
-    if meta("expert_count", 0):
-        raise ValueError(f"{path}: mixture-of-experts GGUF files are not supported")
-    scaling = meta("rope.scaling.type", "none")
-    if scaling not in ("none", "") or "rope_freqs.weight" in {t.name for t in reader.tensors}:
-        raise ValueError(f"{path}: RoPE scaling ({scaling!r}/rope_freqs) is not supported")
-    hidden = int(meta("embedding_length"))
-    n_heads = int(meta("attention.head_count"))
-    n_kv_heads = int(meta("attention.head_count_kv", n_heads))
-    head_dim = int(meta("attention.key_length", hidden // n_heads))
-    if int(meta("attention.value_length", head_dim)) != head_dim:
-        raise ValueError(f"{path}: attention.value_length != key_length is not supported")
-    if int(meta("rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError(f"{path}: partial rotary embeddings are not supported")
-
+    reader = _open_gguf(path)
+    config, arch = _config_from_reader(reader, path)
+    n_heads, n_kv_heads = config.n_heads, config.n_kv_heads
     tensors: dict[str, Any] = {t.name: t for t in reader.tensors}
 
     def load(name: str) -> np.ndarray:
@@ -237,28 +273,8 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         # Unquantized tensors come back as read-only views of the file's memory map.
         return arr if arr.flags.writeable else arr.copy()
 
-    tokens_field = reader.fields.get("tokenizer.ggml.tokens")
     embed = load("token_embd.weight")
-    vocab = len(tokens_field.data) if tokens_field is not None else embed.shape[0]
-    if embed.shape != (vocab, hidden):
-        raise ValueError(
-            f"{path}: token_embd is {embed.shape}, expected (vocab {vocab}, hidden {hidden})"
-        )
-    has_bias = "blk.0.attn_q.bias" in tensors
-    config = ModelConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        n_layers=int(meta("block_count")),
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        ffn_dim=int(meta("feed_forward_length")),
-        max_seq_len=int(meta("context_length")),
-        rope_theta=_f32(meta("rope.freq_base", 10000.0)),
-        rms_norm_eps=_f32(meta("attention.layer_norm_rms_epsilon")),
-        tie_embeddings="output.weight" not in tensors,
-        qkv_bias=has_bias,
-    )
+    has_bias = config.qkv_bias
 
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a))
@@ -320,29 +336,97 @@ def load_gguf_decoder(path: str | os.PathLike, use_cache: bool = True) -> Decode
         FileNotFoundError: if ``path`` does not exist.
         ValueError: see :func:`read_gguf`.
     """
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    cached = cache_dir() / "weights" / f"{_file_cache_key(path)}.safetensors"
+    cached = weights_cache_path(path)
     if use_cache and cached.is_file():
-        from safetensors import safe_open
-
-        with safe_open(cached, framework="pt") as f:
-            config_json = f.metadata()["specd_config"]
-        raw = json.loads(config_json)
-        if raw.get("moe") is not None:
-            raw["moe"] = MoEConfig(**raw["moe"])
-        return _decoder_from_state(ModelConfig(**raw), load_file(cached))
+        return _decoder_from_state(safetensors_config(cached), load_file(cached))
     config, state = read_gguf(path)
     model = _decoder_from_state(config, state)
     if use_cache:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
-        save_file(state, tmp, metadata={"specd_config": json.dumps(asdict(config))})
-        os.replace(tmp, cached)
+        _save_weights(cached, config, state)
     return model
+
+
+def _save_weights(cached: Path, config: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
+    save_file(state, tmp, metadata={"specd_config": json.dumps(asdict(config))})
+    os.replace(tmp, cached)  # atomic: readers see no file or the whole file
+
+
+def weights_cache_path(path: str | os.PathLike) -> Path:
+    """Where `load_gguf_decoder` caches a GGUF file's float32 weights (safetensors)."""
+    return cache_dir() / "weights" / f"{_file_cache_key(Path(path))}.safetensors"
+
+
+def safetensors_config(path: str | os.PathLike) -> ModelConfig:
+    """The `ModelConfig` stored in a weights cache file's metadata (reads no tensors).
+
+    Raises:
+        ValueError: the file has no ``specd_config`` metadata.
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        config_json = (f.metadata() or {}).get("specd_config")
+    if config_json is None:
+        raise ValueError(f"{path}: no specd_config metadata (not a specd weights file)")
+    raw = json.loads(config_json)
+    if raw.get("moe") is not None:
+        raw["moe"] = MoEConfig(**raw["moe"])
+    return ModelConfig(**raw)
+
+
+def ensure_weights_cache(path: str | os.PathLike) -> Path:
+    """The float32 safetensors cache of a GGUF file, converting it first if absent.
+
+    Concurrent callers on one machine (the ranks of a tensor-parallel replica) convert once:
+    an exclusive file lock serialises them, and the others then find the file. The converting
+    process holds the whole model in memory while it writes (~4 bytes per parameter).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist. ValueError: see :func:`read_gguf`.
+    """
+    import fcntl
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    cached = weights_cache_path(path)
+    if cached.is_file():
+        return cached
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with open(cached.with_name(cached.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not cached.is_file():
+            config, state = read_gguf(path)
+            _save_weights(cached, config, state)
+            del state
+    return cached
+
+
+def model_config(source: str | os.PathLike | None = None) -> ModelConfig:
+    """The `ModelConfig` of a `load_model` source without loading its weights: the tiny-random
+    spec, the weights cache's metadata when present, else the GGUF metadata (~3 s to open).
+
+    Raises:
+        As `load_model`.
+    """
+    if is_tiny_random_spec(source):
+        return tiny_random_config(source)[0]
+    path = model_path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    cached = weights_cache_path(path)
+    if cached.is_file():
+        return safetensors_config(cached)
+    return _config_from_reader(_open_gguf(path), path)[0]
 
 
 def load_tokenizer(path: str | os.PathLike, use_cache: bool = True) -> PreTrainedTokenizerBase:

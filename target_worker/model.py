@@ -149,6 +149,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Spelled out: F.rms_norm dispatches to a slower composite on CPU for one-row inputs.
+        if x.dtype != torch.float32:  # bf16 (GPU shards): normalise in float32, as HF does
+            y = x.float()
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True).add_(self.eps))
+            return y.to(x.dtype) * self.weight
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps)) * self.weight
 
 
@@ -274,7 +278,8 @@ class Attention(nn.Module):
                 scores = torch.bmm(q, keys.transpose(1, 2)).mul_(self.scale)
             else:
                 scores = torch.baddbmm(seg.mask, q, keys.transpose(1, 2), alpha=self.scale)
-            o = torch.bmm(torch.softmax(scores, dim=-1), values)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # bf16 scores: as HF
+            o = torch.bmm(probs if probs.dtype == values.dtype else probs.to(values.dtype), values)
             outs.append(o.view(kvh, g, m, d).permute(2, 0, 1, 3).reshape(m, h * d))
         return self.wo(outs[0] if len(outs) == 1 else torch.cat(outs))
 
@@ -374,7 +379,18 @@ class Decoder(nn.Module):
         c = self.config
         if capacity is None:
             capacity = min(DEFAULT_CACHE_CAPACITY, c.max_seq_len)
-        return KvCache(c.n_layers, c.n_kv_heads, c.head_dim, capacity, c.max_seq_len)
+        return KvCache(c.n_layers, self.cache_kv_heads, c.head_dim, capacity, c.max_seq_len,
+                       dtype=self.dtype)
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """KV heads a cache of this decoder holds (a tensor-parallel shard holds its own only)."""
+        return self.config.n_kv_heads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype: the weights' (float32 here; a GPU shard may use bfloat16)."""
+        return self.norm.weight.dtype
 
     def forward_batch(
         self, tokens: Sequence[int] | torch.Tensor, start_pos: int, cache: KvCache
@@ -452,7 +468,7 @@ class Decoder(nn.Module):
             sin = emb.sin()
             # rotate_half(x) = cat(-x2, x1): fold the minus sign into the first half of sin.
             sin[:, : d // 2].neg_()
-            self._cos, self._sin = emb.cos(), sin
+            self._cos, self._sin = emb.cos().to(self.dtype), sin.to(self.dtype)
         return self._cos[start:end, None, :], self._sin[start:end, None, :]
 
     def forward_packed(
@@ -509,7 +525,7 @@ class Decoder(nn.Module):
                 f"cache.seq_len={cache.seq_len}"
             )
         c = self.config
-        if cache.k.shape[0] != c.n_layers or cache.k.shape[1] != c.n_kv_heads:
+        if cache.k.shape[0] != c.n_layers or cache.k.shape[1] != self.cache_kv_heads:
             raise ValueError("cache was not created for this model (layer/KV-head shape differs)")
         end = start_pos + idx.numel()
         if end > c.max_seq_len:
@@ -524,7 +540,7 @@ class Decoder(nn.Module):
         position start + i) sees keys at positions <= start + i, tiled over the query heads
         that Attention folds into the query axis. Built once per forward, shared by layers."""
         allowed = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
         return mask.repeat(self.config.n_heads // self.config.n_kv_heads, 1)
 
     @torch.inference_mode()
@@ -582,9 +598,15 @@ class Decoder(nn.Module):
                 for seg, last in zip(segs, last_logits_only, strict=True)
             ]
             head_in, counts = hidden[torch.cat(rows)], [r.numel() for r in rows]
-        logits = self.lm_head(head_in).contiguous()
+        logits = self._logits(head_in)
         out, row = [], 0
         for seg, k in zip(segs, counts, strict=True):
-            out.append((logits[row : row + k], hidden[seg.lo : seg.hi]))
+            rows = None if logits is None else logits[row : row + k]
+            out.append((rows, hidden[seg.lo : seg.hi]))
             row += k
         return out
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """LM head over ``hidden [n, hidden_size]``: float32 ``[n, vocab_size]``, contiguous.
+        A tensor-parallel shard overrides it (and returns None on ranks other than 0)."""
+        return self.lm_head(hidden).contiguous()

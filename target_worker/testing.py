@@ -1,22 +1,30 @@
 """Test doubles for running the service end to end without the real model.
 
 ``load_model("tiny-random")`` or ``load_model("tiny-random:vocab=64,seed=0,layers=2")``
-returns a tiny random `Decoder` (`ModelConfig.tiny_test`) and a `TinyTokenizer`. Neither is a
+returns a tiny random `Decoder` (`ModelConfig.tiny_test`; ``dense=1`` swaps its MoE FFN for a
+dense SwiGLU) and a `TinyTokenizer`. Neither is a
 language model: the output is deterministic noise, which is all a plumbing test needs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from .config import ModelConfig
 from .model import Decoder
 
-__all__ = ["TINY_RANDOM", "TinyTokenizer", "is_tiny_random_spec", "load_tiny_random"]
+__all__ = [
+    "TINY_RANDOM",
+    "TinyTokenizer",
+    "is_tiny_random_spec",
+    "load_tiny_random",
+    "tiny_random_config",
+]
 
 #: Model source prefix routed here by `target_worker.load_model`.
 TINY_RANDOM = "tiny-random"
-_DEFAULTS = {"vocab": 64, "seed": 0, "layers": 2}
+_DEFAULTS = {"vocab": 64, "seed": 0, "layers": 2, "dense": 0}
 
 
 class TinyTokenizer:
@@ -78,13 +86,25 @@ def is_tiny_random_spec(source: object) -> bool:
 
 
 def load_tiny_random(spec: str = TINY_RANDOM) -> tuple[Decoder, TinyTokenizer]:
-    """``(Decoder.random(ModelConfig.tiny_test(vocab, n_layers=layers), seed),
-    TinyTokenizer(vocab))`` for ``spec = "tiny-random[:vocab=V,seed=S,layers=L]"``
-    (defaults vocab 64, seed 0, layers 2; any subset, any order).
+    """``(Decoder.random(config, seed), TinyTokenizer(vocab))`` for
+    ``spec = "tiny-random[:vocab=V,seed=S,layers=L,dense=D]"``, config as `tiny_random_config`.
+
+    Raises:
+        As `tiny_random_config`.
+    """
+    config, seed = tiny_random_config(spec)
+    return Decoder.random(config, seed=seed), TinyTokenizer(config.vocab_size)
+
+
+def tiny_random_config(spec: str = TINY_RANDOM) -> tuple[ModelConfig, int]:
+    """``(ModelConfig.tiny_test(vocab, n_layers=layers), seed)`` for
+    ``spec = "tiny-random[:vocab=V,seed=S,layers=L,dense=D]"`` (defaults vocab 64, seed 0,
+    layers 2, dense 0; any subset, any order). ``dense=1`` drops the MoE (dense SwiGLU FFN of
+    ``ffn_dim`` 32). Reads no weights.
 
     Raises:
         ValueError: not such a spec, an unknown or repeated key, a non-integer value,
-            ``vocab < 2``, ``layers < 1`` or ``seed < 0``.
+            ``vocab < 2``, ``layers < 1``, ``seed < 0`` or ``dense`` not 0/1.
     """
     if not is_tiny_random_spec(spec):
         raise ValueError(f"not a tiny-random model spec: {spec!r}")
@@ -106,7 +126,12 @@ def load_tiny_random(spec: str = TINY_RANDOM) -> tuple[Decoder, TinyTokenizer]:
             options[key] = int(value)
         except ValueError:
             raise ValueError(f"tiny-random option {key}={value!r} is not an integer") from None
-    if options["vocab"] < 2 or options["layers"] < 1 or options["seed"] < 0:
-        raise ValueError(f"tiny-random needs vocab >= 2, layers >= 1, seed >= 0: {options}")
+    if (options["vocab"] < 2 or options["layers"] < 1 or options["seed"] < 0
+            or options["dense"] not in (0, 1)):
+        raise ValueError(
+            f"tiny-random needs vocab >= 2, layers >= 1, seed >= 0, dense 0 or 1: {options}"
+        )
     config = ModelConfig.tiny_test(options["vocab"], n_layers=options["layers"])
-    return Decoder.random(config, seed=options["seed"]), TinyTokenizer(options["vocab"])
+    if options["dense"]:
+        config = replace(config, moe=None)
+    return config, options["seed"]

@@ -23,3 +23,10 @@ def test_the_schema_check_rejects_a_broken_config():
     config["available_node_types"]["head"]["not_a_field"] = 1
     with pytest.raises(jsonschema.ValidationError):
         validate_config(config)
+
+
+def test_a_gpu_node_type_fits_a_smollm2_tp3_replica_on_one_node():
+    # A TP replica is a STRICT_PACK placement group: all its GPUs on one node.
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    gpus = [t.get("resources", {}).get("GPU", 0) for t in config["available_node_types"].values()]
+    assert max(gpus) >= 3
