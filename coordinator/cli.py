@@ -253,7 +253,84 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
                        help="require this bearer token (default $SPECD_AUTH_TOKEN)")
     serve.set_defaults(func=cmd_serve)
+    _add_bench_parser(sub)
     return parser
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _add_bench_parser(sub) -> None:
+    bench = sub.add_parser(
+        "bench", help="benchmark specd (plain, fixed, adaptive) against HF transformers, or a "
+                      "running service (--service)")
+    bench.add_argument("--out", default="bench-out", help="report directory (default bench-out)")
+    bench.add_argument("--model", default=None,
+                       help="a Llama-family .gguf or a tiny-random spec (default SmolLM2)")
+    bench.add_argument("--workloads", type=_csv, default=None, metavar="A,B",
+                       help="comma-separated (default all: code_edit,summarise,chat,"
+                            "open_question)")
+    bench.add_argument("--drafters", type=_csv, default=("prompt-lookup",), metavar="A,B",
+                       help="drafter names for the speculative systems (default prompt-lookup)")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--draft-len", type=int, default=10,
+                       help="fixed draft length (specd fixed and HF prompt_lookup_num_tokens)")
+    bench.add_argument("--adaptive-max-draft-len", type=int, default=32,
+                       help="the most drafts the adaptive systems may choose")
+    bench.add_argument("--ngram-size", type=int, default=3)
+    bench.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    bench.add_argument("--no-bare", action="store_true",
+                       help="skip the bare-forward overhead reference")
+    bench.add_argument("--no-plots", action="store_true", help="JSON and Markdown only")
+    bench.add_argument("--threads", type=int, default=None, help="torch threads")
+    bench.add_argument("--service", default=None, metavar="HOST:PORT",
+                       help="benchmark a running `specd serve` instead")
+    bench.add_argument("--concurrency", type=_csv, default=("1", "4", "8", "16"),
+                       metavar="1,4,8,16", help="--service: concurrent streams per level")
+    bench.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"))
+    bench.add_argument("--tls-ca", default=None)
+    bench.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench_report import markdown, service_markdown, write_report
+
+    def progress(line: str) -> None:
+        print(f"[bench] {line}", file=sys.stderr, flush=True)
+
+    import importlib.util
+
+    # Fail before a long run, not after it.
+    if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("the plots need matplotlib: pip install 'specd[bench]' (or --no-plots)")
+
+    if args.service is not None:
+        from .bench_service import ServiceBenchConfig, run_service_bench
+
+        try:
+            levels = tuple(int(c) for c in args.concurrency)
+        except ValueError:
+            raise ValueError(f"--concurrency must be integers, got {args.concurrency}") from None
+        report = run_service_bench(ServiceBenchConfig(
+            service=args.service, workloads=args.workloads, max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats, concurrency=levels, auth_token=args.auth_token,
+            tls_ca=args.tls_ca, model=args.model), progress)
+        text = service_markdown(report)
+    else:
+        from .bench import BenchConfig, run_bench
+
+        report = run_bench(BenchConfig(
+            model=args.model, workloads=args.workloads, drafters=args.drafters,
+            max_new_tokens=args.max_new_tokens, repeats=args.repeats, draft_len=args.draft_len,
+            adaptive_max_draft_len=args.adaptive_max_draft_len, ngram_size=args.ngram_size,
+            hf=not args.no_hf, bare=not args.no_bare, threads=args.threads), progress)
+        text = markdown(report)
+    paths = write_report(report, args.out, plots=not args.no_plots)
+    print(text)
+    progress("wrote " + ", ".join(str(p) for p in paths))
+    return 0
 
 
 def _add_drafter_flags(p: argparse.ArgumentParser) -> None:

@@ -21,8 +21,8 @@ CPU = {1: 0.057, 2: 0.097, 8: 0.097, 16: 0.114, 32: 0.143}
 
 
 def linear(per_token: float, base: float = 1.0) -> ForwardCostModel:
-    """A synthetic cost ``base + per_token * (n - 1)``."""
-    return ForwardCostModel({1: base, 64: base + per_token * 63})
+    """A synthetic cost ``base + per_token * (n - 1)``, frozen (measured steps leave it)."""
+    return ForwardCostModel({1: base, 64: base + per_token * 63}, alpha=0.0)
 
 
 # ---- the chooser ----
