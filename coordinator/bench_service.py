@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from .workloads import Prompt, load_workloads
+from .workloads import Prompt, Workload, load_workloads
 
 __all__ = ["ServiceBenchConfig", "StreamRecord", "run_service_bench"]
 
@@ -101,14 +101,19 @@ def _one_stream(config: ServiceBenchConfig, request, start: float) -> tuple:
     return tokens, times, sizes, time.perf_counter() - start, calls
 
 
-def run_service_bench(config: ServiceBenchConfig, progress=print) -> dict:
+def run_service_bench(config: ServiceBenchConfig, progress=print,
+                      workloads: list[Workload] | None = None) -> dict:
     """Runs every level of every workload; returns the JSON-ready report (``config``,
     ``levels`` rows, ``identity``, ``streams``).
+
+    Args:
+        workloads: instead of ``config.workloads`` (e.g. short prompts for a tiny model).
 
     Raises:
         grpc.RpcError: the service refused or failed a stream.
     """
-    workloads = load_workloads(list(config.workloads) if config.workloads else None)
+    if workloads is None:
+        workloads = load_workloads(list(config.workloads) if config.workloads else None)
     records: list[StreamRecord] = []
     # Warm-up: one short stream in each mode.
     first = workloads[0].prompts[0]

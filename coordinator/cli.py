@@ -115,9 +115,19 @@ def _generate_in_process(args: argparse.Namespace) -> int:
             sys.stdout.write(delta)
             sys.stdout.flush()
 
+    adaptive = None
+    if drafter is not None and not args.no_adaptive:
+        from .adaptive import AdaptiveDraftLength, calibrate
+
+        # A short calibration (~1 s on SmolLM2, 2 cores); the run then keeps it current.
+        context = decoder.config.max_seq_len
+        cache_len = min(256, context // 2)
+        sizes = tuple(n for n in (1, 2, 4, 8, 16, 32) if cache_len + n <= context)
+        adaptive = AdaptiveDraftLength(calibrate(decoder, cache_len=cache_len, sizes=sizes,
+                                                 repeats=1))
     start = time.perf_counter()
     result = speculative_decode_with(decoder, prompt, decoder.new_cache(), drafter, options,
-                                     on_tokens=on_tokens)
+                                     on_tokens=on_tokens, adaptive=adaptive)
     seconds = time.perf_counter() - start
     tail = stream.flush()
     if not args.json:
@@ -141,7 +151,7 @@ def _generate_via_service(args: argparse.Namespace) -> int:
     if address is None:
         service = Service(ServiceConfig(
             model=args.model, port=0, drafter=args.drafter, ngram_size=args.ngram_size,
-            max_draft_len=args.max_draft_len))
+            max_draft_len=args.max_draft_len, adaptive=not args.no_adaptive))
         print("[specd] starting an embedded service (Ray + gRPC)...", file=sys.stderr)
         address = service.start()
     try:
@@ -196,7 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, address=args.address,
         drafter=args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len,
         max_active=args.max_active, target_threads=args.target_threads,
-        tls_cert=args.tls_cert, tls_key=args.tls_key,
+        adaptive=not args.no_adaptive, tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
     ))
     stop = threading.Event()
@@ -336,7 +346,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
     p.add_argument("--ngram-size", type=int, default=3)
-    p.add_argument("--max-draft-len", type=int, default=10)
+    p.add_argument("--max-draft-len", type=int, default=10,
+                   help="most drafts per step (adaptive: the cap it chooses under)")
+    p.add_argument("--no-adaptive", "--fixed-draft-len", dest="no_adaptive",
+                   action="store_true",
+                   help="draft --max-draft-len every step instead of choosing the length "
+                        "(0 included) from measured step cost and running acceptance")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,6 +30,7 @@ class ServiceConfig:
         address: a Ray address to join (``"auto"`` or ``HOST:PORT``); None embeds a local Ray.
         drafter: ``"prompt-lookup"`` or ``"none"``.
         max_active: requests decoding at once; the rest wait.
+        adaptive: choose each request's draft length per step (`Scheduler` ``adaptive``).
         target_threads: torch threads of the target actor.
         drafter_timeout_s: deadline of one Propose call; a miss decodes the step undrafted.
         tls_cert, tls_key: PEM file paths for TLS on the API.
@@ -44,6 +45,7 @@ class ServiceConfig:
     ngram_size: int = 3
     max_draft_len: int = 10
     max_active: int = 32
+    adaptive: bool = True
     target_threads: int = 2
     drafter_timeout_s: float = 1.0
     tls_cert: str | None = None
@@ -87,7 +89,8 @@ class CoordinatorActor:
             self.drafter = DrafterClient(self.drafter_address, timeout_s=cfg.drafter_timeout_s)
             wants_hidden = (await self.drafter.info()).wants_hidden
         self.scheduler = Scheduler(RayTarget(self.target), self.drafter,
-                                   max_active=cfg.max_active, wants_hidden=wants_hidden)
+                                   max_active=cfg.max_active, wants_hidden=wants_hidden,
+                                   adaptive=cfg.adaptive)
         self.scheduler.start()
         servicer = GenerationServicer(
             self.scheduler, tokenizer, vocab_size=info["vocab_size"],

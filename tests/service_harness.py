@@ -26,13 +26,16 @@ class LocalService:
     """Starts everything on a private event loop; ``address`` is the Generation API."""
 
     def __init__(self, ngram_size: int = 2, max_draft_len: int = 6, max_active: int = 16,
-                 auth_token: str | None = None, drafter_timeout_s: float = 2.0):
+                 auth_token: str | None = None, drafter_timeout_s: float = 2.0,
+                 adaptive: bool = True, cost_model=None):
         self.decoder, self.tokenizer = load_model(MODEL)
         self.engine = TargetEngine(self.decoder, max_slots=max_active)
         self.drafter_impl = PromptLookupSpeculator(ngram_size, max_draft_len)
         self.max_active = max_active
         self.auth_token = auth_token
         self.drafter_timeout_s = drafter_timeout_s
+        self.adaptive = adaptive
+        self.cost_model = cost_model
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -45,7 +48,8 @@ class LocalService:
         self.drafter_address = f"127.0.0.1:{drafter_port}"
         self.drafter = DrafterClient(self.drafter_address, timeout_s=self.drafter_timeout_s)
         self.scheduler = Scheduler(LocalTarget(self.engine), self.drafter,
-                                   max_active=self.max_active)
+                                   max_active=self.max_active, adaptive=self.adaptive,
+                                   cost_model=self.cost_model)
         self.scheduler.start()
         servicer = GenerationServicer(
             self.scheduler, self.tokenizer, vocab_size=self.decoder.config.vocab_size,
