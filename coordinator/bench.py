@@ -75,6 +75,9 @@ class RunRecord:
     evaluated_at_position: list[int] = field(default_factory=list)
     accepted_at_position: list[int] = field(default_factory=list)
     draft_lens: list[int] = field(default_factory=list)
+    #: Process CPU time of the decode (after the first token): less sensitive than wall
+    #: time to other processes on a shared machine (with one torch thread, ~ compute).
+    decode_cpu_seconds: float = 0.0
 
     @property
     def decode_seconds(self) -> float:
@@ -82,15 +85,18 @@ class RunRecord:
 
 
 class _FirstToken:
-    """Records when the first generated token appears (an ``on_tokens`` callback)."""
+    """Records when the first generated token appears (an ``on_tokens`` callback), in
+    wall time since ``start`` and as a process CPU-time stamp."""
 
     def __init__(self, start: float):
         self.start = start
         self.at: float | None = None
+        self.cpu_at = time.process_time()
 
     def __call__(self, tokens) -> None:
         if self.at is None:
             self.at = time.perf_counter() - self.start
+            self.cpu_at = time.process_time()
 
 
 class BareForward:
@@ -111,6 +117,7 @@ class BareForward:
             logits = decoder.forward_batch(prompt, 0, cache)
             token = int(logits[-1].argmax())
             first = time.perf_counter() - start
+            cpu_first = time.process_time()
             out = [token]
             pos = len(prompt)
             while len(out) < max_new_tokens and token != eos:
@@ -118,7 +125,9 @@ class BareForward:
                 out.append(token)
                 pos += 1
         seconds = time.perf_counter() - start
-        return _record(self.name, prompt, out, seconds, first, len(out), len(out) - 1)
+        record = _record(self.name, prompt, out, seconds, first, len(out), len(out) - 1)
+        record.decode_cpu_seconds = time.process_time() - cpu_first
+        return record
 
 
 class SpecdSystem:
@@ -143,9 +152,11 @@ class SpecdSystem:
         result = speculative_decode_with(self.decoder, prompt, cache, self.drafter, options,
                                          on_tokens=first, adaptive=adaptive)
         seconds = time.perf_counter() - start
+        cpu_decode = time.process_time() - first.cpu_at
         record = _record(self.name, prompt, result.generated_tokens, seconds,
                          first.at if first.at is not None else seconds,
                          result.forward_calls, result.verification_steps)
+        record.decode_cpu_seconds = cpu_decode
         record.drafted_tokens = result.drafted_tokens
         record.accepted_tokens = result.accepted_tokens
         record.evaluated_at_position = list(result.evaluated_at_position)
@@ -529,21 +540,31 @@ def check_identity(runs: Sequence[RunRecord]) -> dict:
 
 def plain_overhead(runs: Sequence[RunRecord]) -> dict | None:
     """specd-plain's decode ms/token against bare-forward's over all prompts, per repeat;
-    ``overhead`` is the median ratio minus 1 (0.05 = 5% slower than bare forwards). None
-    when either system did not run."""
-    ratios, plain_ms, bare_ms = [], [], []
+    ``overhead`` is the median ratio minus 1 (0.05 = 5% slower than bare forwards), from
+    wall time; ``cpu_overhead`` the same from process CPU time (steadier on a shared
+    machine). None when either system did not run."""
+    rows: dict[str, list[float]] = {"plain": [], "bare": [], "ratio": [], "plain_cpu": [],
+                                    "bare_cpu": [], "cpu_ratio": []}
     for repeat in sorted({r.repeat for r in runs}):
-        sums = {}
+        wall, cpu = {}, {}
         for name in (PLAIN, BARE):
             mine = [r for r in runs if r.repeat == repeat and r.system == name]
             tokens = sum(max(len(r.tokens) - 1, 0) for r in mine)
             if not tokens:
                 return None
-            sums[name] = 1e3 * sum(r.decode_seconds for r in mine) / tokens
-        plain_ms.append(sums[PLAIN])
-        bare_ms.append(sums[BARE])
-        ratios.append(sums[PLAIN] / sums[BARE])
-    if not ratios:
+            wall[name] = 1e3 * sum(r.decode_seconds for r in mine) / tokens
+            cpu[name] = 1e3 * sum(r.decode_cpu_seconds for r in mine) / tokens
+        rows["plain"].append(wall[PLAIN])
+        rows["bare"].append(wall[BARE])
+        rows["ratio"].append(wall[PLAIN] / wall[BARE])
+        rows["plain_cpu"].append(cpu[PLAIN])
+        rows["bare_cpu"].append(cpu[BARE])
+        rows["cpu_ratio"].append(cpu[PLAIN] / cpu[BARE] if cpu[BARE] > 0 else float("nan"))
+    if not rows["ratio"]:
         return None
-    return {"plain_ms_per_token": _median(plain_ms), "bare_ms_per_token": _median(bare_ms),
-            "overhead": _median(ratios) - 1.0, "per_repeat_ratio": ratios}
+    return {"plain_ms_per_token": _median(rows["plain"]),
+            "bare_ms_per_token": _median(rows["bare"]),
+            "overhead": _median(rows["ratio"]) - 1.0, "per_repeat_ratio": rows["ratio"],
+            "plain_cpu_ms_per_token": _median(rows["plain_cpu"]),
+            "bare_cpu_ms_per_token": _median(rows["bare_cpu"]),
+            "cpu_overhead": _median(rows["cpu_ratio"]) - 1.0}

@@ -346,8 +346,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
     p.add_argument("--ngram-size", type=int, default=3)
-    p.add_argument("--max-draft-len", type=int, default=10,
-                   help="most drafts per step (adaptive: the cap it chooses under)")
+    p.add_argument("--max-draft-len", type=int, default=None,
+                   help="most drafts per step (default 32 adaptive: the cap it chooses "
+                        "under; 10 with --no-adaptive)")
     p.add_argument("--no-adaptive", "--fixed-draft-len", dest="no_adaptive",
                    action="store_true",
                    help="draft --max-draft-len every step instead of choosing the length "
@@ -357,6 +358,9 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "max_draft_len", 0) is None:
+        # Adaptive drafting picks its own length, so give it room for long copies.
+        args.max_draft_len = 10 if args.no_adaptive else 32
     # Keep stderr to specd's own lines: Ray's start-up notices are not for this terminal.
     logging.getLogger("ray").setLevel(logging.ERROR)
     try:
