@@ -371,7 +371,7 @@ class AdaptiveDraftLength:
         cost_model: the target's forward cost; may be shared between requests (it describes
             the model and machine, not the request).
         tracker: this request's acceptance; by default a fresh chained tracker with a
-            mildly optimistic prior (``AcceptanceTracker(prior=0.6, prior_weight=1.0,
+            mildly optimistic, light prior (``AcceptanceTracker(prior=0.6, prior_weight=0.5,
             chain=True)``: a first match drafts a few tokens, and a block that lands grows
             the next one quickly). Never share one between requests.
 
@@ -381,7 +381,7 @@ class AdaptiveDraftLength:
     def __init__(self, cost_model: ForwardCostModel, tracker: AcceptanceTracker | None = None):
         self.cost_model = cost_model
         self.tracker = tracker if tracker is not None else AcceptanceTracker(
-            prior=0.6, prior_weight=1.0, chain=True)
+            prior=0.6, prior_weight=0.5, chain=True)
         #: Every length `next_len` returned, in order (observability and tests).
         self.chosen: list[int] = []
         #: True between `next_len` and the `update` that reports its step.
