@@ -115,8 +115,9 @@ def calibrate(
     """Measures a `ForwardCostModel` by timing real forwards on a scratch cache.
 
     Fills a fresh cache with ``cache_len`` tokens, then for each size feeds that many tokens
-    at position ``cache_len`` and truncates back; the bucket is the median of ``repeats``
-    timed runs after one untimed warm-up. Wall-clock, so the result varies run to run.
+    at position ``cache_len`` and truncates back, in ``repeats`` timed rounds over all sizes
+    after an untimed warm-up round; the bucket is the median per size, made non-decreasing in
+    size. Wall-clock, so the result varies run to run.
 
     Args:
         decoder: a `target_worker.Decoder`.
@@ -141,21 +142,32 @@ def calibrate(
         )
     cache = decoder.new_cache(cache_len + max(sizes))
     tokens = [(7 * i + 1) % vocab for i in range(cache_len + max(sizes))]
+    times: dict[int, list[float]] = {int(n): [] for n in sorted(set(sizes))}
     with torch.inference_mode():
         decoder.forward_batch(tokens[:cache_len], 0, cache)
-        points = {}
-        for n in sizes:
-            batch = tokens[cache_len:cache_len + n]
-            times = []
-            for r in range(repeats + 1):
+        # Rounds over all sizes rather than size after size: a burst of load on a shared
+        # machine then hits every size alike instead of bending the curve.
+        for r in range(repeats + 1):
+            for n in times:
                 start = time.perf_counter()
-                decoder.forward_batch_with_hidden(batch, cache_len, cache)
+                decoder.forward_batch_with_hidden(tokens[cache_len:cache_len + n], cache_len,
+                                                  cache)
                 elapsed = time.perf_counter() - start
                 cache.truncate(cache_len)
-                if r:  # the first run is a warm-up
-                    times.append(elapsed)
-            points[int(n)] = sorted(times)[len(times) // 2]
-    return ForwardCostModel(points, alpha=alpha)
+                if r:  # the first round is a warm-up
+                    times[n].append(elapsed)
+    return ForwardCostModel(_monotone(times), alpha=alpha)
+
+
+def _monotone(times: Mapping[int, list[float]]) -> dict[int, float]:
+    """Median per size, made non-decreasing in size (feeding more tokens never costs less;
+    a lower reading for a larger size is noise)."""
+    points, floor = {}, 0.0
+    for n in sorted(times):
+        if times[n]:
+            floor = max(floor, sorted(times[n])[len(times[n]) // 2])
+            points[n] = floor
+    return points
 
 
 async def calibrate_target(
@@ -170,32 +182,33 @@ async def calibrate_target(
     (its call overhead included) or a tensor-parallel group alike.
 
     Prefills a scratch slot with ``cache_len`` copies of token 0, verifies each size at
-    ``cache_len`` (each verify rolls the slot back first) ``repeats`` times after one warm-up,
-    keeps the median per size, and frees the slot. Sizes the model's context cannot fit are
-    skipped; if none fits, or the target fails, the result is a flat model (every size one
-    second), which drafts whenever acceptance is positive until real steps correct it.
+    ``cache_len`` (each verify rolls the slot back first) in ``repeats`` rounds after a
+    warm-up round, keeps the median per size (made non-decreasing), and frees the slot.
+    Sizes the model's context cannot fit are skipped; if none fits, or the target fails,
+    the result is a flat model (every size one second), which drafts whenever acceptance
+    is positive until real steps correct it.
     """
     from target_worker.engine import PrefillItem, VerifyItem
 
     from .sampling import SamplingParams
 
     greedy = SamplingParams()
-    points: dict[int, float] = {}
+    times: dict[int, list[float]] = {int(n): [] for n in sorted(set(sizes))}
     slot = None
     try:
         slot = await target.allocate()
         await target.prefill([PrefillItem(slot=slot, tokens=[0] * cache_len, sampling=greedy)])
-        for n in sizes:
-            times = []
-            for r in range(repeats + 1):
+        for r in range(repeats + 1):  # rounds over all sizes, as in `calibrate`
+            for n in list(times):
                 start = time.perf_counter()
-                await target.verify([VerifyItem(slot=slot, start_pos=cache_len,
-                                                tokens=[0] * n, sampling=greedy)])
-                if r:  # the first run is a warm-up
-                    times.append(time.perf_counter() - start)
-            points[int(n)] = sorted(times)[len(times) // 2]
-    except ValueError:
-        pass  # a size beyond the model's context: keep the sizes measured so far
+                try:
+                    await target.verify([VerifyItem(slot=slot, start_pos=cache_len,
+                                                    tokens=[0] * n, sampling=greedy)])
+                except ValueError:  # beyond the model's context: drop it and larger sizes
+                    times = {m: t for m, t in times.items() if m < n}
+                    break
+                if r:  # the first round is a warm-up
+                    times[n].append(time.perf_counter() - start)
     except Exception:
         logging.getLogger(__name__).exception("forward-cost calibration failed")
     finally:
@@ -204,7 +217,7 @@ async def calibrate_target(
                 await target.free(slot)
             except Exception:
                 logging.getLogger(__name__).exception("freeing the calibration slot failed")
-    return ForwardCostModel(points or {1: 1.0}, alpha=alpha)
+    return ForwardCostModel(_monotone(times) or {1: 1.0}, alpha=alpha)
 
 
 class AcceptanceTracker:

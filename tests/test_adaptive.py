@@ -345,3 +345,11 @@ def test_sampling_with_adaptive_lengths_matches_the_exact_marginals():
     for i in range(max_new):
         tv = np.abs(got[i] - exact[i]).sum() / 2
         assert tv < tv_tolerance(exact[i], seeds), (i, tv, got[i], exact[i])
+
+
+def test_calibration_points_never_decrease_with_size():
+    # A larger size reading cheaper is noise (a burst of load on a smaller size).
+    from coordinator.adaptive import _monotone
+
+    assert _monotone({1: [3.0, 2.0, 2.5], 4: [1.0], 8: [4.0], 16: []}) == {1: 2.5, 4: 2.5,
+                                                                          8: 4.0}
