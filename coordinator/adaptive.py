@@ -16,6 +16,7 @@ the output distribution is unchanged (the rejection rule is lossless at every ``
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -33,7 +34,8 @@ class ForwardCostModel:
     Args:
         points: ``{n_tokens: seconds}``, at least one point, ``n_tokens >= 1``, seconds finite
             and > 0. E.g. ``{1: 0.057, 2: 0.097, 8: 0.097, 16: 0.114, 32: 0.143}``.
-        alpha: EMA weight of a new observation, in ``(0, 1]``.
+        alpha: EMA weight of a new observation, in ``[0, 1]``; 0 freezes the model (a
+            synthetic curve that measured steps must not move).
 
     Raises:
         ValueError: an empty ``points``, a bad key or value, or ``alpha`` out of range.
@@ -42,8 +44,8 @@ class ForwardCostModel:
     def __init__(self, points: Mapping[int, float], alpha: float = 0.2):
         if not points:
             raise ValueError("points must hold at least one measurement")
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         self.alpha = float(alpha)
         self._points: dict[int, float] = {}
         for n, seconds in points.items():
@@ -95,6 +97,8 @@ class ForwardCostModel:
             ValueError: ``n_tokens < 1`` or ``seconds`` not finite and > 0.
         """
         n = self._check(n_tokens, seconds)
+        if self.alpha == 0.0:
+            return
         if n not in self._points:
             self._points[n] = self.cost(n)
             bisect.insort(self._keys, n)
@@ -111,8 +115,9 @@ def calibrate(
     """Measures a `ForwardCostModel` by timing real forwards on a scratch cache.
 
     Fills a fresh cache with ``cache_len`` tokens, then for each size feeds that many tokens
-    at position ``cache_len`` and truncates back; the bucket is the median of ``repeats``
-    timed runs after one untimed warm-up. Wall-clock, so the result varies run to run.
+    at position ``cache_len`` and truncates back, in ``repeats`` timed rounds over all sizes
+    after an untimed warm-up round; the bucket is the median per size, made non-decreasing in
+    size. Wall-clock, so the result varies run to run.
 
     Args:
         decoder: a `target_worker.Decoder`.
@@ -137,21 +142,82 @@ def calibrate(
         )
     cache = decoder.new_cache(cache_len + max(sizes))
     tokens = [(7 * i + 1) % vocab for i in range(cache_len + max(sizes))]
+    times: dict[int, list[float]] = {int(n): [] for n in sorted(set(sizes))}
     with torch.inference_mode():
         decoder.forward_batch(tokens[:cache_len], 0, cache)
-        points = {}
-        for n in sizes:
-            batch = tokens[cache_len:cache_len + n]
-            times = []
-            for r in range(repeats + 1):
+        # Rounds over all sizes rather than size after size: a burst of load on a shared
+        # machine then hits every size alike instead of bending the curve.
+        for r in range(repeats + 1):
+            for n in times:
                 start = time.perf_counter()
-                decoder.forward_batch_with_hidden(batch, cache_len, cache)
+                decoder.forward_batch_with_hidden(tokens[cache_len:cache_len + n], cache_len,
+                                                  cache)
                 elapsed = time.perf_counter() - start
                 cache.truncate(cache_len)
-                if r:  # the first run is a warm-up
-                    times.append(elapsed)
-            points[int(n)] = sorted(times)[len(times) // 2]
-    return ForwardCostModel(points, alpha=alpha)
+                if r:  # the first round is a warm-up
+                    times[n].append(elapsed)
+    return ForwardCostModel(_monotone(times), alpha=alpha)
+
+
+def _monotone(times: Mapping[int, list[float]]) -> dict[int, float]:
+    """Median per size, made non-decreasing in size (feeding more tokens never costs less;
+    a lower reading for a larger size is noise)."""
+    points, floor = {}, 0.0
+    for n in sorted(times):
+        if times[n]:
+            floor = max(floor, sorted(times[n])[len(times[n]) // 2])
+            points[n] = floor
+    return points
+
+
+async def calibrate_target(
+    target,
+    cache_len: int = 128,
+    sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
+    repeats: int = 2,
+    alpha: float = 0.2,
+) -> ForwardCostModel:
+    """`calibrate` through the scheduler's async `Target` interface (allocate, prefill,
+    verify, free), so it measures what a service step costs: a local engine, a Ray actor
+    (its call overhead included) or a tensor-parallel group alike.
+
+    Prefills a scratch slot with ``cache_len`` copies of token 0, verifies each size at
+    ``cache_len`` (each verify rolls the slot back first) in ``repeats`` rounds after a
+    warm-up round, keeps the median per size (made non-decreasing), and frees the slot.
+    Sizes the model's context cannot fit are skipped; if none fits, or the target fails,
+    the result is a flat model (every size one second), which drafts whenever acceptance
+    is positive until real steps correct it.
+    """
+    from target_worker.engine import PrefillItem, VerifyItem
+
+    from .sampling import SamplingParams
+
+    greedy = SamplingParams()
+    times: dict[int, list[float]] = {int(n): [] for n in sorted(set(sizes))}
+    slot = None
+    try:
+        slot = await target.allocate()
+        await target.prefill([PrefillItem(slot=slot, tokens=[0] * cache_len, sampling=greedy)])
+        for r in range(repeats + 1):  # rounds over all sizes, as in `calibrate`
+            for n in list(times):
+                start = time.perf_counter()
+                try:
+                    await target.verify([VerifyItem(slot=slot, start_pos=cache_len,
+                                                    tokens=[0] * n, sampling=greedy)])
+                except ValueError:  # beyond the model's context: drop it and larger sizes
+                    times = {m: t for m, t in times.items() if m < n}
+                    break
+                if r:  # the first round is a warm-up
+                    times[n].append(time.perf_counter() - start)
+    except Exception:
+        logging.getLogger(__name__).exception("forward-cost calibration failed")
+    finally:
+        if slot is not None:
+            try:
+                await target.free(slot)
+            except Exception:
+                logging.getLogger(__name__).exception("freeing the calibration slot failed")
+    return ForwardCostModel(_monotone(times) or {1: 1.0}, alpha=alpha)
 
 
 class AcceptanceTracker:
@@ -170,6 +236,10 @@ class AcceptanceTracker:
         prior_weight: ``w``, pseudo-observations behind the prior, >= 0 (> 0 if the prior
             must stand in for positions never evaluated: with 0 they read as the prior anyway).
         decay: per-step factor on past counts, in ``(0, 1]``; 1 never forgets.
+        chain: position ``i > 0`` shrinks towards position ``i - 1``'s estimate instead of
+            its own prior, so evidence that the first drafts land carries to positions not
+            yet reached (a fully accepted block suggests the next, longer one will land too)
+            and a drafter that misses early reads low everywhere. Position 0 uses the prior.
 
     Raises:
         ValueError: an argument out of range.
@@ -180,6 +250,7 @@ class AcceptanceTracker:
         prior: float | Sequence[float] = 0.5,
         prior_weight: float = 2.0,
         decay: float = 0.9,
+        chain: bool = False,
     ):
         priors = [float(prior)] if isinstance(prior, int | float) else [float(p) for p in prior]
         if not priors or any(not 0.0 <= p <= 1.0 for p in priors):
@@ -191,6 +262,7 @@ class AcceptanceTracker:
         self.priors = priors
         self.prior_weight = float(prior_weight)
         self.decay = float(decay)
+        self.chain = bool(chain)
         self._evaluated: list[float] = []
         self._accepted: list[float] = []
 
@@ -226,13 +298,15 @@ class AcceptanceTracker:
 
     def rates(self, n: int | None = None) -> list[float]:
         """Conditional accept probability per position, ``n`` of them (default: every
-        position evaluated so far); positions never evaluated read as their prior."""
+        position evaluated so far); positions never evaluated read as their prior (with
+        ``chain``: as the position before them)."""
         n = len(self._evaluated) if n is None else n
-        out = []
+        out: list[float] = []
         for i in range(n):
             e = self._evaluated[i] if i < len(self._evaluated) else 0.0
             a = self._accepted[i] if i < len(self._accepted) else 0.0
-            w, p = self.prior_weight, self.prior_at(i)
+            w = self.prior_weight
+            p = out[-1] if self.chain and out else self.prior_at(i)
             out.append((a + w * p) / (e + w) if e + w > 0 else p)
         return out
 
@@ -309,17 +383,22 @@ class AdaptiveDraftLength:
     Args:
         cost_model: the target's forward cost; may be shared between requests (it describes
             the model and machine, not the request).
-        tracker: this request's acceptance; a fresh `AcceptanceTracker()` by default. Never
-            share one between requests.
+        tracker: this request's acceptance; by default a fresh chained tracker with a
+            mildly optimistic, light prior (``AcceptanceTracker(prior=0.6, prior_weight=0.5,
+            chain=True)``: a first match drafts a few tokens, and a block that lands grows
+            the next one quickly). Never share one between requests.
 
     Not thread-safe; one instance per request.
     """
 
     def __init__(self, cost_model: ForwardCostModel, tracker: AcceptanceTracker | None = None):
         self.cost_model = cost_model
-        self.tracker = tracker if tracker is not None else AcceptanceTracker()
+        self.tracker = tracker if tracker is not None else AcceptanceTracker(
+            prior=0.6, prior_weight=0.5, chain=True)
         #: Every length `next_len` returned, in order (observability and tests).
         self.chosen: list[int] = []
+        #: True between `next_len` and the `update` that reports its step.
+        self.awaiting_update = False
 
     def next_len(self, budget: int, drafter_max: int | None = None, batch_tokens: int = 0) -> int:
         """Drafts to request this step, in ``[0, min(budget, drafter_max)]``; 0 means do not
@@ -333,9 +412,20 @@ class AdaptiveDraftLength:
         limit = max(0, budget if drafter_max is None else min(budget, drafter_max))
         k = choose_draft_len(self.tracker.rates(limit), self.cost_model, limit, batch_tokens)
         self.chosen.append(k)
+        self.awaiting_update = True
         return k
 
     def update(self, draft_len: int, accepted: int) -> None:
         """Records a verified step: ``draft_len`` drafts fed, ``accepted`` of them accepted
-        (the accepted prefix). See `AcceptanceTracker.record`."""
+        (the accepted prefix). See `AcceptanceTracker.record`.
+
+        A step that asked for drafts but got none (prompt lookup found no match) is not
+        evidence about acceptance and does not age it either: only steps that verified
+        drafts, or that chose not to draft (so acceptance there is unknown and should fade
+        back towards the prior), are recorded.
+        """
+        asked = self.chosen[-1] if self.awaiting_update and self.chosen else 0
+        self.awaiting_update = False
+        if draft_len == 0 and asked > 0:
+            return
         self.tracker.record(draft_len, accepted)

@@ -116,9 +116,19 @@ def _generate_in_process(args: argparse.Namespace) -> int:
             sys.stdout.write(delta)
             sys.stdout.flush()
 
+    adaptive = None
+    if drafter is not None and not args.no_adaptive:
+        from .adaptive import AdaptiveDraftLength, calibrate
+
+        # A short calibration (~1 s on SmolLM2, 2 cores); the run then keeps it current.
+        context = decoder.config.max_seq_len
+        cache_len = min(256, context // 2)
+        sizes = tuple(n for n in (1, 2, 4, 8, 16, 32) if cache_len + n <= context)
+        adaptive = AdaptiveDraftLength(calibrate(decoder, cache_len=cache_len, sizes=sizes,
+                                                 repeats=1))
     start = time.perf_counter()
     result = speculative_decode_with(decoder, prompt, decoder.new_cache(), drafter, options,
-                                     on_tokens=on_tokens)
+                                     on_tokens=on_tokens, adaptive=adaptive)
     seconds = time.perf_counter() - start
     tail = stream.flush()
     if not args.json:
@@ -142,7 +152,7 @@ def _generate_via_service(args: argparse.Namespace) -> int:
     if address is None:
         service = Service(ServiceConfig(
             model=args.model, port=0, drafter=args.drafter, ngram_size=args.ngram_size,
-            max_draft_len=args.max_draft_len))
+            max_draft_len=args.max_draft_len, adaptive=not args.no_adaptive))
         print("[specd] starting an embedded service (Ray + gRPC)...", file=sys.stderr)
         address = service.start()
     try:
@@ -198,7 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         drafter=args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len,
         max_active=args.max_active, target_threads=args.target_threads,
         tp=args.tp, target_replicas=args.target_replicas, drafters=args.drafters,
-        metrics_port=args.metrics_port,
+        metrics_port=args.metrics_port, adaptive=not args.no_adaptive,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
     ))
@@ -276,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                        help="give up waiting after this long (the scale still completes)")
     scale.set_defaults(func=cmd_scale)
+    _add_bench_parser(sub)
     return parser
 
 
@@ -309,15 +320,101 @@ def cmd_scale(args: argparse.Namespace) -> int:
     return 0
 
 
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _add_bench_parser(sub) -> None:
+    bench = sub.add_parser(
+        "bench", help="benchmark specd (plain, fixed, adaptive) against HF transformers, or a "
+                      "running service (--service)")
+    bench.add_argument("--out", default="bench-out", help="report directory (default bench-out)")
+    bench.add_argument("--model", default=None,
+                       help="a Llama-family .gguf or a tiny-random spec (default SmolLM2)")
+    bench.add_argument("--workloads", type=_csv, default=None, metavar="A,B",
+                       help="comma-separated (default all: code_edit,summarise,chat,"
+                            "open_question)")
+    bench.add_argument("--drafters", type=_csv, default=("prompt-lookup",), metavar="A,B",
+                       help="drafter names for the speculative systems (default prompt-lookup)")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--draft-len", type=int, default=10,
+                       help="fixed draft length (specd fixed and HF prompt_lookup_num_tokens)")
+    bench.add_argument("--adaptive-max-draft-len", type=int, default=32,
+                       help="the most drafts the adaptive systems may choose")
+    bench.add_argument("--ngram-size", type=int, default=3)
+    bench.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    bench.add_argument("--no-bare", action="store_true",
+                       help="skip the bare-forward overhead reference")
+    bench.add_argument("--no-plots", action="store_true", help="JSON and Markdown only")
+    bench.add_argument("--threads", type=int, default=None, help="torch threads")
+    bench.add_argument("--service", default=None, metavar="HOST:PORT",
+                       help="benchmark a running `specd serve` instead")
+    bench.add_argument("--concurrency", type=_csv, default=("1", "4", "8", "16"),
+                       metavar="1,4,8,16", help="--service: concurrent streams per level")
+    bench.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"))
+    bench.add_argument("--tls-ca", default=None)
+    bench.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench_report import markdown, service_markdown, write_report
+
+    def progress(line: str) -> None:
+        print(f"[bench] {line}", file=sys.stderr, flush=True)
+
+    import importlib.util
+
+    # Fail before a long run, not after it.
+    if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("the plots need matplotlib: pip install 'specd[bench]' (or --no-plots)")
+
+    if args.service is not None:
+        from .bench_service import ServiceBenchConfig, run_service_bench
+
+        try:
+            levels = tuple(int(c) for c in args.concurrency)
+        except ValueError:
+            raise ValueError(f"--concurrency must be integers, got {args.concurrency}") from None
+        report = run_service_bench(ServiceBenchConfig(
+            service=args.service, workloads=args.workloads, max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats, concurrency=levels, auth_token=args.auth_token,
+            tls_ca=args.tls_ca, model=args.model), progress)
+        text = service_markdown(report)
+    else:
+        from .bench import BenchConfig, run_bench
+
+        report = run_bench(BenchConfig(
+            model=args.model, workloads=args.workloads, drafters=args.drafters,
+            max_new_tokens=args.max_new_tokens, repeats=args.repeats, draft_len=args.draft_len,
+            adaptive_max_draft_len=args.adaptive_max_draft_len, ngram_size=args.ngram_size,
+            hf=not args.no_hf, bare=not args.no_bare, threads=args.threads), progress)
+        text = markdown(report)
+    paths = write_report(report, args.out, plots=not args.no_plots)
+    print(text)
+    progress("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
     p.add_argument("--ngram-size", type=int, default=3)
-    p.add_argument("--max-draft-len", type=int, default=10)
+    p.add_argument("--max-draft-len", type=int, default=None,
+                   help="most drafts per step (default 32 adaptive: the cap it chooses "
+                        "under; 10 with --no-adaptive)")
+    p.add_argument("--no-adaptive", "--fixed-draft-len", dest="no_adaptive",
+                   action="store_true",
+                   help="draft --max-draft-len every step instead of choosing the length "
+                        "(0 included) from measured step cost and running acceptance")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "max_draft_len", 0) is None:
+        # Adaptive drafting picks its own length, so give it room for long copies.
+        args.max_draft_len = 10 if args.no_adaptive else 32
     # Keep stderr to specd's own lines: Ray's start-up notices are not for this terminal.
     logging.getLogger("ray").setLevel(logging.ERROR)
     try:

@@ -121,8 +121,10 @@ class ReplicaScheduler(Scheduler):
     shared by all replicas, so they are unique service-wide (the drafter pool keys by id)."""
 
     def __init__(self, name: str, target: MeteredTarget, drafter, ids: itertools.count,
-                 max_active: int = 32, wants_hidden: bool = False):
-        super().__init__(target, drafter, max_active=max_active, wants_hidden=wants_hidden)
+                 max_active: int = 32, wants_hidden: bool = False, adaptive: bool = False,
+                 cost_model=None):
+        super().__init__(target, drafter, max_active=max_active, wants_hidden=wants_hidden,
+                         adaptive=adaptive, cost_model=cost_model)
         self.name = name
         self._ids = ids
         self.requests: set[ServiceRequest] = set()
@@ -209,12 +211,19 @@ class Router:
             service without drafters.
         max_active: requests decoding at once per replica.
         drafter_pool: the pool to use (default: a new one).
+        adaptive: choose each request's draft length per step (`Scheduler` ``adaptive``);
+            each replica calibrates its own forward cost unless ``cost_model`` is given.
+        cost_model: a `coordinator.adaptive.ForwardCostModel` shared by every replica
+            (tests); None calibrates per replica.
     """
 
     def __init__(self, replica_factory: ReplicaFactory,
                  drafter_factory: DrafterFactory | None = None, max_active: int = 32,
-                 drafter_pool: DrafterPool | None = None):
+                 drafter_pool: DrafterPool | None = None, adaptive: bool = True,
+                 cost_model=None):
         self.replica_factory = replica_factory
+        self.adaptive = adaptive
+        self.cost_model = cost_model
         self.drafter_factory = drafter_factory
         self.max_active = max_active
         self.pool = drafter_pool or DrafterPool()
@@ -397,7 +406,8 @@ class Router:
     def _add_replica(self, name: str, target: Target, stop, info: dict) -> Replica:
         metered = MeteredTarget(target)
         scheduler = ReplicaScheduler(name, metered, self.pool, self._ids,
-                                     max_active=self.max_active, wants_hidden=self.wants_hidden)
+                                     max_active=self.max_active, wants_hidden=self.wants_hidden,
+                                     adaptive=self.adaptive, cost_model=self.cost_model)
         replica = self.replicas[name] = Replica(name, scheduler, metered, stop, dict(info))
         scheduler.start()
         return replica

@@ -5,6 +5,13 @@ Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023 (arXiv 2302.01318): a
 position is resampled from the normalised residual ``max(0, p - q)``. The output is then
 distributed exactly as ``p`` at every temperature. At temperature 0, ``p`` is a point mass at
 the argmax and the rule reduces to "accept iff the draft is the argmax, else emit the argmax".
+
+For a point-mass draft (``q(x) = 1``, what prompt lookup proposes) the rule is applied in its
+coupled form: the position is drawn from ``p`` with one uniform exactly as plain sampling
+draws it, and the draft is accepted iff the draw equals it. That has the same acceptance
+probability and the same residual, and makes every committed token consume one uniform in
+output order, so seeded output with such a drafter is token-identical to plain decoding at
+any draft length (adaptive or fixed), at every temperature.
 """
 
 from __future__ import annotations
@@ -62,9 +69,18 @@ def _rule(probs: np.ndarray, ids: np.ndarray | None, draft: DraftDist, token: in
     sparse support (``probs[j] = p(ids[j])``, ``ids`` increasing). Tokens outside a sparse
     support have p = 0, where the dense residual ``max(0, 0 - q)`` is 0 too, so both forms
     make the same decisions and draw the same tokens from the same generator state."""
+    q = draft.prob(token)
+    if q >= 1.0:
+        # A point-mass draft (prompt lookup): draw the position exactly as plain decoding
+        # would (one uniform, inverse CDF) and accept iff that draw is the draft. Accepted
+        # with probability p(x) = min(1, p/q) and, on rejection, distributed as p without x,
+        # the normalised residual: the same rule, coupled to plain sampling, so a seeded
+        # request's output never depends on whether or how far it drafted.
+        chosen = rng.sample_from(probs)
+        chosen = chosen if ids is None else int(ids[chosen])
+        return None if chosen == token else chosen
     at, hit = _support_index(ids, probs.shape[0], np.array([token]))
     p = float(probs[at[0]]) if hit[0] else 0.0
-    q = draft.prob(token)
     if q <= 0.0 or p >= q:
         return None
     if rng.uniform() < p / q:  # p < q: a real coin flip

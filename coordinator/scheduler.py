@@ -23,6 +23,7 @@ from typing import Protocol
 
 from drafter_worker import DraftBlock
 
+from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target
 from .speculative import DecodeRequest, SpeculativeOptions
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class ServiceRequest:
     drafter_failures: int = 0
     emitted: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
+    #: This request's draft-length policy when the scheduler is adaptive (made lazily).
+    adaptive: AdaptiveDraftLength | None = None
 
     def push_new_tokens(self) -> None:
         generated = self.decode.generated
@@ -120,14 +123,23 @@ class Scheduler:
         max_active: most requests decoding at once (the rest wait, FIFO).
         wants_hidden: whether the drafter conditions on target hidden states (then the target
             returns them and they travel with each proposal).
+        adaptive: choose each request's draft length per step (0 included) from the step's
+            measured cost and the request's running acceptance (`coordinator.adaptive`);
+            False drafts the full budget every step. Output is the same either way.
+        cost_model: the target's forward cost by tokens per step; None measures it through
+            the target before the first admission (`calibrate_target`). Every verify step
+            then updates it with its own wall time (the whole step, all requests' tokens).
     """
 
     def __init__(self, target: Target, drafter=None, max_active: int = 32,
-                 wants_hidden: bool = False):
+                 wants_hidden: bool = False, adaptive: bool = True,
+                 cost_model: ForwardCostModel | None = None):
         self.target = target
         self.drafter = drafter
         self.max_active = max_active
         self.wants_hidden = wants_hidden and drafter is not None
+        self.adaptive = adaptive and drafter is not None
+        self.cost_model = cost_model
         self.waiting: deque[ServiceRequest] = deque()
         self.active: list[ServiceRequest] = []
         self.stats = SchedulerStats()
@@ -206,6 +218,8 @@ class Scheduler:
                 self.active = []
 
     async def _admit(self) -> None:
+        if self.adaptive and self.cost_model is None:
+            self.cost_model = await calibrate_target(self.target)
         self._drop_cancelled()
         admitted = []
         while self.waiting and len(self.active) + len(admitted) < self.max_active:
@@ -247,12 +261,20 @@ class Scheduler:
                        want_hidden=self._hidden_for(r))
             for r, d in zip(self.active, drafts, strict=True)
         ]
+        began = time.perf_counter()
         outputs = await self.target.verify(items)
+        if self.cost_model is not None:
+            self.cost_model.observe(sum(len(item.tokens) for item in items),
+                                    time.perf_counter() - began)
         self.stats.steps += 1
         self.stats.forward_calls += 1
         still = []
         for req, draft, out in zip(self.active, drafts, outputs, strict=True):
+            accepted_before = req.decode.result.accepted_tokens
             req.decode.on_verify(draft, out.rows, out.hidden)
+            if req.adaptive is not None and req.adaptive.awaiting_update:
+                req.adaptive.update(len(draft), req.decode.result.accepted_tokens
+                                    - accepted_before)
             await self._after_step(req)
             if not req.decode.finished:
                 still.append(req)
@@ -265,12 +287,22 @@ class Scheduler:
         from drafter_worker.client import DrafterUnavailable, ProposeJob
 
         jobs, where = [], []
+        # Tokens already in this step's forward: every request's anchor, plus the drafts
+        # chosen so far (the adaptive choice prices drafts at the margin of the whole step).
+        step_tokens = len(requests)
         for i, req in enumerate(requests):
             budget = req.decode.draft_budget()
             if req.max_draft_len is not None:
                 budget = min(budget, req.max_draft_len)
             if not req.speculate or budget <= 0:
                 continue
+            if self.adaptive and self.cost_model is not None:
+                if req.adaptive is None:
+                    req.adaptive = AdaptiveDraftLength(self.cost_model)
+                budget = req.adaptive.next_len(budget, batch_tokens=step_tokens - 1)
+                step_tokens += budget
+                if budget <= 0:
+                    continue
             jobs.append(ProposeJob(
                 request_id=req.id, history=req.decode.history, max_len=budget,
                 hidden=req.decode.take_hidden() if self.wants_hidden else None,

@@ -34,6 +34,7 @@ class ServiceConfig:
         address: a Ray address to join (``"auto"`` or ``HOST:PORT``); None embeds a local Ray.
         drafter: ``"prompt-lookup"`` or ``"none"``.
         max_active: requests decoding at once per target replica; the rest wait.
+        adaptive: choose each request's draft length per step (`Scheduler` ``adaptive``).
         tp: ranks (tensor-parallel degree) of each target replica.
         target_replicas: target replicas (data parallel) at start, >= 1.
         drafters: drafter workers at start, >= 0 (ignored with ``drafter="none"``).
@@ -54,6 +55,7 @@ class ServiceConfig:
     ngram_size: int = 3
     max_draft_len: int = 10
     max_active: int = 32
+    adaptive: bool = True
     tp: int = 1
     target_replicas: int = 1
     drafters: int = 1
@@ -162,7 +164,7 @@ class CoordinatorActor:
         with_drafter = cfg.drafter != "none"
         self.router = Router(self._start_replica,
                              self._start_drafter if with_drafter else None,
-                             max_active=cfg.max_active)
+                             max_active=cfg.max_active, adaptive=cfg.adaptive)
         await self.router.scale(target_replicas=cfg.target_replicas,
                                 drafters=cfg.drafters if with_drafter else 0)
         info = self.router.model_info()

@@ -13,6 +13,7 @@ once and the losslessness tests cover both.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -347,8 +348,10 @@ def speculative_decode_with(
         on_tokens: called with each step's newly committed tokens, in order (streaming).
         adaptive: this request's `AdaptiveDraftLength`; when given, each step drafts at most
             ``adaptive.next_len(...)`` tokens (0: the drafter is not called) and reports
-            what was accepted. Output stays lossless; seeded sampled output can differ from
-            a run without it, since draft lengths change how the seed's stream is consumed.
+            what was accepted; each forward's time updates ``adaptive.cost_model``. Output
+            stays lossless; with a point-mass drafter (prompt lookup) seeded output is
+            token-identical with and without it (`coordinator.rule`), with a sampling
+            drafter it is identically distributed.
 
     Raises:
         ValueError: empty prompt, ``start_pos != cache.seq_len``, or prompt +
@@ -388,7 +391,10 @@ def speculative_decode_with(
             draft.truncate(budget)
         accepted_before = request.result.accepted_tokens
         batch = request.verify_tokens(draft)
+        began = time.perf_counter()
         logits, hidden = decoder.forward_batch_with_hidden(batch, request.cache_len, cache)
+        if consulted:
+            adaptive.cost_model.observe(len(batch), time.perf_counter() - began)
         keep = request.on_verify(draft, request.rows(logits, draft.tokens),
                                  hidden if wants_hidden else None)
         if cache.seq_len > keep:

@@ -32,7 +32,11 @@ class LocalService:
 
     def __init__(self, ngram_size: int = 2, max_draft_len: int = 6, max_active: int = 16,
                  auth_token: str | None = None, drafter_timeout_s: float = 2.0,
-                 replicas: int = 1, drafters: int = 1):
+                 replicas: int = 1, drafters: int = 1, adaptive: bool = False,
+                 cost_model=None):
+        # Fixed draft lengths by default: adaptive choices depend on measured time, and
+        # tests asserting that drafts were verified need them not to. Adaptive has its own
+        # tests (test_adaptive_service.py).
         self.decoder, self.tokenizer = load_model(MODEL)
         self.drafter_impl = PromptLookupSpeculator(ngram_size, max_draft_len)
         self.max_active = max_active
@@ -42,6 +46,8 @@ class LocalService:
         self.engines: dict[str, TargetEngine] = {}  # live replicas' engines by name
         self.destroyed: dict[str, int] = {}  # destroyed replica -> slots it still held
         self.drafter_servers: dict[str, grpc.aio.Server] = {}
+        self.adaptive = adaptive
+        self.cost_model = cost_model
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -70,7 +76,8 @@ class LocalService:
 
     async def _start(self) -> None:
         self.router = Router(self._start_replica, self._start_drafter,
-                             max_active=self.max_active)
+                             max_active=self.max_active, adaptive=self.adaptive,
+                             cost_model=self.cost_model)
         replicas, drafters = self.initial
         await self.router.scale(target_replicas=replicas, drafters=drafters)
         servicer = GenerationServicer(

@@ -21,8 +21,8 @@ CPU = {1: 0.057, 2: 0.097, 8: 0.097, 16: 0.114, 32: 0.143}
 
 
 def linear(per_token: float, base: float = 1.0) -> ForwardCostModel:
-    """A synthetic cost ``base + per_token * (n - 1)``."""
-    return ForwardCostModel({1: base, 64: base + per_token * 63})
+    """A synthetic cost ``base + per_token * (n - 1)``, frozen (measured steps leave it)."""
+    return ForwardCostModel({1: base, 64: base + per_token * 63}, alpha=0.0)
 
 
 # ---- the chooser ----
@@ -135,6 +135,18 @@ def test_tracker_converges_to_the_observed_rate_and_fades_back_to_the_prior():
     assert tracker.rates(1)[0] == pytest.approx(0.5, abs=1e-3)
 
 
+def test_a_chained_tracker_carries_evidence_to_positions_not_yet_reached():
+    chained = AcceptanceTracker(prior=0.5, prior_weight=1.0, decay=1.0, chain=True)
+    unchained = AcceptanceTracker(prior=0.5, prior_weight=1.0, decay=1.0)
+    for tracker in (chained, unchained):
+        tracker.record(2, 2)  # both drafts accepted
+    assert unchained.rates(4) == pytest.approx([0.75, 0.75, 0.5, 0.5])
+    assert chained.rates(4) == pytest.approx([0.75, 0.875, 0.875, 0.875])
+    miss = AcceptanceTracker(prior=0.5, prior_weight=1.0, decay=1.0, chain=True)
+    miss.record(3, 0)  # an early miss reads low everywhere
+    assert miss.rates(3) == pytest.approx([0.25, 0.25, 0.25])
+
+
 def test_tracker_rejects_impossible_counts():
     tracker = AcceptanceTracker()
     for drafted, accepted in [(-1, 0), (2, 3), (2, -1)]:
@@ -205,6 +217,29 @@ def test_policy_stops_drafting_for_a_drafter_that_never_hits():
     assert policy.chosen == [7, 0, 0, 0]
 
 
+def test_a_step_the_drafter_left_empty_neither_counts_nor_ages_the_evidence():
+    policy = AdaptiveDraftLength(linear(0.0), AcceptanceTracker(decay=0.5, chain=True))
+    assert policy.next_len(10) > 0
+    policy.update(4, 1)
+    after_miss = policy.tracker.rates(3)
+    assert policy.next_len(10) > 0
+    policy.update(0, 0)  # asked for drafts, the drafter had none: no information
+    assert policy.tracker.rates(3) == after_miss
+    assert policy.next_len(0) == 0
+    policy.update(0, 0)  # chose not to draft: the evidence fades towards the prior
+    assert policy.tracker.rates(3) != after_miss
+    assert not policy.awaiting_update
+
+
+def test_a_frozen_cost_model_ignores_measurements():
+    model = ForwardCostModel({1: 1.0, 8: 2.0}, alpha=0.0)
+    model.observe(8, 100.0)
+    model.observe(4, 100.0)
+    assert model.points() == {1: 1.0, 8: 2.0}
+    with pytest.raises(ValueError):
+        ForwardCostModel({1: 1.0}, alpha=1.5)
+
+
 def test_policy_respects_budget_and_drafter_limit():
     policy = AdaptiveDraftLength(linear(0.0), AcceptanceTracker(prior=1.0))
     assert policy.next_len(5, 9) == 5
@@ -260,6 +295,32 @@ def test_default_keeps_the_fixed_budget():
     assert drafter.seen_max_len[0] == 4  # the request's full budget (6 - 2), untouched
 
 
+SAMPLED = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.8, top_k=5),
+    SamplingParams(temperature=1.2, top_p=0.9, repetition_penalty=1.2),
+]
+
+
+@pytest.mark.parametrize("params", SAMPLED, ids=["t1", "topk", "topp-penalty"])
+def test_seeded_sampled_output_is_identical_plain_fixed_and_adaptive(params):
+    # Point-mass drafts are judged by the draw plain sampling makes (coordinator.rule), so
+    # a seed fixes the output whatever the draft lengths.
+    decoder = tiny_decoder(8, seed=3)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    accepted, schedules = 0, set()
+    for seed in range(6):
+        plain = _decode(decoder, prompt, None, None, 24, params, seed)
+        fixed = _decode(decoder, prompt, PromptLookupSpeculator(1, 6), None, 24, params, seed)
+        policy = AdaptiveDraftLength(linear(0.3), AcceptanceTracker(prior=0.6, chain=True))
+        adaptive = _decode(decoder, prompt, PromptLookupSpeculator(1, 6), policy, 24, params,
+                           seed)
+        assert plain.generated_tokens == fixed.generated_tokens == adaptive.generated_tokens
+        accepted += fixed.accepted_tokens + adaptive.accepted_tokens
+        schedules.add(tuple(policy.chosen))
+    assert accepted > 0 and len(schedules) > 1  # drafts landed; lengths varied by seed
+
+
 def test_sampling_with_adaptive_lengths_matches_the_exact_marginals():
     # A draft costs half a forward and the prior (0.6) pays for one, so the policy drafts
     # first, then keeps or drops drafting per seed as drafts land or miss: the rule runs at
@@ -284,3 +345,11 @@ def test_sampling_with_adaptive_lengths_matches_the_exact_marginals():
     for i in range(max_new):
         tv = np.abs(got[i] - exact[i]).sum() / 2
         assert tv < tv_tolerance(exact[i], seeds), (i, tv, got[i], exact[i])
+
+
+def test_calibration_points_never_decrease_with_size():
+    # A larger size reading cheaper is noise (a burst of load on a smaller size).
+    from coordinator.adaptive import _monotone
+
+    assert _monotone({1: [3.0, 2.0, 2.5], 4: [1.0], 8: [4.0], 16: []}) == {1: 2.5, 4: 2.5,
+                                                                          8: 4.0}

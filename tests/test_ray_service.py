@@ -24,8 +24,9 @@ from target_worker import load_model
 
 @pytest.fixture(scope="module")
 def ray_service():
+    # adaptive=False: the assertions below need drafts verified, which a timed choice may skip.
     svc = Service(ServiceConfig(model=MODEL, port=0, ngram_size=2, max_draft_len=6,
-                                target_threads=1, drafter_timeout_s=2.0))
+                                target_threads=1, drafter_timeout_s=2.0, adaptive=False))
     svc.start()
     yield svc
     svc.stop()

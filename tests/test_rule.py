@@ -32,6 +32,27 @@ def test_a_draft_the_target_rules_out_is_always_rejected():
         assert replacement is not None and replacement < 2
 
 
+def test_a_point_mass_draft_is_judged_by_the_draw_plain_sampling_would_make():
+    # The coupled form of the rule: one uniform, the same inverse CDF as plain sampling;
+    # accepted iff that draw is the draft, else the draw is the replacement. Dense and
+    # sparse rows agree.
+    from coordinator.rule import SparseProbRows
+
+    gen = np.random.default_rng(0)
+    accepted = 0
+    for trial in range(300):
+        p = torch.tensor(gen.dirichlet(np.full(6, 0.5)), dtype=torch.float32)
+        p[int(gen.integers(6))] = 0.0  # sparse rows need exact zeros
+        x = int(gen.integers(6))
+        plain = Sampler(trial).sample_from(p)
+        expected = None if plain == x else plain
+        dist = DraftDist.deterministic(x)
+        assert accept_or_resample(p, dist, x, Sampler(trial)) == expected
+        assert SparseProbRows.from_dense(p[None]).judge(0, x, dist, Sampler(trial)) == expected
+        accepted += expected is None
+    assert 0 < accepted < 300
+
+
 def test_a_token_outside_the_drafts_support_is_accepted_as_the_limit_of_p_over_q():
     # Breaks the DraftDist contract; the seed accepts it rather than biasing the output.
     target = torch.tensor([0.1, 0.9])

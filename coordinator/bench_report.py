@@ -1,0 +1,215 @@
+"""Writes a ``specd bench`` report: JSON, a Markdown table and PNG plots (matplotlib, the
+optional ``bench`` extra)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["TARGETS", "check_targets", "markdown", "write_plots", "write_report"]
+
+#: The issue's targets (ratios within one run): (label, workload, numerator system,
+#: denominator system or None for the plain-decode overhead, bound, "ge" | "le").
+TARGETS = (
+    ("code editing: adaptive >= 3.2x specd plain", "code_edit", "specd-prompt-lookup-adaptive",
+     "specd-plain", 3.2, "ge"),
+    ("code editing: adaptive >= 1.2x HF prompt lookup", "code_edit",
+     "specd-prompt-lookup-adaptive", "hf-prompt-lookup", 1.2, "ge"),
+    ("open questions: adaptive >= 0.98x specd plain", "open_question",
+     "specd-prompt-lookup-adaptive", "specd-plain", 0.98, "ge"),
+)
+OVERHEAD_TARGET = 0.10
+
+
+def _row(summary: list[dict], workload: str, prefix: str) -> dict | None:
+    # HF prompt lookup's name carries its draft length (hf-prompt-lookup-k10): match a prefix.
+    for row in summary:
+        if row["workload"] == workload and (row["system"] == prefix
+                                            or row["system"].startswith(prefix + "-k")):
+            return row
+    return None
+
+
+def check_targets(report: dict) -> list[dict]:
+    """Each target with its measured value and whether it is met (None: not measured)."""
+    out = []
+    summary = report["summary"]
+    for label, workload, num, den, bound, how in TARGETS:
+        a, b = _row(summary, workload, num), _row(summary, workload, den)
+        value = None
+        if a is not None and b is not None:
+            if den == "specd-plain":
+                value = a["ratio_to_plain"]
+            elif a["ratio_to_plain"] and b["ratio_to_plain"]:
+                # Both paired against plain in the same repeats: their quotient is paired too.
+                value = a["ratio_to_plain"] / b["ratio_to_plain"]
+        out.append({"target": label, "value": value, "bound": bound,
+                    "met": None if value is None else (value >= bound if how == "ge"
+                                                       else value <= bound)})
+    overhead = report.get("overhead")
+    value = None if overhead is None else overhead["overhead"]
+    out.append({"target": "plain-decode overhead <= 10% over a bare forward", "value": value,
+                "bound": OVERHEAD_TARGET,
+                "met": None if value is None else value <= OVERHEAD_TARGET})
+    return out
+
+
+def _fmt(value, spec: str = ".1f", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+def markdown(report: dict) -> str:
+    """The report as Markdown: the per-workload table, identity, overhead and targets."""
+    cfg = report["config"]
+    env = report["environment"]
+    lines = [
+        f"# specd bench ({env['time_utc']})",
+        "",
+        f"Model {cfg['model'] or 'SmolLM2-135M-Instruct (default)'}, greedy, "
+        f"max_new_tokens={cfg['max_new_tokens']}, repeats={cfg['repeats']}, "
+        f"torch {env['torch']} with {env['torch_threads']} threads on {env['cpus']} CPUs. "
+        "tok/s: median over repeats, prefill included; ms/token: decode only; "
+        "x plain: paired ratio of tok/s to specd-plain in the same repeat.",
+        "",
+        "| workload | system | tok/s | ms/token | x plain | forward calls | acceptance length "
+        "| accept rate per position |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in report["summary"]:
+        per_pos = row["accept_rate_per_position"]
+        per_pos = "-" if not per_pos else " ".join(f"{r:.2f}" for r in per_pos[:10]) + (
+            " ..." if len(per_pos) > 10 else "")
+        lines.append(
+            f"| {row['workload']} | {row['system']} | {_fmt(row['tok_s'])} | "
+            f"{_fmt(row['ms_per_token'])} | {_fmt(row['ratio_to_plain'], '.2f')} | "
+            f"{_fmt(row['forward_calls'], '.0f')} | {_fmt(row['acceptance_length'], '.2f')} | "
+            f"{per_pos} |")
+    ident = report["identity"]
+    lines.append("")
+    if ident["identical"]:
+        lines.append(f"Greedy outputs: identical across all systems and repeats "
+                     f"({ident['compared_runs']} runs).")
+    else:
+        lines.append(f"Greedy outputs: {len(ident['mismatches'])} of {ident['compared_runs']} "
+                     "runs differ from specd-plain:")
+        for m in ident["mismatches"]:
+            lines.append(f"- {m['workload']}/{m['prompt_id']} {m['system']} repeat "
+                         f"{m['repeat']}: first difference at token {m['first_diff']} "
+                         f"(lengths {m['reference_len']} vs {m['len']})")
+    overhead = report.get("overhead")
+    if overhead is not None:
+        lines.append(
+            f"Plain-decode overhead: specd-plain {overhead['plain_ms_per_token']:.1f} ms/token "
+            f"vs bare forward {overhead['bare_ms_per_token']:.1f} ms/token: "
+            f"{100 * overhead['overhead']:+.1f}% (wall time); in process CPU time "
+            f"{overhead['plain_cpu_ms_per_token']:.1f} vs "
+            f"{overhead['bare_cpu_ms_per_token']:.1f} ms/token: "
+            f"{100 * overhead['cpu_overhead']:+.1f}%.")
+    lines += ["", "| target | measured | met |", "|---|---:|---|"]
+    for t in check_targets(report):
+        value = "-" if t["value"] is None else (
+            f"{100 * t['value']:+.1f}%" if "overhead" in t["target"] else f"{t['value']:.2f}x")
+        met = "not measured" if t["met"] is None else ("yes" if t["met"] else "NO")
+        lines.append(f"| {t['target']} | {value} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(report: dict, out: Path) -> list[Path]:
+    """``tok_s.png`` (tok/s bars per workload and system) and ``accept_per_position.png``
+    (accept rate by draft position for the drafting specd systems).
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install 'specd[bench]'``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = report["summary"]
+    workloads = list(dict.fromkeys(r["workload"] for r in summary))
+    systems = list(dict.fromkeys(r["system"] for r in summary))
+    width = 0.8 / max(len(systems), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(workloads)), 4.2))
+    for j, system in enumerate(systems):
+        xs, ys = [], []
+        for i, w in enumerate(workloads):
+            row = next((r for r in summary if r["workload"] == w and r["system"] == system),
+                       None)
+            if row is not None and row["tok_s"] is not None:
+                xs.append(i - 0.4 + width * (j + 0.5))
+                ys.append(row["tok_s"])
+        ax.bar(xs, ys, width, label=system)
+    ax.set_xticks(range(len(workloads)), workloads)
+    ax.set_ylabel("tokens / second (median)")
+    ax.set_title(f"specd bench: greedy, {report['config']['max_new_tokens']} new tokens")
+    ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    paths = [out / "tok_s.png"]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for row in summary:
+        rates = row["accept_rate_per_position"]
+        if rates:
+            ax.plot(range(len(rates)), rates, marker="o", markersize=3,
+                    label=f"{row['workload']} / {row['system']}")
+    ax.set_xlabel("draft position (0 = first after the anchor)")
+    ax.set_ylabel("accept rate, conditional on reaching it")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("per-position accept rate")
+    if ax.lines:
+        ax.legend(fontsize="x-small")
+    fig.tight_layout()
+    paths.append(out / "accept_per_position.png")
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write_report(report: dict, out: str | Path, plots: bool = True) -> list[Path]:
+    """Writes ``bench.json``, ``bench.md`` and (``plots``) the PNGs into ``out`` (created).
+
+    Returns:
+        The written paths.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {**report, "targets": check_targets(report)} if "summary" in report else report
+    paths = [out / "bench.json", out / "bench.md"]
+    paths[0].write_text(json.dumps(report, indent=1) + "\n")
+    paths[1].write_text(markdown(report) if "summary" in report else service_markdown(report))
+    if plots and "summary" in report:
+        paths += write_plots(report, out)
+    return paths
+
+
+def service_markdown(report: dict) -> str:
+    """A ``--service`` report as Markdown: one row per workload, mode and concurrency."""
+    cfg = report["config"]
+    lines = [
+        f"# specd bench --service {cfg['service']} ({report['time_utc']})",
+        "",
+        f"Greedy, max_new_tokens={cfg['max_new_tokens']}; each level runs that many concurrent "
+        "streams over the workload's prompts. Latency per token: gap between streamed chunks "
+        "divided by the chunk's tokens.",
+        "",
+        "| workload | speculation | streams | aggregate tok/s | p50 ms/token | p95 ms/token "
+        "| p50 first token s |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in report["levels"]:
+        lines.append(
+            f"| {row['workload']} | {'on' if row['speculation'] else 'off'} | {row['streams']} "
+            f"| {row['tok_s']:.1f} | {_fmt(row['p50_ms_per_token'])} | "
+            f"{_fmt(row['p95_ms_per_token'])} | {_fmt(row['p50_first_token_s'], '.2f')} |")
+    ident = report["identity"]
+    lines.append("")
+    lines.append("Greedy outputs: " + (
+        f"identical for every prompt at every level ({ident['compared_runs']} streams)."
+        if ident["identical"] else
+        f"{len(ident['mismatches'])} streams differ: " + "; ".join(
+            f"{m['workload']}/{m['prompt_id']} streams={m['streams']}" for m in
+            ident["mismatches"])))
+    return "\n".join(lines) + "\n"
