@@ -43,8 +43,9 @@ def test_adaptive_scheduler_outputs_equal_the_fixed_length_solo_runs(cost):
         elif cost is FLAT:
             assert drafted > 0
         if cost is None:  # measured through the target before the first admission
-            assert service.scheduler.cost_model is not None
-            assert {1, 2, 4, 8} <= set(service.scheduler.cost_model.points())
+            (replica,) = service.scheduler.replicas.values()
+            assert replica.scheduler.cost_model is not None
+            assert {1, 2, 4, 8} <= set(replica.scheduler.cost_model.points())
     finally:
         service.stop()
 
