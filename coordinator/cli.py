@@ -17,18 +17,21 @@ from .sampling import SamplingParams
 from .speculative import SpeculativeOptions, speculative_decode_with
 from .text import TextStream, encode_prompt
 
-DRAFTERS = ("prompt-lookup", "none")
+DRAFTERS = ("prompt-lookup", "eagle", "eagle+lookup", "none")
 
 
-def build_drafter(name: str, ngram_size: int, max_draft_len: int):
+def build_drafter(name: str, ngram_size: int, max_draft_len: int | None, **kwargs):
     """The drafter named on the command line (``None`` for plain decoding).
+
+    ``kwargs`` go to `drafter_worker.server.build_drafter` (``target``, ``model``,
+    ``drafter_path``, ``stop_token_ids`` for the EAGLE drafters).
 
     Raises:
         ValueError: an unknown name or invalid sizes.
     """
     from drafter_worker.server import build_drafter as build_named
 
-    return None if name == "none" else build_named(name, ngram_size, max_draft_len)
+    return None if name == "none" else build_named(name, ngram_size, max_draft_len, **kwargs)
 
 
 def metrics_line(result, seconds: float) -> str:
@@ -95,11 +98,20 @@ def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None
 
 
 def _generate_in_process(args: argparse.Namespace) -> int:
+    from drafter_worker.server import check_drafter
     from target_worker import load_model
 
     sampling = sampling_from_args(args)
-    drafter = build_drafter(args.drafter, args.ngram_size, args.max_draft_len)
+    if args.drafter != "none":
+        check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path)
     decoder, tokenizer = load_model(args.model)
+    # Built after the model: an EAGLE head shares the target's embedding and LM head.
+    drafter = build_drafter(
+        args.drafter, args.ngram_size, args.max_draft_len, target=decoder,
+        drafter_path=args.drafter_path,
+        stop_token_ids=[t for t in (tokenizer.eos_token_id,) if t is not None],
+    ) if args.drafter.startswith("eagle") else build_drafter(
+        args.drafter, args.ngram_size, args.max_draft_len)
     prompt = encode_prompt(tokenizer, args.prompt, args.raw)
     stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     options = SpeculativeOptions(
@@ -131,17 +143,20 @@ def _generate_via_service(args: argparse.Namespace) -> int:
 
     import grpc
 
+    from drafter_worker.server import check_drafter
+
     from .client import generate_request, result_from_final, stream_generate
     from .service import Service, ServiceConfig
 
     sampling_from_args(args)  # validates before any service starts
-    build_drafter(args.drafter, args.ngram_size, args.max_draft_len)
+    if args.drafter != "none":
+        check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path)
     service = None
     address = args.server
     if address is None:
         service = Service(ServiceConfig(
             model=args.model, port=0, drafter=args.drafter, ngram_size=args.ngram_size,
-            max_draft_len=args.max_draft_len))
+            max_draft_len=args.max_draft_len, drafter_path=args.drafter_path))
         print("[specd] starting an embedded service (Ray + gRPC)...", file=sys.stderr)
         address = service.start()
     try:
@@ -195,6 +210,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     service = Service(ServiceConfig(
         model=args.model, host=args.host, port=args.port, address=args.address,
         drafter=args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len,
+        drafter_path=args.drafter_path,
         max_active=args.max_active, target_threads=args.target_threads,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
@@ -253,13 +269,70 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
                        help="require this bearer token (default $SPECD_AUTH_TOKEN)")
     serve.set_defaults(func=cmd_serve)
+    _add_train_drafter_parser(sub)
     return parser
+
+
+def _add_train_drafter_parser(sub) -> None:
+    from drafter_worker.train_eagle import TrainConfig
+
+    d = TrainConfig(out="")
+    tr = sub.add_parser("train-drafter", help="train an EAGLE drafter head for a target, "
+                                              "offline on this machine")
+    tr.add_argument("--out", required=True, help="head file to write (.safetensors); a .json "
+                                                 "recipe and a .png of the curves go next to it")
+    tr.add_argument("--model", default=None, help="target .gguf (default: SmolLM2-135M-Instruct)")
+    tr.add_argument("--data-dir", default=d.data_dir,
+                    help="cache of the target's hidden states (reused when the recipe matches)")
+    tr.add_argument("--max-prompts", type=int, default=d.max_prompts,
+                    help="self-distillation prompts to use (0: all)")
+    tr.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                    help="longest self-distilled answer")
+    tr.add_argument("--stdlib-tokens", type=int, default=d.stdlib_tokens,
+                    help="tokens of Python standard library source to add (0: none)")
+    tr.add_argument("--seq-len", type=int, default=d.seq_len)
+    tr.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                    help="rows of the head's restricted LM head (most frequent tokens)")
+    tr.add_argument("--ffn-dim", type=int, default=d.ffn_dim, help="0: the target's")
+    tr.add_argument("--epochs", type=int, default=d.epochs)
+    tr.add_argument("--batch-size", type=int, default=d.batch_size)
+    tr.add_argument("--lr", type=float, default=d.lr)
+    tr.add_argument("--time-budget-min", type=float, default=0.0,
+                    help="stop training after this many minutes (0: no limit)")
+    tr.add_argument("--threads", type=int, default=d.threads, help="torch threads")
+    tr.add_argument("--seed", type=int, default=d.seed)
+    tr.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib)")
+    tr.set_defaults(func=cmd_train_drafter)
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from drafter_worker.train_eagle import TrainConfig, train
+
+    cfg = TrainConfig(
+        out=args.out, model=args.model, data_dir=args.data_dir, max_prompts=args.max_prompts,
+        max_new_tokens=args.max_new_tokens, stdlib_tokens=args.stdlib_tokens,
+        seq_len=args.seq_len, draft_vocab=args.draft_vocab, ffn_dim=args.ffn_dim,
+        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+        time_budget_s=args.time_budget_min * 60, threads=args.threads, seed=args.seed,
+        plot=not args.no_plot,
+        extra={"command": "specd " + " ".join(sys.argv[1:])},
+    )
+    summary = train(cfg)
+    last = summary["epochs"][-1] if summary["epochs"] else {}
+    print(json.dumps({"out": args.out, "timings_s": summary["timings_s"],
+                      "data": summary["data"], "final_epoch": last}, indent=2))
+    return 0
 
 
 def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
     p.add_argument("--ngram-size", type=int, default=3)
-    p.add_argument("--max-draft-len", type=int, default=10)
+    p.add_argument("--max-draft-len", type=int, default=None,
+                   help="most tokens one proposal drafts (default: 10 for prompt lookup, "
+                        "5 for EAGLE)")
+    p.add_argument("--drafter-path", default=None, metavar="FILE",
+                   help="EAGLE head for --drafter eagle / eagle+lookup (default: the head "
+                        "shipped for SmolLM2; train one with `specd train-drafter`)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,7 +28,8 @@ class ServiceConfig:
             (a random test model).
         host, port: where the Generation API listens (port 0 picks a free one).
         address: a Ray address to join (``"auto"`` or ``HOST:PORT``); None embeds a local Ray.
-        drafter: ``"prompt-lookup"`` or ``"none"``.
+        drafter: ``"prompt-lookup"``, ``"eagle"``, ``"eagle+lookup"`` or ``"none"``.
+        drafter_path: the EAGLE head file (None: the head shipped for SmolLM2).
         max_active: requests decoding at once; the rest wait.
         target_threads: torch threads of the target actor.
         drafter_timeout_s: deadline of one Propose call; a miss decodes the step undrafted.
@@ -42,7 +43,8 @@ class ServiceConfig:
     address: str | None = None
     drafter: str = "prompt-lookup"
     ngram_size: int = 3
-    max_draft_len: int = 10
+    max_draft_len: int | None = 10
+    drafter_path: str | None = None
     max_active: int = 32
     target_threads: int = 2
     drafter_timeout_s: float = 1.0
@@ -84,7 +86,9 @@ class CoordinatorActor:
         info = await self.target.model_info.remote()
         wants_hidden = False
         if self.drafter_address is not None:
-            self.drafter = DrafterClient(self.drafter_address, timeout_s=cfg.drafter_timeout_s)
+            # float16 hidden rows on the wire: half the bytes, ample for a drafter's input.
+            self.drafter = DrafterClient(self.drafter_address, timeout_s=cfg.drafter_timeout_s,
+                                         hidden_dtype="float16")
             wants_hidden = (await self.drafter.info()).wants_hidden
         self.scheduler = Scheduler(RayTarget(self.target), self.drafter,
                                    max_active=cfg.max_active, wants_hidden=wants_hidden)
@@ -138,12 +142,13 @@ class Service:
     """
 
     def __init__(self, config: ServiceConfig):
-        from drafter_worker.server import build_drafter
+        from drafter_worker.server import check_drafter
 
         if (config.tls_cert is None) != (config.tls_key is None):
             raise ValueError("--tls-cert and --tls-key must be given together")
         if config.drafter != "none":
-            build_drafter(config.drafter, config.ngram_size, config.max_draft_len)  # validates
+            check_drafter(config.drafter, config.ngram_size, config.max_draft_len,
+                          config.drafter_path)
         self.config = config
         self.port: int | None = None
         self._actors: list = []
@@ -191,7 +196,7 @@ class Service:
             drafter_address = None
             if cfg.drafter != "none":
                 drafter = self.drafter_actor = DrafterActor.options(num_cpus=0).remote(
-                    cfg.drafter, cfg.ngram_size, cfg.max_draft_len)
+                    cfg.drafter, cfg.ngram_size, cfg.max_draft_len, cfg.model, cfg.drafter_path)
                 self._actors.append(drafter)
                 # Embedded: loopback only. On a cluster the actor may land on another node;
                 # it binds there and answers with its own node's address.
