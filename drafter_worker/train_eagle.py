@@ -88,10 +88,20 @@ class TrainConfig:
 
 
 def stdlib_texts(limit_chars: int) -> list[str]:
-    """Source text of the Python standard library's modules, sorted by path, up to
-    ``limit_chars`` characters in total (test suites and ``site-packages`` skipped)."""
+    """English prose first (the Python reference's topic pages shipped in
+    ``pydoc_data.topics``), then the standard library's module sources sorted by path (test
+    suites and ``site-packages`` skipped), up to ``limit_chars`` characters in total."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out, total = [], 0
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:  # some distributions strip it
+        topics = {}
+    for key in sorted(topics):
+        out.append(topics[key])
+        total += len(topics[key])
+        if total >= limit_chars:
+            return out
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if rel.startswith(("test", "site-packages", "idlelib", "lib2to3", "tkinter")) \
@@ -173,7 +183,7 @@ def _cache_key(cfg: TrainConfig, model_id: str) -> str:
     recipe = {k: getattr(cfg, k) for k in ("max_prompts", "max_new_tokens", "stdlib_tokens",
                                             "seq_len")}
     recipe["model"] = model_id
-    recipe["v"] = 2
+    recipe["v"] = 3
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -349,3 +349,27 @@ def test_training_runs_end_to_end_on_a_tiny_corpus(tmp_path):
     assert (tmp_path / "data").is_dir()  # the hidden-state cache, reused by a second run
     again = train(cfg, decoder, tokenizer, progress=False)
     assert again["data"] == summary["data"]
+
+
+def test_cli_in_process_eagle_gives_the_plain_greedy_output(tmp_path, capsys):
+    from coordinator.cli import main
+    from target_worker.testing import load_tiny_random
+
+    decoder, _ = load_tiny_random("tiny-random:vocab=64,seed=0,layers=2")
+    path = tmp_path / "head.safetensors"
+    tiny_eagle(decoder, vocab_ids=list(range(1, 40))).head.save(path)
+    outputs = {}
+    for drafter in ("none", "eagle", "eagle+lookup"):
+        args = ["generate", "abcabc", "--model", "tiny-random:vocab=64,seed=0,layers=2",
+                "--in-process", "--json", "--max-new-tokens", "12", "--drafter", drafter,
+                "--drafter-path", str(path)]
+        assert main(args) == 0
+        outputs[drafter] = json.loads(capsys.readouterr().out)
+    assert outputs["eagle"]["drafted_tokens"] > 0
+    assert outputs["eagle"]["generated_tokens"] == outputs["none"]["generated_tokens"]
+    assert outputs["eagle+lookup"]["generated_tokens"] == outputs["none"]["generated_tokens"]
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "x", "--in-process", "--drafter", "eagle",
+              "--drafter-path", str(tmp_path / "missing.safetensors")])
+    assert exc.value.code == 2
+    assert "EAGLE head not found" in capsys.readouterr().err
