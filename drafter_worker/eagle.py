@@ -522,6 +522,21 @@ class EagleDrafter:
         self._default = EagleSession(self)
 
     @classmethod
+    def for_model(cls, model: str | os.PathLike | None = None,
+                  path: str | os.PathLike | None = None, max_draft_len: int = 6,
+                  stop_token_ids: Sequence[int] = ()) -> EagleDrafter:
+        """A drafter for the target ``model`` (a `target_worker.load_model` source), loading
+        only its embedding table and LM head (`load_target_head_weights`).
+
+        Raises:
+            FileNotFoundError: no head or model file. ValueError: a head for another shape.
+        """
+        head = EagleHead.load(DEFAULT_HEAD if path is None else path)
+        embed, lm_head = load_target_head_weights(model)
+        return cls(head, embed, lm_head, max_draft_len=max_draft_len,
+                   stop_token_ids=stop_token_ids)
+
+    @classmethod
     def for_target(cls, decoder, path: str | os.PathLike | None = None,
                    max_draft_len: int = 6, stop_token_ids: Sequence[int] = ()) -> EagleDrafter:
         """A drafter sharing ``decoder``'s (a `target_worker.Decoder`) embedding and LM head.
@@ -555,6 +570,40 @@ class EagleDrafter:
                 max_len: int) -> DraftBlock:
         """`Drafter.propose` on the implicit greedy session."""
         return self._default.propose(history, target_hidden, max_len)
+
+
+def load_target_head_weights(model: str | os.PathLike | None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's float32 embedding table and LM head ``[vocab, H]`` each (the same tensor
+    when tied), without keeping the rest of the model.
+
+    Reads just those tensors from the target loader's safetensors cache when it holds the
+    model (a drafter worker then needs ~113 MB for SmolLM2, not 538 MB); otherwise loads the
+    whole decoder once (which also fills that cache) and keeps only them.
+
+    Raises:
+        As `target_worker.loader.load_decoder`.
+    """
+    from target_worker import loader
+    from target_worker.testing import is_tiny_random_spec
+
+    if not is_tiny_random_spec(model):
+        try:
+            from safetensors import safe_open
+
+            path = loader.model_path(model)
+            cached = loader.cache_dir() / "weights" / f"{loader._file_cache_key(path)}.safetensors"
+            if cached.is_file():
+                with safe_open(str(cached), framework="pt") as f:
+                    embed = f.get_tensor("embed_tokens.weight").float()
+                    names = set(f.keys())
+                    head = (f.get_tensor("lm_head.weight").float() if "lm_head.weight" in names
+                            else embed)
+                return embed, head
+        except (AttributeError, KeyError, OSError):  # a changed cache layout: load it all
+            pass
+    decoder = loader.load_decoder(model)
+    return decoder.embed_tokens.weight, decoder.lm_head.weight
 
 
 class LookupThenEagle:

@@ -289,11 +289,11 @@ def build_drafter(name: str, ngram_size: int = 3, max_draft_len: int | None = No
 
         k = EAGLE_MAX_DRAFT_LEN if max_draft_len is None else max_draft_len
         if target is None:
-            from target_worker.loader import load_decoder
-
-            target = load_decoder(model)
-        eagle = EagleDrafter.for_target(target, drafter_path, max_draft_len=k,
-                                        stop_token_ids=stop_token_ids)
+            eagle = EagleDrafter.for_model(model, drafter_path, max_draft_len=k,
+                                           stop_token_ids=stop_token_ids)
+        else:
+            eagle = EagleDrafter.for_target(target, drafter_path, max_draft_len=k,
+                                            stop_token_ids=stop_token_ids)
         if name == "eagle":
             return eagle
         lookup_len = 10 if max_draft_len is None else max_draft_len

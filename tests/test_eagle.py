@@ -323,6 +323,13 @@ def test_head_round_trips_through_a_file_and_build_drafter_loads_it(tmp_path):
     assert loaded.session().propose(history, rows, 4).tokens == \
         drafter.session().propose(history, rows, 4).tokens
     assert torch.equal(loaded.vocab_ids, drafter.vocab_ids)
+    # A worker without the target loaded: only the embedding / LM head of the model source.
+    from target_worker.testing import load_tiny_random
+
+    spec = "tiny-random:vocab=16,seed=0,layers=2"
+    tiny_target = load_tiny_random(spec)[0]
+    by_name = build_drafter("eagle", max_draft_len=4, model=spec, drafter_path=str(path))
+    assert torch.equal(by_name.embed_weight, tiny_target.embed_tokens.weight)
     with pytest.raises(ValueError, match="expects"):
         build_drafter("eagle", target=tiny_decoder(8), drafter_path=str(path))
     with pytest.raises(FileNotFoundError):
