@@ -380,3 +380,54 @@ def test_cli_in_process_eagle_gives_the_plain_greedy_output(tmp_path, capsys):
               "--drafter-path", str(tmp_path / "missing.safetensors")])
     assert exc.value.code == 2
     assert "EAGLE head not found" in capsys.readouterr().err
+
+
+def test_scheduler_with_an_eagle_worker_is_lossless_and_recovers_from_a_lost_reply():
+    from coordinator.scheduler import LocalTarget, Scheduler
+    from drafter_worker.client import DrafterUnavailable
+    from target_worker.engine import TargetEngine
+
+    decoder = tiny_decoder(16, seed=5)
+    drafter = tiny_eagle(decoder, seed=6)
+    prompts = [[1, 5, 2, 9, 3], [4, 4, 7], [2, 8, 1, 6, 6, 3, 2]]
+
+    class LossyClient(DrafterClient):
+        """Every third reply is lost after the worker applied the call."""
+
+        calls = 0
+
+        async def propose(self, jobs):
+            blocks = await super().propose(jobs)
+            LossyClient.calls += 1
+            if LossyClient.calls % 3 == 0:
+                for job in jobs:
+                    self.forget(job.request_id)
+                raise DrafterUnavailable("reply lost (test)")
+            return blocks
+
+    async def main():
+        server, port = await start_drafter_server(drafter)
+        client = LossyClient(f"127.0.0.1:{port}", timeout_s=5, hidden_dtype="float16")
+        sched = Scheduler(LocalTarget(TargetEngine(decoder, max_slots=4)), client,
+                          wants_hidden=True)
+        sched.start()
+        try:
+            reqs = [sched.submit(p, SpeculativeOptions(max_new_tokens=16)) for p in prompts]
+            results = []
+            for req in reqs:
+                while True:
+                    event = await req.events.get()
+                    if not isinstance(event, list):
+                        results.append(event)
+                        break
+            return results, sched.stats.drafter_failures
+        finally:
+            await sched.close()
+            await client.close()
+            await server.stop(None)
+
+    results, failures = run(main())
+    assert failures > 0
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.generated_tokens == plain_decode(decoder, prompt, 16)
+        assert result.drafted_tokens > 0
