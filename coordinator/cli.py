@@ -288,6 +288,8 @@ def _add_train_drafter_parser(sub) -> None:
                     help="self-distillation prompts to use (0: all)")
     tr.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                     help="longest self-distilled answer")
+    tr.add_argument("--gen-batch", type=int, default=d.gen_batch,
+                    help="answers generated together in one packed forward")
     tr.add_argument("--stdlib-tokens", type=int, default=d.stdlib_tokens,
                     help="tokens of Python standard library source to add (0: none)")
     tr.add_argument("--seq-len", type=int, default=d.seq_len)
@@ -310,7 +312,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
     cfg = TrainConfig(
         out=args.out, model=args.model, data_dir=args.data_dir, max_prompts=args.max_prompts,
-        max_new_tokens=args.max_new_tokens, stdlib_tokens=args.stdlib_tokens,
+        max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
+        stdlib_tokens=args.stdlib_tokens,
         seq_len=args.seq_len, draft_vocab=args.draft_vocab, ffn_dim=args.ffn_dim,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
         time_budget_s=args.time_budget_min * 60, threads=args.threads, seed=args.seed,
@@ -329,7 +332,7 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-size", type=int, default=3)
     p.add_argument("--max-draft-len", type=int, default=None,
                    help="most tokens one proposal drafts (default: 10 for prompt lookup, "
-                        "5 for EAGLE)")
+                        "3 for EAGLE)")
     p.add_argument("--drafter-path", default=None, metavar="FILE",
                    help="EAGLE head for --drafter eagle / eagle+lookup (default: the head "
                         "shipped for SmolLM2; train one with `specd train-drafter`)")

@@ -25,7 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--drafter", default="prompt-lookup", choices=DRAFTERS)
     parser.add_argument("--ngram-size", type=int, default=3)
     parser.add_argument("--max-draft-len", type=int, default=None,
-                        help="default: 10 for prompt lookup, 5 for EAGLE")
+                        help="default: 10 for prompt lookup, 3 for EAGLE")
     parser.add_argument("--model", default=None,
                         help="EAGLE: the target .gguf whose embeddings it uses (default SmolLM2)")
     parser.add_argument("--drafter-path", default=None,

@@ -233,7 +233,7 @@ async def start_drafter_server(
 DRAFTERS: tuple[str, ...] = ("prompt-lookup", "eagle", "eagle+lookup")
 
 #: Default draft length of the EAGLE drafters (each drafted token costs a head forward).
-EAGLE_MAX_DRAFT_LEN = 5
+EAGLE_MAX_DRAFT_LEN = 3
 
 
 def check_drafter(name: str, ngram_size: int = 3, max_draft_len: int | None = None,

@@ -51,7 +51,7 @@ class TrainConfig:
     data_dir: str = "eagle-data"
     max_prompts: int = 0  # 0: all of `train_prompts.prompts()`
     max_new_tokens: int = 192
-    gen_batch: int = 32
+    gen_batch: int = 48
     stdlib_tokens: int = 40_000
     seq_len: int = 256
     draft_vocab: int = 8192
