@@ -18,18 +18,21 @@ from .sampling import SamplingParams
 from .speculative import SpeculativeOptions, speculative_decode_with
 from .text import TextStream, encode_prompt
 
-DRAFTERS = ("prompt-lookup", "none")
+DRAFTERS = ("prompt-lookup", "eagle", "eagle+lookup", "none")
 
 
-def build_drafter(name: str, ngram_size: int, max_draft_len: int):
+def build_drafter(name: str, ngram_size: int, max_draft_len: int | None, **kwargs):
     """The drafter named on the command line (``None`` for plain decoding).
+
+    ``kwargs`` go to `drafter_worker.server.build_drafter` (``target``, ``model``,
+    ``drafter_path``, ``stop_token_ids`` for the EAGLE drafters).
 
     Raises:
         ValueError: an unknown name or invalid sizes.
     """
     from drafter_worker.server import build_drafter as build_named
 
-    return None if name == "none" else build_named(name, ngram_size, max_draft_len)
+    return None if name == "none" else build_named(name, ngram_size, max_draft_len, **kwargs)
 
 
 def metrics_line(result, seconds: float) -> str:
@@ -96,11 +99,20 @@ def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None
 
 
 def _generate_in_process(args: argparse.Namespace) -> int:
+    from drafter_worker.server import check_drafter
     from target_worker import load_model
 
     sampling = sampling_from_args(args)
-    drafter = build_drafter(args.drafter, args.ngram_size, args.max_draft_len)
+    if args.drafter != "none":
+        check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path)
     decoder, tokenizer = load_model(args.model)
+    # Built after the model: an EAGLE head shares the target's embedding and LM head.
+    drafter = build_drafter(
+        args.drafter, args.ngram_size, args.max_draft_len, target=decoder,
+        drafter_path=args.drafter_path,
+        stop_token_ids=[t for t in (tokenizer.eos_token_id,) if t is not None],
+    ) if args.drafter.startswith("eagle") else build_drafter(
+        args.drafter, args.ngram_size, args.max_draft_len)
     prompt = encode_prompt(tokenizer, args.prompt, args.raw)
     stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     options = SpeculativeOptions(
@@ -142,17 +154,21 @@ def _generate_via_service(args: argparse.Namespace) -> int:
 
     import grpc
 
+    from drafter_worker.server import check_drafter
+
     from .client import generate_request, result_from_final, stream_generate
     from .service import Service, ServiceConfig
 
     sampling_from_args(args)  # validates before any service starts
-    build_drafter(args.drafter, args.ngram_size, args.max_draft_len)
+    if args.drafter != "none":
+        check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path)
     service = None
     address = args.server
     if address is None:
         service = Service(ServiceConfig(
             model=args.model, port=0, drafter=args.drafter, ngram_size=args.ngram_size,
-            max_draft_len=args.max_draft_len, adaptive=not args.no_adaptive))
+            max_draft_len=args.max_draft_len, adaptive=not args.no_adaptive,
+            drafter_path=args.drafter_path))
         print("[specd] starting an embedded service (Ray + gRPC)...", file=sys.stderr)
         address = service.start()
     try:
@@ -206,6 +222,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     service = Service(ServiceConfig(
         model=args.model, host=args.host, port=args.port, address=args.address,
         drafter=args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len,
+        drafter_path=args.drafter_path,
         max_active=args.max_active, target_threads=args.target_threads,
         tp=args.tp, target_replicas=args.target_replicas, drafters=args.drafters,
         metrics_port=args.metrics_port, adaptive=not args.no_adaptive,
@@ -287,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="give up waiting after this long (the scale still completes)")
     scale.set_defaults(func=cmd_scale)
     _add_bench_parser(sub)
+    _add_train_drafter_parser(sub)
     return parser
 
 
@@ -318,7 +336,6 @@ def cmd_scale(args: argparse.Namespace) -> int:
     print(f"[specd] target_replicas={reply.target_replicas} drafters={reply.drafters} "
           f"added=[{' '.join(reply.added)}] removed=[{' '.join(reply.removed)}]")
     return 0
-
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -397,23 +414,82 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+
+def _add_train_drafter_parser(sub) -> None:
+    from drafter_worker.train_eagle import TrainConfig
+
+    d = TrainConfig(out="")
+    tr = sub.add_parser("train-drafter", help="train an EAGLE drafter head for a target, "
+                                              "offline on this machine")
+    tr.add_argument("--out", required=True, help="head file to write (.safetensors); a .json "
+                                                 "recipe and a .png of the curves go next to it")
+    tr.add_argument("--model", default=None, help="target .gguf (default: SmolLM2-135M-Instruct)")
+    tr.add_argument("--data-dir", default=d.data_dir,
+                    help="cache of the target's hidden states (reused when the recipe matches)")
+    tr.add_argument("--max-prompts", type=int, default=d.max_prompts,
+                    help="self-distillation prompts to use (0: all)")
+    tr.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                    help="longest self-distilled answer")
+    tr.add_argument("--gen-batch", type=int, default=d.gen_batch,
+                    help="answers generated together in one packed forward")
+    tr.add_argument("--stdlib-tokens", type=int, default=d.stdlib_tokens,
+                    help="tokens of Python standard library source to add (0: none)")
+    tr.add_argument("--seq-len", type=int, default=d.seq_len)
+    tr.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                    help="rows of the head's restricted LM head (most frequent tokens)")
+    tr.add_argument("--ffn-dim", type=int, default=d.ffn_dim, help="0: the target's")
+    tr.add_argument("--epochs", type=int, default=d.epochs)
+    tr.add_argument("--batch-size", type=int, default=d.batch_size)
+    tr.add_argument("--lr", type=float, default=d.lr)
+    tr.add_argument("--time-budget-min", type=float, default=0.0,
+                    help="stop training after this many minutes (0: no limit)")
+    tr.add_argument("--threads", type=int, default=d.threads, help="torch threads")
+    tr.add_argument("--seed", type=int, default=d.seed)
+    tr.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib)")
+    tr.set_defaults(func=cmd_train_drafter)
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from drafter_worker.train_eagle import TrainConfig, train
+
+    cfg = TrainConfig(
+        out=args.out, model=args.model, data_dir=args.data_dir, max_prompts=args.max_prompts,
+        max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
+        stdlib_tokens=args.stdlib_tokens,
+        seq_len=args.seq_len, draft_vocab=args.draft_vocab, ffn_dim=args.ffn_dim,
+        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+        time_budget_s=args.time_budget_min * 60, threads=args.threads, seed=args.seed,
+        plot=not args.no_plot,
+        extra={"command": "specd " + " ".join(sys.argv[1:])},
+    )
+    summary = train(cfg)
+    last = summary["epochs"][-1] if summary["epochs"] else {}
+    print(json.dumps({"out": args.out, "timings_s": summary["timings_s"],
+                      "data": summary["data"], "final_epoch": last}, indent=2))
+    return 0
+
+
 def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
     p.add_argument("--ngram-size", type=int, default=3)
     p.add_argument("--max-draft-len", type=int, default=None,
-                   help="most drafts per step (default 32 adaptive: the cap it chooses "
-                        "under; 10 with --no-adaptive)")
+                   help="most drafts per step (default: the cap adaptive chooses under, 32 for "
+                        "prompt lookup; with --no-adaptive 10 for prompt lookup; 3 for EAGLE)")
     p.add_argument("--no-adaptive", "--fixed-draft-len", dest="no_adaptive",
                    action="store_true",
                    help="draft --max-draft-len every step instead of choosing the length "
                         "(0 included) from measured step cost and running acceptance")
+    p.add_argument("--drafter-path", default=None, metavar="FILE",
+                   help="EAGLE head for --drafter eagle / eagle+lookup (default: the head "
+                        "shipped for SmolLM2; train one with `specd train-drafter`)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "max_draft_len", 0) is None:
-        # Adaptive drafting picks its own length, so give it room for long copies.
+    if getattr(args, "max_draft_len", 0) is None and not args.drafter.startswith("eagle"):
+        # Adaptive drafting picks its own length, so give prompt lookup room for long copies;
+        # the EAGLE drafters keep their own default (None: 3 tokens a proposal).
         args.max_draft_len = 10 if args.no_adaptive else 32
     # Keep stderr to specd's own lines: Ray's start-up notices are not for this terminal.
     logging.getLogger("ray").setLevel(logging.ERROR)

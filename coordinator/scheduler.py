@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from drafter_worker import DraftBlock
 
 from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target
@@ -174,7 +176,8 @@ class Scheduler:
         Raises:
             ValueError: an empty prompt or invalid options (from `DecodeRequest`).
         """
-        decode = DecodeRequest(prompt_tokens, options)
+        # Hidden rows are kept whole (float16, what the wire carries) for resends.
+        decode = DecodeRequest(prompt_tokens, options, hidden_dtype=torch.float16)
         req = ServiceRequest(id=f"req-{next(self._ids)}", decode=decode, speculate=speculate,
                              max_draft_len=max_draft_len)
         self.waiting.append(req)
@@ -305,7 +308,7 @@ class Scheduler:
                     continue
             jobs.append(ProposeJob(
                 request_id=req.id, history=req.decode.history, max_len=budget,
-                hidden=req.decode.take_hidden() if self.wants_hidden else None,
+                hidden_log=req.decode.hidden_log() if self.wants_hidden else None,
                 sampling=req.decode.sampling,
                 seed=0 if req.decode.options.seed is None else req.decode.options.seed,
             ))

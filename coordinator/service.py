@@ -32,7 +32,8 @@ class ServiceConfig:
             (a random test model).
         host, port: where the Generation API listens (port 0 picks a free one).
         address: a Ray address to join (``"auto"`` or ``HOST:PORT``); None embeds a local Ray.
-        drafter: ``"prompt-lookup"`` or ``"none"``.
+        drafter: ``"prompt-lookup"``, ``"eagle"``, ``"eagle+lookup"`` or ``"none"``.
+        drafter_path: the EAGLE head file (None: the head shipped for SmolLM2).
         max_active: requests decoding at once per target replica; the rest wait.
         adaptive: choose each request's draft length per step (`Scheduler` ``adaptive``).
         tp: ranks (tensor-parallel degree) of each target replica.
@@ -53,7 +54,8 @@ class ServiceConfig:
     address: str | None = None
     drafter: str = "prompt-lookup"
     ngram_size: int = 3
-    max_draft_len: int = 10
+    max_draft_len: int | None = 10
+    drafter_path: str | None = None
     max_active: int = 32
     adaptive: bool = True
     tp: int = 1
@@ -137,7 +139,7 @@ class CoordinatorActor:
 
         cfg = self.config
         actor = DrafterActor.options(num_cpus=0).remote(
-            cfg.drafter, cfg.ngram_size, cfg.max_draft_len)
+            cfg.drafter, cfg.ngram_size, cfg.max_draft_len, cfg.model, cfg.drafter_path)
         # Embedded: loopback only. On a cluster the actor may land on another node; it binds
         # there and answers with its own node's address.
         host = "127.0.0.1" if cfg.address is None else "0.0.0.0"
@@ -152,7 +154,9 @@ class CoordinatorActor:
             self._drafter_actors.pop(name, None)
             ray.kill(actor)
 
-        return DrafterClient(address, timeout_s=cfg.drafter_timeout_s), stop
+        # float16 hidden rows on the wire: half the bytes, ample for a drafter's input.
+        return DrafterClient(address, timeout_s=cfg.drafter_timeout_s,
+                             hidden_dtype="float16"), stop
 
     async def start(self) -> int:
         """Starts the drafters, the replicas, then the API; returns the bound API port."""
@@ -249,12 +253,13 @@ class Service:
     """
 
     def __init__(self, config: ServiceConfig):
-        from drafter_worker.server import build_drafter
+        from drafter_worker.server import check_drafter
 
         if (config.tls_cert is None) != (config.tls_key is None):
             raise ValueError("--tls-cert and --tls-key must be given together")
         if config.drafter != "none":
-            build_drafter(config.drafter, config.ngram_size, config.max_draft_len)  # validates
+            check_drafter(config.drafter, config.ngram_size, config.max_draft_len,
+                          config.drafter_path)
         from .router import check_count
 
         check_count("target_replicas", config.target_replicas, 1)

@@ -181,7 +181,8 @@ class DecodeRequest:
     generated token except the last, which is the pending anchor fed by the next step.
     """
 
-    def __init__(self, prompt_tokens: Sequence[int], options: SpeculativeOptions):
+    def __init__(self, prompt_tokens: Sequence[int], options: SpeculativeOptions,
+                 hidden_dtype: torch.dtype = torch.float32):
         self.options = options
         self.history: list[int] = [int(t) for t in prompt_tokens]
         if not self.history:
@@ -192,7 +193,10 @@ class DecodeRequest:
         self.pending: int | None = None
         #: Absolute KV length committed in the target cache (the pending anchor's position).
         self.cache_len = options.start_pos
-        self._hidden_rows: list[torch.Tensor] = []
+        # Every committed hidden row, row i = history position i (the pending anchor has
+        # none yet): kept whole so a drafter that lost its state can be sent all of them.
+        self._hidden_log = _RowLog(hidden_dtype)
+        self._hidden_taken = 0
         self._stop_ids = frozenset(options.stop_token_ids)
         self._stop_strings = (
             _StopStrings(options.stop_strings, options.detokenize)
@@ -228,12 +232,19 @@ class DecodeRequest:
 
     def take_hidden(self) -> torch.Tensor | None:
         """Target hidden rows ``[rows, hidden_size]`` committed since the last call (what
-        `Drafter.propose` gets); ``None`` when the target returned none."""
-        if not self._hidden_rows:
+        `Drafter.propose` gets), float32; ``None`` when the target returned none."""
+        log = self._hidden_log.view()
+        if log is None or log.shape[0] == self._hidden_taken:
             return None
-        rows = self._hidden_rows
-        self._hidden_rows = []
-        return rows[0] if len(rows) == 1 else torch.cat(rows)
+        rows = log[self._hidden_taken:].float()
+        self._hidden_taken = log.shape[0]
+        return rows
+
+    def hidden_log(self) -> torch.Tensor | None:
+        """Every committed hidden row, ``[len(history) - 1, hidden_size]`` in this request's
+        ``hidden_dtype`` (row i belongs to history position i); a view, valid until the next
+        step. ``None`` when the target returned none."""
+        return self._hidden_log.view()
 
     def verify_tokens(self, draft: DraftBlock) -> list[int]:
         """The batch to feed at absolute position `cache_len`: anchor + draft tokens."""
@@ -247,7 +258,7 @@ class DecodeRequest:
         self.result.forward_calls += 1
         self.cache_len = self.options.start_pos + self.num_prompt_tokens
         if hidden is not None:
-            self._hidden_rows.append(hidden)
+            self._hidden_log.append(hidden)
         self._commit_anchor(rows.sample(len(rows) - 1, self.rng))
 
     def on_verify(
@@ -289,7 +300,7 @@ class DecodeRequest:
                 return self.cache_len
         self.cache_len = anchor_pos + 1 + accepted
         if hidden is not None:
-            self._hidden_rows.append(hidden[: accepted + 1])
+            self._hidden_log.append(hidden[: accepted + 1])
         if replacement is None:  # every draft accepted: the last row's bonus token
             replacement = rows.sample(accepted, self.rng)
         self._commit_anchor(replacement)
@@ -312,6 +323,39 @@ class DecodeRequest:
         self.pending = token
         if self._emit(token):
             self.pending = None
+
+
+class _RowLog:
+    """An append-only ``[rows, width]`` tensor with amortised O(1) appends (capacity
+    doubles), so keeping every hidden row of a long request costs no quadratic copying."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self._buf: torch.Tensor | None = None
+        self._len = 0
+
+    def append(self, rows: torch.Tensor) -> None:
+        n = rows.shape[0]
+        if self._buf is None:
+            self._buf = torch.empty((max(2 * n, 64), rows.shape[1]), dtype=self.dtype)
+        elif self._len + n > self._buf.shape[0]:
+            grown = torch.empty((max(2 * self._buf.shape[0], self._len + n),
+                                 self._buf.shape[1]), dtype=self.dtype)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[self._len: self._len + n] = rows
+        self._len += n
+
+    def view(self) -> torch.Tensor | None:
+        return None if self._buf is None else self._buf[: self._len]
+
+
+def draft_sampling(params: SamplingParams):
+    """The part of ``params`` a sampling drafter applies (`DraftSamplingParams`)."""
+    from drafter_worker.eagle import DraftSamplingParams
+
+    return DraftSamplingParams(temperature=params.temperature, top_k=params.top_k,
+                               top_p=params.top_p)
 
 
 def check_context(decoder_max_seq_len: int, options: SpeculativeOptions, prompt_len: int) -> None:
@@ -371,6 +415,11 @@ def speculative_decode_with(
     )
     # Hidden rows are kept only for a drafter that conditions on them.
     wants_hidden = drafter is not None and getattr(drafter, "wants_hidden", True)
+    if drafter is not None and hasattr(drafter, "session"):
+        # A drafter with per-request state (its own KV cache) drafts through a fresh session
+        # that samples with this request's transforms (honest q at any temperature).
+        drafter = drafter.session(draft_sampling(options.sampling),
+                                  0 if options.seed is None else options.seed)
     request.on_prefill(request.rows(logits), hidden if wants_hidden else None)
     # The drafter's own cap, where it declares one (prompt lookup's max_draft_len).
     drafter_max = getattr(drafter, "max_draft_len", None) or None

@@ -24,13 +24,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
     parser.add_argument("--drafter", default="prompt-lookup", choices=DRAFTERS)
     parser.add_argument("--ngram-size", type=int, default=3)
-    parser.add_argument("--max-draft-len", type=int, default=10)
+    parser.add_argument("--max-draft-len", type=int, default=None,
+                        help="default: 10 for prompt lookup, 3 for EAGLE")
+    parser.add_argument("--model", default=None,
+                        help="EAGLE: the target .gguf whose embeddings it uses (default SmolLM2)")
+    parser.add_argument("--drafter-path", default=None,
+                        help="EAGLE: head file (default: the head shipped for SmolLM2)")
     return parser.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
     """Runs the server until SIGINT/SIGTERM, then stops it gracefully."""
-    drafter = build_drafter(args.drafter, args.ngram_size, args.max_draft_len)
+    drafter = build_drafter(args.drafter, args.ngram_size, args.max_draft_len,
+                            model=args.model, drafter_path=args.drafter_path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

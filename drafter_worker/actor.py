@@ -27,8 +27,11 @@ class _DrafterActor:
     """
 
     def __init__(self, drafter: str = "prompt-lookup", ngram_size: int = 3,
-                 max_draft_len: int = 10):
-        self.drafter = build_drafter(drafter, ngram_size=ngram_size, max_draft_len=max_draft_len)
+                 max_draft_len: int | None = 10, model: str | None = None,
+                 drafter_path: str | None = None):
+        # model / drafter_path: for the EAGLE drafters (the target's embeddings, the head).
+        self.drafter = build_drafter(drafter, ngram_size=ngram_size, max_draft_len=max_draft_len,
+                                     model=model, drafter_path=drafter_path)
         self._server: grpc.aio.Server | None = None
         self._address: str | None = None
 

@@ -46,6 +46,11 @@ class ProposeJob:
         sampling: the request's sampling parameters (temperature, top-k, top-p travel), or
             None to send none.
         seed: the request's seed (sent modulo 2**64, only together with ``sampling``).
+        hidden_log: instead of ``hidden``: every committed hidden row of the request
+            ``[len(history) - 1, hidden_size]`` (row i = history position i). The client
+            sends the rows the worker lacks: those since its last call, or all of them when
+            it resends the whole history (a new id, a resync, an error), so a drafter with
+            per-request state never misses a row.
     """
 
     request_id: str
@@ -54,6 +59,7 @@ class ProposeJob:
     hidden: torch.Tensor | None = None
     sampling: SamplingParams | None = None
     seed: int = 0
+    hidden_log: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -156,7 +162,16 @@ class DrafterClient:
             append=[int(t) for t in job.history[known:]],
             max_len=job.max_len,
         )
-        if job.hidden is not None:
+        if job.hidden_log is not None:
+            if job.hidden_log.shape[0] != len(job.history) - 1:
+                raise ValueError(
+                    f"request {job.request_id!r}: hidden_log has {job.hidden_log.shape[0]} "
+                    f"rows for a {len(job.history)}-token history (expected one per "
+                    "position but the last)")
+            # Rows for the positions from the worker's anchor (known - 1) on.
+            rows = job.hidden_log[max(known - 1, 0):]
+            item.hidden.CopyFrom(wire.tensor_to_proto(rows, self.hidden_dtype))
+        elif job.hidden is not None:
             item.hidden.CopyFrom(wire.tensor_to_proto(job.hidden, self.hidden_dtype))
         if job.sampling is not None:
             item.sampling.CopyFrom(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,6 +23,7 @@ from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
 from . import wire
 from .draft import DraftBlock, Drafter
+from .eagle import DraftSamplingParams, NeedsResync
 from .prompt_lookup import PromptLookupSpeculator
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.drafter = drafter
         # request id -> the committed history the drafter has seen (prompt first).
         self._histories: dict[str, list[int]] = {}
+        # request id -> its own drafter, for drafters with per-request state (a KV cache):
+        # those expose ``session(sampling, seed)`` (see `drafter_worker.eagle`).
+        self._sessions: dict[str, Drafter] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
 
     # --- gRPC handlers ---------------------------------------------------------------------
@@ -105,8 +110,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         stored = self._histories.get(rid)
         if item.known == 0:
             base: list[int] = []  # a fresh history: replaces any state of a reused id
+            self._sessions.pop(rid, None)
         elif stored is None or len(stored) != item.known:
-            self._histories.pop(rid, None)
+            self._forget(rid)
             return True, DraftBlock.empty()
         else:
             base = stored
@@ -116,18 +122,25 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             # The drafter never sees this step, so the id's view is dropped; the caller's
             # next `known` then mismatches and it resyncs.
             log.exception("request %r: bad hidden tensor", rid)
-            self._histories.pop(rid, None)
+            self._forget(rid)
             return False, DraftBlock.empty()
         history = base + list(item.append)  # a new list: `stored` may be shared
         if not history:
-            self._histories.pop(rid, None)
+            self._forget(rid)
             log.warning("request %r: empty history, nothing to draft from", rid)
             return False, DraftBlock.empty()
         # Committed before drafting: a drafter failure does not change what was committed.
         self._histories[rid] = history
         max_len = int(item.max_len)
+        drafter = self._drafter_for(rid, item)
         try:
-            block = self.drafter.propose(history, hidden, max_len)
+            block = drafter.propose(history, hidden, max_len)
+        except NeedsResync as e:
+            # The drafter's state and the rows sent do not line up (e.g. rows lost with a
+            # failed call): start over with the whole history and every row.
+            log.warning("request %r: %s; asking for a resync", rid, e)
+            self._forget(rid)
+            return True, DraftBlock.empty()
         except Exception:
             log.exception("drafter %s failed for request %r", type(self.drafter).__name__, rid)
             return False, DraftBlock.empty()
@@ -139,10 +152,32 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             block = DraftBlock(block.tokens[:max_len], block.dists[:max_len])
         return False, block
 
+    def _drafter_for(self, rid: str, item: drafter_pb2.ProposeItem) -> Drafter:
+        """The shared drafter, or the id's own session of it (created on first use with the
+        item's sampling transforms and seed)."""
+        make = getattr(self.drafter, "session", None)
+        if make is None:
+            return self.drafter
+        session = self._sessions.get(rid)
+        if session is None:
+            sampling, seed = None, 0
+            if item.HasField("sampling"):
+                s = item.sampling
+                sampling = DraftSamplingParams(temperature=max(0.0, s.temperature),
+                                               top_k=max(0, s.top_k),
+                                               top_p=s.top_p if 0 < s.top_p <= 1 else 1.0)
+                seed = s.seed
+            session = self._sessions[rid] = make(sampling, seed)
+        return session
+
+    def _forget(self, rid: str) -> None:
+        self._histories.pop(rid, None)
+        self._sessions.pop(rid, None)
+
     def release_ids(self, request_ids: list[str]) -> None:
         """Forgets the given ids; unknown ids are ignored."""
         for rid in request_ids:
-            self._histories.pop(rid, None)
+            self._forget(rid)
 
     def history(self, request_id: str) -> list[int] | None:
         """A copy of the drafter's view of ``request_id``, or None if it holds none."""
@@ -195,21 +230,72 @@ async def start_drafter_server(
 
 
 #: Drafter names accepted by `build_drafter`.
-DRAFTERS: tuple[str, ...] = ("prompt-lookup",)
+DRAFTERS: tuple[str, ...] = ("prompt-lookup", "eagle", "eagle+lookup")
+
+#: Default draft length of the EAGLE drafters (each drafted token costs a head forward).
+EAGLE_MAX_DRAFT_LEN = 3
 
 
-def build_drafter(name: str, ngram_size: int = 3, max_draft_len: int = 10) -> Drafter:
+def check_drafter(name: str, ngram_size: int = 3, max_draft_len: int | None = None,
+                  drafter_path: str | None = None) -> None:
+    """Validates `build_drafter`'s arguments without loading any weights (what a service
+    checks before starting workers).
+
+    Raises:
+        ValueError: an unknown name or invalid sizes. FileNotFoundError: a missing head file.
+    """
+    if name not in DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r}; choices: {', '.join(DRAFTERS)}")
+    PromptLookupSpeculator(ngram_size=ngram_size,
+                           max_draft_len=10 if max_draft_len is None else max_draft_len)
+    if name.startswith("eagle"):
+        from .eagle import DEFAULT_HEAD
+
+        path = DEFAULT_HEAD if drafter_path is None else drafter_path
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"EAGLE head not found: {path}")
+
+
+def build_drafter(name: str, ngram_size: int = 3, max_draft_len: int | None = None, *,
+                  model: str | None = None, target=None, drafter_path: str | None = None,
+                  stop_token_ids=()) -> Drafter:
     """Builds a drafter by name.
 
     Args:
-        name: one of `DRAFTERS` ("prompt-lookup": `PromptLookupSpeculator`).
+        name: one of `DRAFTERS`: "prompt-lookup" (`PromptLookupSpeculator`), "eagle"
+            (`drafter_worker.eagle.EagleDrafter`) or "eagle+lookup" (prompt lookup when
+            it matches, EAGLE otherwise: `drafter_worker.eagle.LookupThenEagle`).
         ngram_size: the n-gram length prompt lookup matches.
-        max_draft_len: the most tokens one proposal drafts.
+        max_draft_len: the most tokens one proposal drafts (default 10 for prompt lookup,
+            `EAGLE_MAX_DRAFT_LEN` for the EAGLE head).
+        model: the target the EAGLE head drafts for (a ``.gguf`` path or None for the
+            default model); only its embedding table and LM head are used.
+        target: an already loaded `target_worker.Decoder` to share those weights with
+            (instead of loading ``model``).
+        drafter_path: an EAGLE head file (default: the head shipped for SmolLM2).
+        stop_token_ids: a drafted stop token ends an EAGLE block.
 
     Raises:
         ValueError: an unknown name (the message lists the choices), or sizes the drafter
-            rejects.
+            rejects, or a head that does not fit the target.
+        FileNotFoundError: a missing head or model file.
     """
     if name == "prompt-lookup":
-        return PromptLookupSpeculator(ngram_size=ngram_size, max_draft_len=max_draft_len)
+        return PromptLookupSpeculator(ngram_size=ngram_size,
+                                      max_draft_len=10 if max_draft_len is None
+                                      else max_draft_len)
+    if name in ("eagle", "eagle+lookup"):
+        from .eagle import EagleDrafter, LookupThenEagle
+
+        k = EAGLE_MAX_DRAFT_LEN if max_draft_len is None else max_draft_len
+        if target is None:
+            eagle = EagleDrafter.for_model(model, drafter_path, max_draft_len=k,
+                                           stop_token_ids=stop_token_ids)
+        else:
+            eagle = EagleDrafter.for_target(target, drafter_path, max_draft_len=k,
+                                            stop_token_ids=stop_token_ids)
+        if name == "eagle":
+            return eagle
+        lookup_len = 10 if max_draft_len is None else max_draft_len
+        return LookupThenEagle(PromptLookupSpeculator(ngram_size, lookup_len), eagle)
     raise ValueError(f"unknown drafter {name!r}; choices: {', '.join(DRAFTERS)}")

@@ -1,0 +1,1 @@
+"""Data recipes for training drafters."""

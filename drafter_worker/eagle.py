@@ -1,0 +1,640 @@
+"""EAGLE-1 drafter: one decoder layer on the target's own hidden states.
+
+EAGLE (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
+Uncertainty", arXiv 2401.15077) drafts at the feature level. For every committed position
+``t`` the head takes the target's final-norm hidden state ``h_t`` (the input of the target's
+LM head) and the embedding of the next token ``x_{t+1}`` (the target's frozen embedding
+table), fuses them with a linear layer on the concatenation ``[2H -> H]``, runs one Llama
+decoder layer (with its own KV cache) and predicts ``h_{t+1}``; the target's frozen LM head
+turns the prediction into next-token logits. Drafting k tokens feeds the head its own
+predicted features autoregressively.
+
+The LM head is restricted to a draft vocabulary (the most frequent tokens of the training
+data, as in FR-Spec, arXiv 2502.14856, and EAGLE-3): on a 2-core CPU the full
+49152-row head per drafted token would cost ~20% of a target forward. A token outside the
+draft vocabulary can never be drafted; ``q`` is honest over the subset.
+
+Honest ``q`` (what the rejection rule needs to stay lossless): at temperature 0 the draft is
+the argmax, reported as a point mass; at temperature > 0 each token is sampled from the
+head's softmax after the request's temperature / top-k / top-p (and an own top-`SAMPLE_CAP`
+cut), and exactly that renormalised distribution is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .draft import DraftBlock, DraftDist
+
+#: Most support entries one sampled draft position reports (an own top-k applied before
+#: sampling, so ``q`` stays exact while blocks stay small on the wire).
+SAMPLE_CAP = 64
+
+#: Directory of the heads shipped with the package.
+HEADS_DIR = Path(__file__).resolve().parent / "heads"
+
+#: The head shipped for the default target (SmolLM2-135M-Instruct).
+DEFAULT_HEAD = HEADS_DIR / "smollm2-135m-instruct.safetensors"
+
+
+class NeedsResync(ValueError):
+    """The hidden rows given do not continue what the session holds: the caller must resend
+    the whole history with every hidden row (the gRPC service answers ``resync``)."""
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """Shape of an EAGLE head.
+
+    Attributes:
+        hidden_size: the target's hidden width H (features and embeddings).
+        vocab_size: the target's vocabulary size (embedding / LM-head rows).
+        n_heads, n_kv_heads, head_dim: the decoder layer's attention (grouped-query).
+        ffn_dim: the decoder layer's SwiGLU width.
+        rope_theta, rms_norm_eps: as in the target.
+        draft_vocab_size: rows of the restricted LM head (<= vocab_size).
+
+    Raises:
+        ValueError: naming a non-positive size or an inconsistent head layout.
+    """
+
+    hidden_size: int
+    vocab_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    draft_vocab_size: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "vocab_size", "n_heads", "n_kv_heads", "head_dim",
+                     "ffn_dim", "draft_vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EagleConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} not divisible by n_kv_heads "
+                             f"{self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} > vocab_size "
+                             f"{self.vocab_size}")
+
+    @classmethod
+    def for_target(cls, target_config, draft_vocab_size: int, ffn_dim: int | None = None
+                   ) -> EagleConfig:
+        """A head shaped like one layer of ``target_config`` (a `target_worker.ModelConfig`)."""
+        c = target_config
+        return cls(hidden_size=c.hidden_size, vocab_size=c.vocab_size, n_heads=c.n_heads,
+                   n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                   ffn_dim=ffn_dim or c.ffn_dim, draft_vocab_size=min(draft_vocab_size,
+                                                                      c.vocab_size),
+                   rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps)
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class EagleKvCache:
+    """The head's keys and values for one sequence: ``[n_kv_heads, capacity, head_dim]``
+    float32 each; positions ``[0, length)`` are valid. `truncate` rolls back in O(1)."""
+
+    def __init__(self, config: EagleConfig, capacity: int = 256):
+        shape = (config.n_kv_heads, capacity, config.head_dim)
+        self.k = torch.zeros(shape)
+        self.v = torch.zeros(shape)
+        self.length = 0
+
+    def reserve(self, needed: int) -> None:
+        if needed <= self.k.shape[1]:
+            return
+        cap = self.k.shape[1]
+        while cap < needed:
+            cap *= 2
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.zeros(old.shape[0], cap, old.shape[2])
+            new[:, : self.length] = old[:, : self.length]
+            setattr(self, name, new)
+
+    def truncate(self, n: int) -> None:
+        """Keeps positions ``[0, n)``. Raises ValueError outside ``[0, length]``."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"truncate length must be in [0, {self.length}], got {n}")
+        self.length = n
+
+
+class EagleHead(nn.Module):
+    """The trainable EAGLE-1 head (fc on ``[feature, embedding]`` + one decoder layer).
+
+    The target's embedding table and LM head are not parameters of the head: they are passed
+    in (frozen, shared with the target) and only ``draft_vocab`` (int64 ``[V']``, the token
+    ids of the restricted LM head's rows) is stored with it.
+
+    Weight layout follows `target_worker.model` (``wqkv`` = Q, K, V rows stacked; ``w_gate_up``
+    = gate rows then up rows).
+    """
+
+    def __init__(self, config: EagleConfig):
+        super().__init__()
+        c = self.config = config
+        h = c.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.attn_norm = _RMSNorm(h, c.rms_norm_eps)
+        self.wqkv = nn.Linear(h, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=False)
+        self.wo = nn.Linear(c.n_heads * c.head_dim, h, bias=False)
+        self.ffn_norm = _RMSNorm(h, c.rms_norm_eps)
+        self.w_gate_up = nn.Linear(h, 2 * c.ffn_dim, bias=False)
+        self.w_down = nn.Linear(c.ffn_dim, h, bias=False)
+        self.register_buffer("draft_vocab", torch.arange(c.draft_vocab_size, dtype=torch.long))
+        self._cos = torch.empty(0, c.head_dim)
+        self._sin = torch.empty(0, c.head_dim)
+
+    # ---- construction / persistence ----
+
+    @classmethod
+    def random(cls, config: EagleConfig, seed: int = 0,
+               draft_vocab: torch.Tensor | None = None) -> EagleHead:
+        """A head with small random weights (``torch.Generator(seed)``): fc starts as the
+        identity on the feature half, so an untrained head predicts "same feature again".
+
+        Raises:
+            ValueError: ``draft_vocab`` of the wrong length, duplicated, or out of range.
+        """
+        head = cls(config)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if "norm" in name:
+                    continue
+                if name.endswith("bias"):
+                    p.zero_()
+                    continue
+                std = 1.0 / math.sqrt(p.shape[1])
+                if name in ("wo.weight", "w_down.weight"):
+                    std *= 0.5
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+            h = config.hidden_size
+            head.fc.weight[:, :h] += torch.eye(h)
+        if draft_vocab is not None:
+            head.set_draft_vocab(draft_vocab)
+        return head
+
+    def set_draft_vocab(self, ids: torch.Tensor | Sequence[int]) -> None:
+        """Sets the restricted LM head's token ids (int64 ``[draft_vocab_size]``).
+
+        Raises:
+            ValueError: wrong length, duplicates, or an id outside the target vocabulary.
+        """
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        c = self.config
+        if ids.numel() != c.draft_vocab_size:
+            raise ValueError(f"draft vocabulary has {ids.numel()} ids, config says "
+                             f"{c.draft_vocab_size}")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("draft vocabulary has duplicate token ids")
+        if int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be in [0, {c.vocab_size})")
+        self.draft_vocab = ids.clone()
+
+    def save(self, path: str | os.PathLike, metadata: dict | None = None) -> None:
+        """Writes the head as float16 safetensors with its config (and ``metadata``, e.g. the
+        training recipe) in the file's metadata; the draft vocabulary stays int64."""
+        from safetensors.torch import save_file
+
+        state = {k: (v.half() if v.is_floating_point() else v).contiguous()
+                 for k, v in self.state_dict().items()}
+        meta = {"eagle_config": json.dumps(asdict(self.config))}
+        if metadata:
+            meta["recipe"] = json.dumps(metadata)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> EagleHead:
+        """Loads a head written by `save` (weights upcast to float32).
+
+        Raises:
+            FileNotFoundError: no such file. ValueError: not an EAGLE head file.
+        """
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"EAGLE head not found: {path}")
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if "eagle_config" not in meta:
+            raise ValueError(f"{path} is not an EAGLE head (no eagle_config metadata)")
+        head = cls(EagleConfig(**json.loads(meta["eagle_config"])))
+        state = {k: (v.float() if v.is_floating_point() else v)
+                 for k, v in load_file(str(path)).items()}
+        head.load_state_dict(state)
+        return head.eval()
+
+    # ---- math shared by training and drafting ----
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin ``[len(positions), head_dim]`` (HF rotate_half convention)."""
+        end = int(positions.max()) + 1
+        if end > self._cos.shape[0]:
+            size = max(end, 2 * self._cos.shape[0], 256)
+            d = self.config.head_dim
+            inv = 1.0 / (self.config.rope_theta
+                         ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+            emb = torch.outer(torch.arange(size, dtype=torch.float32), inv)
+            emb = torch.cat((emb, emb), -1)
+            sin = emb.sin()
+            sin[:, : d // 2].neg_()
+            self._cos, self._sin = emb.cos(), sin
+        return self._cos[positions], self._sin[positions]
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((x[..., half:], x[..., :half]), -1) * sin
+
+    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+    def forward(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+        """Training forward over whole sequences (causal, positions from 0).
+
+        Args:
+            features: float32 ``[B, T, H]`` target hidden states ``h_t``.
+            next_embeds: float32 ``[B, T, H]`` embeddings of ``x_{t+1}``.
+
+        Returns:
+            float32 ``[B, T, H]``: the predicted ``h_{t+1}`` for every ``t``.
+        """
+        c = self.config
+        b, t, _ = features.shape
+        x = self.fc(torch.cat((features, next_embeds), -1))
+        qkv = self.wqkv(self.attn_norm(x)).view(b, t, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
+        cos, sin = self._rope(torch.arange(t))
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = self._rotate(qkv[:, :, : c.n_heads], cos, sin).transpose(1, 2)
+        k = self._rotate(qkv[:, :, c.n_heads: c.n_heads + c.n_kv_heads], cos, sin).transpose(1, 2)
+        v = qkv[:, :, c.n_heads + c.n_kv_heads:].transpose(1, 2)
+        group = c.n_heads // c.n_kv_heads
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(o.transpose(1, 2).reshape(b, t, c.n_heads * c.head_dim))
+        return x + self._ffn(self.ffn_norm(x))
+
+    @torch.inference_mode()
+    def step(self, features: torch.Tensor, next_embeds: torch.Tensor,
+             cache: EagleKvCache) -> torch.Tensor:
+        """Drafting forward: ``n`` new positions appended at ``cache.length``.
+
+        Args:
+            features: float32 ``[n, H]``; next_embeds: float32 ``[n, H]``.
+            cache: written at positions ``[length, length + n)``; ``length`` grows by n.
+
+        Returns:
+            float32 ``[n, H]`` predicted next features.
+        """
+        from target_worker.model import fast_linear  # MKL-friendly small-n matmul
+
+        c = self.config
+        n = features.shape[0]
+        start = cache.length
+        x = fast_linear(torch.cat((features, next_embeds), -1), self.fc.weight, self.fc.bias)
+        qkv = fast_linear(self.attn_norm(x), self.wqkv.weight).reshape(
+            n, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
+        cos, sin = self._rope(torch.arange(start, start + n))
+        qk = self._rotate(qkv[:, : c.n_heads + c.n_kv_heads], cos[:, None], sin[:, None])
+        end = start + n
+        cache.reserve(end)
+        cache.k[:, start:end] = qk[:, c.n_heads:].transpose(0, 1)
+        cache.v[:, start:end] = qkv[:, c.n_heads + c.n_kv_heads:].transpose(0, 1)
+        cache.length = end
+        kvh, g, d = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
+        q = qk[:, : c.n_heads].reshape(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
+        scores = torch.bmm(q, cache.k[:, :end].transpose(1, 2)) / math.sqrt(d)
+        if n > 1:
+            allowed = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+            scores = scores.masked_fill(~allowed.repeat(g, 1), float("-inf"))
+        o = torch.bmm(torch.softmax(scores, -1), cache.v[:, :end])
+        o = o.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, c.n_heads * d)
+        x = x + fast_linear(o, self.wo.weight)
+        y = self.ffn_norm(x)
+        gate, up = fast_linear(y, self.w_gate_up.weight).split(c.ffn_dim, -1)
+        return x + fast_linear(F.silu(gate) * up, self.w_down.weight)
+
+
+@dataclass(frozen=True)
+class DraftSamplingParams:
+    """The request transforms a sampling drafter applies before sampling (0 / 1.0 = off).
+
+    Raises:
+        ValueError: negative temperature or top_k, or top_p outside (0, 1].
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0 or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def draft_distribution(logits: torch.Tensor, sampling: DraftSamplingParams
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution a sampled draft position is drawn from.
+
+    Args:
+        logits: float32 ``[V']`` over the draft vocabulary.
+
+    Returns:
+        ``(indices int64 [s], probs float64 [s])``: the support (indices into ``logits``)
+        after temperature, top-k (capped at `SAMPLE_CAP`) and top-p, renormalised; sorted
+        by decreasing probability.
+    """
+    k = min(sampling.top_k or SAMPLE_CAP, SAMPLE_CAP, logits.numel())
+    values, idx = torch.topk(logits.double() / sampling.temperature, k)
+    probs = torch.softmax(values, 0)
+    if sampling.top_p < 1.0:
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        before = torch.cumsum(probs, 0) - probs
+        keep = before < sampling.top_p
+        probs, idx = probs[keep], idx[keep]
+        probs = probs / probs.sum()
+    return idx, probs
+
+
+class EagleSession:
+    """One request's EAGLE drafting state: the head's KV cache over committed positions.
+
+    Implements `Drafter`. ``propose(history, target_hidden, max_len)`` accepts, for the same
+    request, either the hidden rows committed since its previous call (``len(history) -
+    len(previous history)`` rows: it extends its cache) or every row of the history
+    (``len(history) - 1`` rows: it starts over). After drafting, the cache is rolled back to
+    the committed positions, so the next call continues from exactly the state a fresh
+    session would reach on the same committed prefix.
+
+    Raises (from ``propose``):
+        NeedsResync: rows that neither continue the session nor cover the whole history.
+    """
+
+    wants_hidden = True
+
+    def __init__(self, drafter: EagleDrafter, sampling: DraftSamplingParams | None = None,
+                 seed: int = 0):
+        self.drafter = drafter
+        self.sampling = sampling or DraftSamplingParams()
+        self.generator = torch.Generator().manual_seed(int(seed) & ((1 << 63) - 1))
+        self.max_draft_len = drafter.max_draft_len
+        self.cache = EagleKvCache(drafter.head.config)
+        self.tokens: list[int] = []  # history whose pairs (h_t, x_{t+1}) are in the cache
+        self._feature: torch.Tensor | None = None  # predicted feature after the last pair
+
+    def reset(self) -> None:
+        self.cache.truncate(0)
+        self.tokens = []
+        self._feature = None
+
+    def _ingest(self, history: Sequence[int], rows: torch.Tensor) -> None:
+        n = len(history)
+        if rows.dim() != 2 or rows.shape[1] != self.drafter.head.config.hidden_size:
+            raise ValueError(f"hidden rows must be [rows, {self.drafter.head.config.hidden_size}]"
+                             f", got {tuple(rows.shape)}")
+        continues = (bool(self.tokens) and len(self.tokens) <= n
+                     and rows.shape[0] == n - len(self.tokens)
+                     and list(history[: len(self.tokens)]) == self.tokens)
+        if not continues:
+            if rows.shape[0] != n - 1:
+                self.reset()
+                raise NeedsResync(
+                    f"{rows.shape[0]} hidden rows neither continue the {len(self.tokens)} "
+                    f"committed tokens nor cover the {n}-token history")
+            self.reset()
+        if rows.shape[0] == 0:
+            return
+        start = self.cache.length  # == len(self.tokens) - 1, or 0 when fresh
+        nxt = torch.as_tensor(list(history[start + 1: n]), dtype=torch.long)
+        out = self.drafter.head.step(rows.float(), self.drafter.embed(nxt), self.cache)
+        self._feature = out[-1:]
+        self.tokens = list(history)
+
+    @torch.inference_mode()
+    def propose(self, history: Sequence[int], target_hidden: torch.Tensor | None,
+                max_len: int) -> DraftBlock:
+        """See the class docstring and `Drafter`. Empty block when there are no rows yet."""
+        if target_hidden is not None:
+            self._ingest(history, target_hidden)
+        elif list(history) != self.tokens:
+            self.reset()
+            return DraftBlock.empty()
+        k = min(max_len, self.max_draft_len)
+        if k <= 0 or self._feature is None:
+            return DraftBlock.empty()
+        drafter = self.drafter
+        committed = self.cache.length
+        feature = self._feature
+        tokens, dists = [], []
+        try:
+            for i in range(k):
+                logits = drafter.draft_logits(feature)[0]
+                if self.sampling.temperature == 0.0:
+                    j = int(torch.argmax(logits))
+                    token = int(drafter.vocab_ids[j])
+                    dist = DraftDist.deterministic(token)
+                else:
+                    idx, probs = draft_distribution(logits, self.sampling)
+                    pick = int(torch.multinomial(probs, 1, generator=self.generator))
+                    ids = drafter.vocab_ids[idx]
+                    token = int(ids[pick])
+                    dist = DraftDist.from_support(zip(ids.tolist(), probs.tolist(), strict=True))
+                tokens.append(token)
+                dists.append(dist)
+                if token in drafter.stop_token_ids or i == k - 1:
+                    break
+                feature = drafter.head.step(
+                    feature, drafter.embed(torch.tensor([token])), self.cache)
+        finally:
+            self.cache.truncate(committed)  # roll back to the committed prefix
+        return DraftBlock(tokens, dists)
+
+
+class EagleDrafter:
+    """EAGLE-1 drafter over a frozen target embedding / LM head (see module docstring).
+
+    As a `Drafter` it keeps one implicit greedy session (for in-process use with one request
+    at a time); `session` makes an independent per-request one (what the gRPC service and
+    `coordinator.speculative_decode_with` use).
+
+    Args:
+        head: a trained `EagleHead`.
+        embed_weight: float32 ``[vocab, H]`` target embedding table (shared, not copied).
+        lm_head_weight: float32 ``[vocab, H]`` target LM head (the embedding when tied).
+        max_draft_len: most tokens one proposal drafts.
+        stop_token_ids: a drafted stop token ends the block (nothing follows it).
+
+    Raises:
+        ValueError: weights whose shape does not match the head, or max_draft_len < 1.
+    """
+
+    wants_hidden = True
+
+    def __init__(self, head: EagleHead, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor, max_draft_len: int = 6,
+                 stop_token_ids: Sequence[int] = ()):
+        c = head.config
+        for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
+            if tuple(w.shape) != (c.vocab_size, c.hidden_size):
+                raise ValueError(f"{name} has shape {tuple(w.shape)}, the head expects "
+                                 f"{(c.vocab_size, c.hidden_size)}")
+        if max_draft_len < 1:
+            raise ValueError(f"max_draft_len must be >= 1, got {max_draft_len}")
+        self.head = head.eval()
+        self.embed_weight = embed_weight.detach()
+        self.vocab_ids = head.draft_vocab.clone()
+        # Restricted LM head: only the draft vocabulary's rows, contiguous for fast matmuls.
+        self.lm_sub = lm_head_weight.detach()[self.vocab_ids].float().contiguous()
+        self.max_draft_len = int(max_draft_len)
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self._default = EagleSession(self)
+
+    @classmethod
+    def for_model(cls, model: str | os.PathLike | None = None,
+                  path: str | os.PathLike | None = None, max_draft_len: int = 6,
+                  stop_token_ids: Sequence[int] = ()) -> EagleDrafter:
+        """A drafter for the target ``model`` (a `target_worker.load_model` source), loading
+        only its embedding table and LM head (`load_target_head_weights`).
+
+        Raises:
+            FileNotFoundError: no head or model file. ValueError: a head for another shape.
+        """
+        head = EagleHead.load(DEFAULT_HEAD if path is None else path)
+        embed, lm_head = load_target_head_weights(model)
+        return cls(head, embed, lm_head, max_draft_len=max_draft_len,
+                   stop_token_ids=stop_token_ids)
+
+    @classmethod
+    def for_target(cls, decoder, path: str | os.PathLike | None = None,
+                   max_draft_len: int = 6, stop_token_ids: Sequence[int] = ()) -> EagleDrafter:
+        """A drafter sharing ``decoder``'s (a `target_worker.Decoder`) embedding and LM head.
+
+        Args:
+            path: an EAGLE head file; None for the shipped head `DEFAULT_HEAD`.
+
+        Raises:
+            FileNotFoundError: no head file. ValueError: a head made for another target shape.
+        """
+        head = EagleHead.load(DEFAULT_HEAD if path is None else path)
+        return cls(head, decoder.embed_tokens.weight, decoder.lm_head.weight,
+                   max_draft_len=max_draft_len, stop_token_ids=stop_token_ids)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n, H]`` target embeddings of int64 ``tokens [n]``."""
+        return self.embed_weight[tokens].float()
+
+    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n, V']`` logits over the draft vocabulary for features ``[n, H]``."""
+        from target_worker.model import fast_linear
+
+        return fast_linear(features, self.lm_sub)
+
+    def session(self, sampling: DraftSamplingParams | None = None, seed: int = 0
+                ) -> EagleSession:
+        """A fresh per-request session (own KV cache, own seeded generator)."""
+        return EagleSession(self, sampling, seed)
+
+    def propose(self, history: Sequence[int], target_hidden: torch.Tensor | None,
+                max_len: int) -> DraftBlock:
+        """`Drafter.propose` on the implicit greedy session."""
+        return self._default.propose(history, target_hidden, max_len)
+
+
+def load_target_head_weights(model: str | os.PathLike | None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's float32 embedding table and LM head ``[vocab, H]`` each (the same tensor
+    when tied), without keeping the rest of the model.
+
+    Reads just those tensors from the target loader's safetensors cache when it holds the
+    model (a drafter worker then needs ~113 MB for SmolLM2, not 538 MB); otherwise loads the
+    whole decoder once (which also fills that cache) and keeps only them.
+
+    Raises:
+        As `target_worker.loader.load_decoder`.
+    """
+    from target_worker import loader
+    from target_worker.testing import is_tiny_random_spec
+
+    if not is_tiny_random_spec(model):
+        try:
+            from safetensors import safe_open
+
+            path = loader.model_path(model)
+            cached = loader.cache_dir() / "weights" / f"{loader._file_cache_key(path)}.safetensors"
+            if cached.is_file():
+                with safe_open(str(cached), framework="pt") as f:
+                    embed = f.get_tensor("embed_tokens.weight").float()
+                    names = set(f.keys())
+                    head = (f.get_tensor("lm_head.weight").float() if "lm_head.weight" in names
+                            else embed)
+                return embed, head
+        except (AttributeError, KeyError, OSError):  # a changed cache layout: load it all
+            pass
+    decoder = loader.load_decoder(model)
+    return decoder.embed_tokens.weight, decoder.lm_head.weight
+
+
+class LookupThenEagle:
+    """Prompt lookup when it finds a match, EAGLE otherwise (``--drafter eagle+lookup``).
+
+    Prompt lookup drafts long, cheap, exact blocks when the output copies its context (code
+    edits); EAGLE covers open-ended text, where lookup finds nothing. The EAGLE session sees
+    every hidden row either way, so its KV cache stays current; its draft loop runs only
+    when lookup proposes nothing. Both report honest ``q`` (lookup: a point mass), so mixing
+    them per step keeps verification lossless.
+    """
+
+    wants_hidden = True
+
+    def __init__(self, lookup, eagle: EagleDrafter | EagleSession, _session=None):
+        self.lookup = lookup
+        self.eagle = eagle
+        self.max_draft_len = max(getattr(lookup, "max_draft_len", 0) or 0,
+                                 getattr(eagle, "max_draft_len", 0) or 0)
+        self._eagle = _session if _session is not None else eagle
+
+    def session(self, sampling: DraftSamplingParams | None = None, seed: int = 0
+                ) -> LookupThenEagle:
+        """A per-request combined drafter with its own EAGLE session."""
+        return LookupThenEagle(self.lookup, self.eagle,
+                               _session=self.eagle.session(sampling, seed))
+
+    def propose(self, history: Sequence[int], target_hidden: torch.Tensor | None,
+                max_len: int) -> DraftBlock:
+        block = self.lookup.propose(history, None, max_len)
+        if len(block):
+            self._eagle.propose(history, target_hidden, 0)  # ingest rows only
+            return block
+        return self._eagle.propose(history, target_hidden, max_len)
