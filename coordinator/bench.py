@@ -310,14 +310,21 @@ def build_systems(config: BenchConfig, decoder, eos: int | None, hf_model=None,
         systems.append(BareForward(decoder, eos))
     systems.append(SpecdSystem(PLAIN, decoder, eos))
     for name in config.drafters:
+        # EAGLE heads share the target's embedding and LM head, and draft their own default
+        # length (a model drafter's k is its cost, unlike prompt lookup's free copies).
+        eagle = name.startswith("eagle")
+        extra = {"target": decoder, "stop_token_ids": () if eos is None else (eos,)} \
+            if eagle else {}
         if config.fixed:
-            drafter = build_drafter(name, config.ngram_size, config.draft_len)
-            systems.append(SpecdSystem(f"specd-{name}-k{config.draft_len}", decoder, eos,
-                                       drafter))
+            drafter = build_drafter(name, config.ngram_size,
+                                    None if eagle else config.draft_len, **extra)
+            k = drafter.max_draft_len if eagle else config.draft_len
+            systems.append(SpecdSystem(f"specd-{name}-k{k}", decoder, eos, drafter))
         if config.adaptive:
             if cost_model is None:
                 raise ValueError("the adaptive systems need a cost model")
-            drafter = build_drafter(name, config.ngram_size, config.adaptive_max_draft_len)
+            drafter = build_drafter(name, config.ngram_size,
+                                    None if eagle else config.adaptive_max_draft_len, **extra)
             systems.append(SpecdSystem(f"specd-{name}-adaptive", decoder, eos, drafter,
                                        cost_model))
     if hf_model is not None:

@@ -242,10 +242,14 @@ def check_drafter(name: str, ngram_size: int = 3, max_draft_len: int | None = No
     checks before starting workers).
 
     Raises:
-        ValueError: an unknown name or invalid sizes. FileNotFoundError: a missing head file.
+        ValueError: an unknown name, invalid sizes, or a head path for a drafter that has no
+            head. FileNotFoundError: a missing head file.
     """
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r}; choices: {', '.join(DRAFTERS)}")
+    if drafter_path is not None and not name.startswith("eagle"):
+        raise ValueError(f"drafter_path={drafter_path!r} is for the EAGLE drafters; "
+                         f"drafter {name!r} has no head")
     PromptLookupSpeculator(ngram_size=ngram_size,
                            max_draft_len=10 if max_draft_len is None else max_draft_len)
     if name.startswith("eagle"):

@@ -24,7 +24,12 @@ from drafter_worker.eagle import (
     NeedsResync,
     draft_distribution,
 )
-from drafter_worker.server import DrafterServicer, build_drafter, start_drafter_server
+from drafter_worker.server import (
+    DrafterServicer,
+    build_drafter,
+    check_drafter,
+    start_drafter_server,
+)
 
 
 def tiny_eagle(decoder, vocab_ids=None, seed: int = 1, max_draft_len: int = 4,
@@ -431,3 +436,11 @@ def test_scheduler_with_an_eagle_worker_is_lossless_and_recovers_from_a_lost_rep
     for prompt, result in zip(prompts, results, strict=True):
         assert result.generated_tokens == plain_decode(decoder, prompt, 16)
         assert result.drafted_tokens > 0
+
+
+def test_a_head_path_for_a_drafter_without_a_head_is_refused(tmp_path):
+    head = tmp_path / "head.safetensors"
+    head.write_bytes(b"")
+    with pytest.raises(ValueError, match="drafter_path=.*prompt-lookup"):
+        check_drafter("prompt-lookup", drafter_path=str(head))
+    check_drafter("eagle", drafter_path=str(head))  # the same path is fine where a head is used
