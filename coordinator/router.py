@@ -363,14 +363,9 @@ class Router:
     async def _scale_drafters(self, want: int, added: list, removed: list, errors: list) -> None:
         have = self.pool.serving()
         if want > len(have):
-            names = [f"drafter-{next(self._drafter_names)}" for _ in range(want - len(have))]
-            results = await asyncio.gather(*(self.drafter_factory(n) for n in names),
-                                           return_exceptions=True)
-            for name, result in zip(names, results, strict=True):
-                if isinstance(result, BaseException):
-                    errors.append(f"starting {name} failed: {result!r}")
-                    continue
-                client, stop = result
+            started = await _start_all("drafter", self._drafter_names, want - len(have),
+                                       self.drafter_factory, errors)
+            for name, (client, stop) in started:
                 self.pool.add(name, client, stop)
                 added.append(name)
             if not self._hidden_known and self.pool.serving():
@@ -386,14 +381,9 @@ class Router:
     async def _scale_replicas(self, want: int, added: list, removed: list, errors: list) -> None:
         have = self.serving()
         if want > len(have):
-            names = [f"replica-{next(self._replica_names)}" for _ in range(want - len(have))]
-            results = await asyncio.gather(*(self.replica_factory(n) for n in names),
-                                           return_exceptions=True)
-            for name, result in zip(names, results, strict=True):
-                if isinstance(result, BaseException):
-                    errors.append(f"starting {name} failed: {result!r}")
-                    continue
-                target, stop, info = result
+            started = await _start_all("replica", self._replica_names, want - len(have),
+                                       self.replica_factory, errors)
+            for name, (target, stop, info) in started:
                 self._add_replica(name, target, stop, info)
                 added.append(name)
         elif want < len(have):
@@ -459,3 +449,19 @@ class Router:
             if replica is not None and replica.name not in hit:
                 hit.add(replica.name)
                 replica.scheduler.stats.drafter_failures += 1
+
+
+async def _start_all(kind: str, numbers: itertools.count, n: int, factory,
+                     errors: list[str]) -> list[tuple[str, tuple]]:
+    """Starts ``n`` new ``kind-<number>`` members concurrently through ``factory``; returns
+    ``(name, result)`` for those that started and appends one message per failure to
+    ``errors`` (the others still join)."""
+    names = [f"{kind}-{next(numbers)}" for _ in range(n)]
+    results = await asyncio.gather(*(factory(name) for name in names), return_exceptions=True)
+    started = []
+    for name, result in zip(names, results, strict=True):
+        if isinstance(result, BaseException):
+            errors.append(f"starting {name} failed: {result!r}")
+        else:
+            started.append((name, result))
+    return started
