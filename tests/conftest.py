@@ -1,7 +1,19 @@
 """Suite-wide settings."""
 
+import pytest
 import torch
 
 # Tiny test models are dominated by per-op overhead, where a second intra-op thread only
 # adds synchronisation; real-model tests raise this again themselves.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """``(decoder, tokenizer)`` of the real default model, with two torch threads while the
+    module's tests run (the suite's single thread is for tiny models)."""
+    from target_worker import load_model
+
+    torch.set_num_threads(2)
+    yield load_model()
+    torch.set_num_threads(1)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from coordinator import SpeculativeOptions, speculative_decode_with
 from coordinator.text import encode_prompt
@@ -16,18 +15,9 @@ pytestmark = pytest.mark.slow
 PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "prompts"
 
 
-@pytest.fixture(scope="module")
-def model():
-    from target_worker import load_model
-
-    torch.set_num_threads(2)
-    yield load_model()
-    torch.set_num_threads(1)
-
-
 @pytest.mark.parametrize("name", ["eagle", "eagle+lookup"])
-def test_shipped_head_is_lossless_and_accepts_more_than_lookup_on_an_open_question(model, name):
-    decoder, tokenizer = model
+def test_shipped_head_is_lossless_and_accepts_more_than_lookup_on_an_open_question(smollm2, name):
+    decoder, tokenizer = smollm2
     prompt = encode_prompt(tokenizer, (PROMPTS / "open_question.txt").read_text(), raw=False)
     options = SpeculativeOptions(max_new_tokens=64, stop_token_ids=(tokenizer.eos_token_id,))
     plain = speculative_decode_with(decoder, prompt, decoder.new_cache(), None, options)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from coordinator import SpeculativeOptions, speculative_decode_with
 from coordinator.text import encode_prompt
@@ -15,15 +14,6 @@ from drafter_worker import PromptLookupSpeculator
 pytestmark = pytest.mark.slow
 
 PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "prompts"
-
-
-@pytest.fixture(scope="module")
-def model():
-    from target_worker import load_model
-
-    torch.set_num_threads(2)
-    yield load_model()
-    torch.set_num_threads(1)
 
 
 def plain_greedy(decoder, prompt, max_new, eos):
@@ -40,8 +30,8 @@ def plain_greedy(decoder, prompt, max_new, eos):
 
 
 @pytest.mark.parametrize("name", ["code_edit", "open_question"])
-def test_greedy_speculative_decode_equals_plain_greedy(model, name):
-    decoder, tokenizer = model
+def test_greedy_speculative_decode_equals_plain_greedy(smollm2, name):
+    decoder, tokenizer = smollm2
     prompt = encode_prompt(tokenizer, (PROMPTS / f"{name}.txt").read_text(), raw=False)
     max_new = 48
     result = speculative_decode_with(
@@ -55,13 +45,13 @@ def test_greedy_speculative_decode_equals_plain_greedy(model, name):
         assert result.forward_calls < result.tokens_generated / 2
 
 
-def test_greedy_through_the_service_equals_the_in_process_core(model):
+def test_greedy_through_the_service_equals_the_in_process_core(smollm2):
     import grpc
 
     from coordinator.service import Service, ServiceConfig
     from specd.v1 import generation_pb2, generation_pb2_grpc
 
-    decoder, tokenizer = model
+    decoder, tokenizer = smollm2
     text = (PROMPTS / "code_edit.txt").read_text()
     prompt = encode_prompt(tokenizer, text, raw=False)
     expected = speculative_decode_with(
