@@ -242,6 +242,7 @@ class BenchConfig:
         adaptive, fixed: include the adaptive / fixed-length systems.
         bare: include the bare-forward reference.
         threads: torch intra-op threads (None: leave torch's setting).
+        drafter_path: the EAGLE head for the ``eagle`` drafters (None: the shipped one).
     """
 
     model: str | None = None
@@ -257,6 +258,7 @@ class BenchConfig:
     fixed: bool = True
     bare: bool = True
     threads: int | None = None
+    drafter_path: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "repeats", "draft_len", "adaptive_max_draft_len",
@@ -313,8 +315,8 @@ def build_systems(config: BenchConfig, decoder, eos: int | None, hf_model=None,
         # EAGLE heads share the target's embedding and LM head, and draft their own default
         # length (a model drafter's k is its cost, unlike prompt lookup's free copies).
         eagle = name.startswith("eagle")
-        extra = {"target": decoder, "stop_token_ids": () if eos is None else (eos,)} \
-            if eagle else {}
+        extra = {"target": decoder, "stop_token_ids": () if eos is None else (eos,),
+                 "drafter_path": config.drafter_path} if eagle else {}
         if config.fixed:
             drafter = build_drafter(name, config.ngram_size,
                                     None if eagle else config.draft_len, **extra)

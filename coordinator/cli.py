@@ -354,6 +354,8 @@ def _add_bench_parser(sub) -> None:
                             "open_question)")
     bench.add_argument("--drafters", type=_csv, default=("prompt-lookup",), metavar="A,B",
                        help="drafter names for the speculative systems (default prompt-lookup)")
+    bench.add_argument("--drafter-path", default=None,
+                       help="EAGLE head for the eagle drafters (default: the shipped head)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--draft-len", type=int, default=10,
@@ -406,7 +408,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             model=args.model, workloads=args.workloads, drafters=args.drafters,
             max_new_tokens=args.max_new_tokens, repeats=args.repeats, draft_len=args.draft_len,
             adaptive_max_draft_len=args.adaptive_max_draft_len, ngram_size=args.ngram_size,
-            hf=not args.no_hf, bare=not args.no_bare, threads=args.threads), progress)
+            hf=not args.no_hf, bare=not args.no_bare, threads=args.threads,
+            drafter_path=args.drafter_path), progress)
         text = markdown(report)
     paths = write_report(report, args.out, plots=not args.no_plots)
     print(text)
@@ -433,14 +436,25 @@ def _add_train_drafter_parser(sub) -> None:
     tr.add_argument("--gen-batch", type=int, default=d.gen_batch,
                     help="answers generated together in one packed forward")
     tr.add_argument("--stdlib-tokens", type=int, default=d.stdlib_tokens,
-                    help="tokens of Python standard library source to add (0: none)")
+                    help="tokens of Python standard-library prose to add (reference topics, "
+                         "then docstrings, then source; 0: none)")
     tr.add_argument("--seq-len", type=int, default=d.seq_len)
     tr.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
                     help="rows of the head's restricted LM head (most frequent tokens)")
     tr.add_argument("--ffn-dim", type=int, default=d.ffn_dim, help="0: the target's")
     tr.add_argument("--epochs", type=int, default=d.epochs)
     tr.add_argument("--batch-size", type=int, default=d.batch_size)
+    tr.add_argument("--chat-repeat", type=int, default=d.chat_repeat,
+                    help="times each self-distilled answer is seen per epoch (prose: once)")
+    tr.add_argument("--unroll", type=int, default=d.unroll,
+                    help="drafting steps replayed per position in training (EAGLE-3's "
+                         "training-time test; 1: plain teacher forcing)")
     tr.add_argument("--lr", type=float, default=d.lr)
+    tr.add_argument("--ce-weight", type=float, default=d.ce_weight,
+                    help="weight of the cross-entropy against the target's distribution "
+                         "(the feature regression has weight 1)")
+    tr.add_argument("--noise", type=float, default=d.noise,
+                    help="width of the uniform noise added to input features")
     tr.add_argument("--time-budget-min", type=float, default=0.0,
                     help="stop training after this many minutes (0: no limit)")
     tr.add_argument("--threads", type=int, default=d.threads, help="torch threads")
@@ -457,7 +471,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
         stdlib_tokens=args.stdlib_tokens,
         seq_len=args.seq_len, draft_vocab=args.draft_vocab, ffn_dim=args.ffn_dim,
-        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+        epochs=args.epochs, batch_size=args.batch_size, chat_repeat=args.chat_repeat,
+        unroll=args.unroll, lr=args.lr, ce_weight=args.ce_weight, noise=args.noise,
         time_budget_s=args.time_budget_min * 60, threads=args.threads, seed=args.seed,
         plot=not args.no_plot,
         extra={"command": "specd " + " ".join(sys.argv[1:])},

@@ -14,6 +14,11 @@ data, as in FR-Spec, arXiv 2502.14856, and EAGLE-3): on a 2-core CPU the full
 49152-row head per drafted token would cost ~20% of a target forward. A token outside the
 draft vocabulary can never be drafted; ``q`` is honest over the subset.
 
+Dynamic draft length (EAGLE-2, arXiv 2406.16858): with ``min_confidence`` > 0 a block stops
+before the position where the product of the head's top probabilities (its own estimate that
+the whole block so far is accepted) falls below the threshold, so unlikely drafts are not
+verified. The decision uses only the distribution at that position, never the drawn token.
+
 Honest ``q`` (what the rejection rule needs to stay lossless): at temperature 0 the draft is
 the argmax, reported as a point mass; at temperature > 0 each token is sampled from the
 head's softmax after the request's temperature / top-k / top-p (and an own top-`SAMPLE_CAP`
@@ -286,21 +291,59 @@ class EagleHead(nn.Module):
         Returns:
             float32 ``[B, T, H]``: the predicted ``h_{t+1}`` for every ``t``.
         """
+        return self.forward_unrolled(features, next_embeds, 1)[0]
+
+    def forward_unrolled(self, features: torch.Tensor, next_embeds: torch.Tensor,
+                         steps: int) -> list[torch.Tensor]:
+        """Training forward that also replays drafting's later steps ("training-time test",
+        EAGLE-3, arXiv 2503.01840, section 3.3).
+
+        Pass 0 is `forward`. Pass ``j`` feeds, at position ``p``, the previous pass's
+        prediction for ``h_p`` (made at ``p - 1``, detached) instead of the true ``h_p``,
+        and attends exactly as draft step ``j + 1`` from anchor ``p - j`` does: to pass 0's
+        keys at positions ``<= p - j`` (the committed prefix) and to pass ``i``'s key at
+        ``p - j + i`` for ``1 <= i <= j`` (the earlier drafted positions).
+
+        Args:
+            features, next_embeds: as in `forward`.
+            steps: passes (>= 1).
+
+        Returns:
+            ``steps`` float32 ``[B, T, H]`` predictions of ``h_{p+1}``; in pass ``j`` only
+            positions ``p >= j`` are meaningful.
+        """
         c = self.config
-        b, t, _ = features.shape
-        x = self.fc(torch.cat((features, next_embeds), -1))
-        qkv = self.wqkv(self.attn_norm(x)).view(b, t, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
+        b, t, h = features.shape
         cos, sin = self._rope(torch.arange(t))
         cos, sin = cos[:, None, :], sin[:, None, :]
-        q = self._rotate(qkv[:, :, : c.n_heads], cos, sin).transpose(1, 2)
-        k = self._rotate(qkv[:, :, c.n_heads: c.n_heads + c.n_kv_heads], cos, sin).transpose(1, 2)
-        v = qkv[:, :, c.n_heads + c.n_kv_heads:].transpose(1, 2)
         group = c.n_heads // c.n_kv_heads
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.wo(o.transpose(1, 2).reshape(b, t, c.n_heads * c.head_dim))
-        return x + self._ffn(self.ffn_norm(x))
+        pos = torch.arange(t)
+        keys, values, outs = [], [], []
+        inputs = features
+        for j in range(steps):
+            x = self.fc(torch.cat((inputs, next_embeds), -1))
+            qkv = self.wqkv(self.attn_norm(x)).view(b, t, c.n_heads + 2 * c.n_kv_heads,
+                                                    c.head_dim)
+            q = self._rotate(qkv[:, :, : c.n_heads], cos, sin).transpose(1, 2)
+            k = self._rotate(qkv[:, :, c.n_heads: c.n_heads + c.n_kv_heads], cos,
+                             sin).transpose(1, 2)
+            v = qkv[:, :, c.n_heads + c.n_kv_heads:].transpose(1, 2)
+            keys.append(k.repeat_interleave(group, dim=1))
+            values.append(v.repeat_interleave(group, dim=1))
+            if j == 0:
+                o = F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True)
+            else:
+                blocks = [pos[None, :] <= (pos - j)[:, None]]
+                blocks += [pos[None, :] == (pos - j + i)[:, None] for i in range(1, j + 1)]
+                o = F.scaled_dot_product_attention(q, torch.cat(keys, 2),
+                                                   torch.cat(values, 2),
+                                                   attn_mask=torch.cat(blocks, 1))
+            x = x + self.wo(o.transpose(1, 2).reshape(b, t, c.n_heads * c.head_dim))
+            out = x + self._ffn(self.ffn_norm(x))
+            outs.append(out)
+            # Next pass: position p gets this pass's prediction made at p - 1.
+            inputs = torch.cat((out.new_zeros(b, 1, h), out[:, :-1].detach()), 1)
+        return outs
 
     @torch.inference_mode()
     def step(self, features: torch.Tensor, next_embeds: torch.Tensor,
@@ -458,15 +501,25 @@ class EagleSession:
         committed = self.cache.length
         feature = self._feature
         tokens, dists = [], []
+        reach = 1.0  # the head's estimate that every draft so far is accepted
         try:
             for i in range(k):
                 logits = drafter.draft_logits(feature)[0]
                 if self.sampling.temperature == 0.0:
                     j = int(torch.argmax(logits))
+                    reach *= float(torch.softmax(logits, 0)[j])
+                    if reach < drafter.min_confidence:
+                        break
                     token = int(drafter.vocab_ids[j])
                     dist = DraftDist.deterministic(token)
                 else:
                     idx, probs = draft_distribution(logits, self.sampling)
+                    # Decided from the distribution before drawing (its largest mass), so
+                    # whether position i is drafted depends only on earlier drafts and the
+                    # reported q stays exactly what the token is drawn from.
+                    reach *= float(probs[0])
+                    if reach < drafter.min_confidence:
+                        break
                     pick = int(torch.multinomial(probs, 1, generator=self.generator))
                     ids = drafter.vocab_ids[idx]
                     token = int(ids[pick])
@@ -495,16 +548,21 @@ class EagleDrafter:
         lm_head_weight: float32 ``[vocab, H]`` target LM head (the embedding when tied).
         max_draft_len: most tokens one proposal drafts.
         stop_token_ids: a drafted stop token ends the block (nothing follows it).
+        min_confidence: dynamic draft length (EAGLE-2, arXiv 2406.16858, section 4): a block
+            stops before position i when the product of the head's top probabilities at
+            positions 0..i (its estimate that the whole prefix is accepted) falls below this;
+            0 drafts ``max_len`` every time. A block may be empty.
 
     Raises:
-        ValueError: weights whose shape does not match the head, or max_draft_len < 1.
+        ValueError: weights whose shape does not match the head, max_draft_len < 1, or
+            min_confidence outside [0, 1].
     """
 
     wants_hidden = True
 
     def __init__(self, head: EagleHead, embed_weight: torch.Tensor,
                  lm_head_weight: torch.Tensor, max_draft_len: int = 6,
-                 stop_token_ids: Sequence[int] = ()):
+                 stop_token_ids: Sequence[int] = (), min_confidence: float = 0.0):
         c = head.config
         for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
             if tuple(w.shape) != (c.vocab_size, c.hidden_size):
@@ -512,6 +570,9 @@ class EagleDrafter:
                                  f"{(c.vocab_size, c.hidden_size)}")
         if max_draft_len < 1:
             raise ValueError(f"max_draft_len must be >= 1, got {max_draft_len}")
+        if not 0.0 <= min_confidence <= 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1], got {min_confidence}")
+        self.min_confidence = float(min_confidence)
         self.head = head.eval()
         self.embed_weight = embed_weight.detach()
         self.vocab_ids = head.draft_vocab.clone()
@@ -524,7 +585,8 @@ class EagleDrafter:
     @classmethod
     def for_model(cls, model: str | os.PathLike | None = None,
                   path: str | os.PathLike | None = None, max_draft_len: int = 6,
-                  stop_token_ids: Sequence[int] = ()) -> EagleDrafter:
+                  stop_token_ids: Sequence[int] = (), min_confidence: float = 0.0
+                  ) -> EagleDrafter:
         """A drafter for the target ``model`` (a `target_worker.load_model` source), loading
         only its embedding table and LM head (`load_target_head_weights`).
 
@@ -534,11 +596,12 @@ class EagleDrafter:
         head = EagleHead.load(DEFAULT_HEAD if path is None else path)
         embed, lm_head = load_target_head_weights(model)
         return cls(head, embed, lm_head, max_draft_len=max_draft_len,
-                   stop_token_ids=stop_token_ids)
+                   stop_token_ids=stop_token_ids, min_confidence=min_confidence)
 
     @classmethod
     def for_target(cls, decoder, path: str | os.PathLike | None = None,
-                   max_draft_len: int = 6, stop_token_ids: Sequence[int] = ()) -> EagleDrafter:
+                   max_draft_len: int = 6, stop_token_ids: Sequence[int] = (),
+                   min_confidence: float = 0.0) -> EagleDrafter:
         """A drafter sharing ``decoder``'s (a `target_worker.Decoder`) embedding and LM head.
 
         Args:
@@ -549,7 +612,8 @@ class EagleDrafter:
         """
         head = EagleHead.load(DEFAULT_HEAD if path is None else path)
         return cls(head, decoder.embed_tokens.weight, decoder.lm_head.weight,
-                   max_draft_len=max_draft_len, stop_token_ids=stop_token_ids)
+                   max_draft_len=max_draft_len, stop_token_ids=stop_token_ids,
+                   min_confidence=min_confidence)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """float32 ``[n, H]`` target embeddings of int64 ``tokens [n]``."""

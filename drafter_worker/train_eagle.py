@@ -5,16 +5,22 @@ Data, all available offline with no downloads:
 - self-distillation: the target's own greedy answers to the prompts in
   `drafter_worker.data.train_prompts` (through its chat template), generated in packed
   batches (`Decoder.forward_packed`, one KV cache per answer);
-- the Python standard library's source files (code and docstrings), raw, in fixed windows.
+- English prose from the Python standard library (the reference's topic pages, then
+  docstrings; see `stdlib_texts`), in fixed windows, one prefill each.
 
-The target runs once over every sequence; its final-norm hidden states are cached to disk
-(float16) with the tokens. The target's next-token distribution is ``softmax(lm_head(h))``,
-so it is recomputed from the cached hidden states rather than stored.
+The target's final-norm hidden states come out of those same forwards and are cached to disk
+(float16) with the tokens: answers per prompt (so more prompts cost only the new answers),
+prose per recipe. The target's next-token distribution is ``softmax(lm_head(h))``, so it is
+recomputed from the cached hidden states rather than stored. On the 2-core CPU a
+self-distilled token costs ~11 ms and a prose token ~3 ms; a training pass over a token
+~1 ms, so answers are re-used several times per epoch (``chat_repeat``).
 
 Loss (EAGLE-1, arXiv 2401.15077, section 4.2): smooth-L1 between predicted and true next
 features plus ``ce_weight`` x cross-entropy of the head's distribution against the
 target's, both over the draft vocabulary; uniform noise on input features (as in EAGLE)
 makes the head robust to its own prediction errors when drafting autoregressively.
+``unroll`` > 1 also trains the later drafting steps on the head's own predicted features
+(EAGLE-3's training-time test, `EagleHead.forward_unrolled`).
 """
 
 from __future__ import annotations
@@ -58,11 +64,13 @@ class TrainConfig:
     ffn_dim: int = 0  # 0: the target's
     epochs: int = 8
     batch_size: int = 8
+    chat_repeat: int = 1  # times each training answer appears per epoch (prose: once)
+    unroll: int = 1  # drafting steps replayed in training (1: EAGLE-1's teacher forcing)
     lr: float = 1e-3
     ce_weight: float = 0.1
     noise: float = 0.2
     heldout_fraction: float = 0.08
-    eval_positions: int = 400
+    eval_positions: int = 1200
     eval_k: int = 5
     time_budget_s: float = 0.0  # 0: no limit; else stop training after this many seconds
     threads: int = 2
@@ -72,7 +80,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "gen_batch", "seq_len", "draft_vocab", "epochs",
-                     "batch_size", "eval_k", "threads"):
+                     "batch_size", "chat_repeat", "unroll", "eval_k", "threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_prompts", "stdlib_tokens", "ffn_dim", "eval_positions"):
@@ -88,32 +96,56 @@ class TrainConfig:
 
 
 def stdlib_texts(limit_chars: int) -> list[str]:
-    """English prose first (the Python reference's topic pages shipped in
-    ``pydoc_data.topics``), then the standard library's module sources sorted by path (test
-    suites and ``site-packages`` skipped), up to ``limit_chars`` characters in total."""
+    """English prose from the Python standard library, up to ``limit_chars`` characters.
+
+    In order: the Python reference's topic pages (``pydoc_data.topics``), then the docstrings
+    of the standard library's modules, classes and functions (``ast``, sorted by path; test
+    suites, ``site-packages``, ``idlelib``, ``lib2to3`` and ``tkinter`` skipped; docstrings
+    under 200 characters skipped), then, if still short, the modules' raw source. Prose comes
+    first because chat answers are prose; code is what prompt lookup already drafts well.
+    """
+    import ast
+
     root = Path(sysconfig.get_paths()["stdlib"])
-    out, total = [], 0
+    out: list[str] = []
+    total = 0
+
+    def add(text: str) -> bool:
+        nonlocal total
+        out.append(text)
+        total += len(text)
+        return total >= limit_chars
+
     try:
         from pydoc_data.topics import topics
     except ImportError:  # some distributions strip it
         topics = {}
     for key in sorted(topics):
-        out.append(topics[key])
-        total += len(topics[key])
-        if total >= limit_chars:
+        if add(topics[key]):
             return out
+    sources = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if rel.startswith(("test", "site-packages", "idlelib", "lib2to3", "tkinter")) \
                 or "/test" in rel:
             continue
         try:
-            text = path.read_text(encoding="utf-8")
+            sources.append(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError):
             continue
-        out.append(text)
-        total += len(text)
-        if total >= limit_chars:
+    for text in sources:
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                 ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 200 and add(doc):
+                    return out
+    for text in sources:
+        if add(text):
             break
     return out
 
@@ -179,17 +211,51 @@ def target_hidden(decoder, sequences: Sequence[Sequence[int]], progress: bool = 
     return out
 
 
-def _cache_key(cfg: TrainConfig, model_id: str) -> str:
-    recipe = {k: getattr(cfg, k) for k in ("max_prompts", "max_new_tokens", "stdlib_tokens",
-                                            "seq_len")}
-    recipe["model"] = model_id
-    recipe["v"] = 3
-    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+def _key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def distill_answers(cfg: TrainConfig, decoder, tokenizer, model_id: str,
+                    prompts: Sequence[Sequence[int]], progress: bool = True
+                    ) -> tuple[list[list[int]], list[torch.Tensor], float]:
+    """`self_distill` with a per-answer disk cache under ``cfg.data_dir``.
+
+    The cache maps each prompt's token ids (for this model and answer length) to its answer
+    and hidden rows, and is written after every batch: adding prompts generates only the new
+    ones, and an interrupted run resumes.
+
+    Returns:
+        ``(sequences, hidden, seconds)`` in the order of ``prompts``; ``seconds`` is what
+        generating these answers took (each batch's time shared among its answers), cached
+        or not.
+    """
+    max_new = min(cfg.max_new_tokens, cfg.seq_len // 2)
+    path = Path(cfg.data_dir) / f"answers-{_key(model_id, max_new, 'v4')}.pt"
+    store: dict = torch.load(path) if path.is_file() else {}
+    keys = [_key(list(p)) for p in prompts]
+    todo = [i for i, k in enumerate(keys) if k not in store]
+    if store:
+        log.info("answer cache %s: %d of %d prompts cached", path, len(prompts) - len(todo),
+                 len(prompts))
+    eos = getattr(tokenizer, "eos_token_id", None)
+    for lo in range(0, len(todo), cfg.gen_batch):
+        group = todo[lo: lo + cfg.gen_batch]
+        t0 = time.perf_counter()
+        seqs, hidden = self_distill(decoder, [prompts[i] for i in group], max_new,
+                                    cfg.gen_batch, eos, progress)
+        share = (time.perf_counter() - t0) / len(group)
+        for i, seq, hid in zip(group, seqs, hidden, strict=True):
+            store[keys[i]] = (seq, hid, share)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(store, path)
+    return ([store[k][0] for k in keys], [store[k][1] for k in keys],
+            sum(store[k][2] for k in keys))
 
 
 def build_dataset(cfg: TrainConfig, decoder, tokenizer, model_id: str,
                   progress: bool = True) -> dict:
-    """Tokens and target hidden states of the training data, cached under ``cfg.data_dir``.
+    """Tokens and target hidden states of the training data, cached under ``cfg.data_dir``
+    (answers per prompt, see `distill_answers`; the standard-library windows per recipe).
 
     Returns:
         ``{"sequences": list[list[int]], "hidden": list[fp16 Tensor [len, H]],
@@ -199,51 +265,55 @@ def build_dataset(cfg: TrainConfig, decoder, tokenizer, model_id: str,
 
     from .data.train_prompts import prompts as train_prompts
 
-    path = Path(cfg.data_dir) / f"eagle-data-{_cache_key(cfg, model_id)}.pt"
-    if path.is_file():
-        log.info("using cached training data %s", path)
-        return torch.load(path)
-    t0 = time.perf_counter()
     texts = train_prompts()
     if cfg.max_prompts and cfg.max_prompts < len(texts):
         # An even spread over the list (subjects and templates), not its head.
         texts = [texts[i * len(texts) // cfg.max_prompts] for i in range(cfg.max_prompts)]
     encoded = [encode_prompt(tokenizer, t, raw=False)[: cfg.seq_len // 2] for t in texts]
-    eos = getattr(tokenizer, "eos_token_id", None)
-    chats, chat_hidden = self_distill(decoder, encoded,
-                                      min(cfg.max_new_tokens, cfg.seq_len // 2),
-                                      cfg.gen_batch, eos, progress)
-    gen_s = time.perf_counter() - t0
+    chats, chat_hidden, gen_s = distill_answers(cfg, decoder, tokenizer, model_id, encoded,
+                                                progress)
     seqs, kinds, prompt_lens = list(chats), ["chat"] * len(chats), [len(p) for p in encoded]
+    t1 = time.perf_counter()
+    hidden_s = 0.0
+    std_seqs: list[list[int]] = []
+    std_hidden: list[torch.Tensor] = []
     if cfg.stdlib_tokens:
-        budget = cfg.stdlib_tokens
-        for text in stdlib_texts(limit_chars=cfg.stdlib_tokens * 5):
-            ids = list(tokenizer.encode(text, add_special_tokens=False))
-            for lo in range(0, len(ids) - 16, cfg.seq_len):
-                window = ids[lo: lo + cfg.seq_len]
-                seqs.append(window)
-                kinds.append("stdlib")
-                prompt_lens.append(0)
-                budget -= len(window)
+        path = Path(cfg.data_dir) / (
+            f"stdlib-{_key(model_id, cfg.stdlib_tokens, cfg.seq_len, 'v4')}.pt")
+        if path.is_file():
+            std_seqs, std_hidden, hidden_s = torch.load(path)
+        else:
+            budget = cfg.stdlib_tokens
+            for text in stdlib_texts(limit_chars=cfg.stdlib_tokens * 5):
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                for lo in range(0, max(len(ids) - 16, 1), cfg.seq_len):
+                    window = ids[lo: lo + cfg.seq_len]
+                    if len(window) < 16:
+                        break
+                    std_seqs.append(window)
+                    budget -= len(window)
+                    if budget <= 0:
+                        break
                 if budget <= 0:
                     break
-            if budget <= 0:
-                break
-    t1 = time.perf_counter()
-    hidden = chat_hidden + target_hidden(decoder, seqs[len(chats):], progress)
+            std_hidden = target_hidden(decoder, std_seqs, progress)
+            hidden_s = time.perf_counter() - t1
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save((std_seqs, std_hidden, hidden_s), path)
+    seqs += std_seqs
+    kinds += ["stdlib"] * len(std_seqs)
+    prompt_lens += [0] * len(std_seqs)
     stats = {
         "chat_sequences": len(chats),
         "chat_answer_tokens": sum(len(s) - p for s, p in zip(chats, prompt_lens, strict=False)),
-        "stdlib_sequences": kinds.count("stdlib"),
+        "stdlib_sequences": len(std_seqs),
+        "stdlib_tokens": sum(len(s) for s in std_seqs),
         "total_tokens": sum(len(s) for s in seqs),
         "self_distill_s": round(gen_s, 1),
-        "hidden_s": round(time.perf_counter() - t1, 1),
+        "hidden_s": round(hidden_s, 1),
     }
-    data = {"sequences": seqs, "hidden": hidden, "kinds": kinds, "prompt_lens": prompt_lens,
-            "stats": stats}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(data, path)
-    return data
+    return {"sequences": seqs, "hidden": chat_hidden + std_hidden, "kinds": kinds,
+            "prompt_lens": prompt_lens, "stats": stats}
 
 
 def choose_draft_vocab(sequences: Sequence[Sequence[int]], size: int, vocab_size: int,
@@ -281,10 +351,17 @@ def _pad(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
 
 def train_step(head: EagleHead, embed: torch.Tensor, lm_sub: torch.Tensor,
                seqs: list[list[int]], hidden: list[torch.Tensor], noise: float,
-               ce_weight: float, gen: torch.Generator | None = None) -> dict:
-    """Losses of one batch (no optimiser step): returns ``{"loss", "feature", "ce", "top1"}``
-    (``loss`` a tensor with grad; the others floats; ``top1`` = how often the head's argmax
-    over the draft vocabulary equals the target's)."""
+               ce_weight: float, gen: torch.Generator | None = None, unroll: int = 1) -> dict:
+    """Losses of one batch (no optimiser step).
+
+    ``unroll`` > 1 adds drafting's later steps (`EagleHead.forward_unrolled`); the loss is
+    the mean over passes, pass ``j`` scored at positions ``>= j``.
+
+    Returns:
+        ``{"loss": tensor with grad, "feature", "ce", "top1": floats of pass 0,
+        "top1_per_pass": [unroll floats]}`` (``top1`` = how often the head's argmax over the
+        draft vocabulary equals the target's).
+    """
     length = max(len(s) for s in seqs)
     tokens = _pad([torch.as_tensor(s, dtype=torch.long) for s in seqs], length)
     feats = _pad([h.float() for h in hidden], length)
@@ -292,19 +369,28 @@ def train_step(head: EagleHead, embed: torch.Tensor, lm_sub: torch.Tensor,
     inputs = feats[:, :-1]
     if noise > 0:
         inputs = inputs + (torch.rand(inputs.shape, generator=gen) - 0.5) * noise
-    pred = head(inputs, embed[tokens[:, 1:]].float())
+    preds = head.forward_unrolled(inputs, embed[tokens[:, 1:]].float(), unroll)
     target = feats[:, 1:]
-    denom = mask.sum().clamp(min=1)
-    feature = (F.smooth_l1_loss(pred, target, reduction="none").mean(-1) * mask).sum() / denom
     with torch.no_grad():
         target_logits = target @ lm_sub.T
         p = torch.softmax(target_logits, -1)
-    logits = pred @ lm_sub.T
-    ce = (-(p * torch.log_softmax(logits, -1)).sum(-1) * mask).sum() / denom
-    top1 = ((logits.argmax(-1) == target_logits.argmax(-1)).float() * mask).sum() / denom
-    return {"loss": feature + ce_weight * ce, "feature": float(feature.detach()),
-            "ce": float(ce.detach()),
-            "top1": float(top1)}
+        target_top = target_logits.argmax(-1)
+    total = torch.zeros(())
+    stats: dict = {"top1_per_pass": []}
+    for j, pred in enumerate(preds):
+        m = mask.clone()
+        m[:, :j] = 0  # pass j needs an anchor j positions back
+        denom = m.sum().clamp(min=1)
+        feature = (F.smooth_l1_loss(pred, target, reduction="none").mean(-1) * m).sum() / denom
+        logits = pred @ lm_sub.T
+        ce = (-(p * torch.log_softmax(logits, -1)).sum(-1) * m).sum() / denom
+        top1 = float(((logits.argmax(-1) == target_top).float() * m).sum() / denom)
+        total = total + feature + ce_weight * ce
+        stats["top1_per_pass"].append(top1)
+        if j == 0:
+            stats.update(feature=float(feature.detach()), ce=float(ce.detach()), top1=top1)
+    stats["loss"] = total / len(preds)
+    return stats
 
 
 @torch.inference_mode()
@@ -314,7 +400,8 @@ def evaluate_acceptance(drafter: EagleDrafter, seqs: Sequence[Sequence[int]],
     """Greedy acceptance on held-out target answers (which are the target's greedy output, so
     a drafted token is accepted exactly when it equals the next answer token).
 
-    For positions ``p`` in each answer (from ``starts[i]``), the drafter sees the history up
+    For up to ``max_positions / len(seqs)`` positions ``p`` spread evenly over each answer
+    (from ``starts[i]``), the drafter sees the history up
     to ``p`` with its hidden rows, incrementally as in decoding, and drafts ``k`` tokens.
 
     Returns:
@@ -328,7 +415,9 @@ def evaluate_acceptance(drafter: EagleDrafter, seqs: Sequence[Sequence[int]],
     for seq, hid, start in zip(seqs, hidden, starts, strict=True):
         session = drafter.session()
         last = len(seq) - 1
-        ends = list(range(max(start, 1), last))[:per_seq]
+        span = list(range(max(start, 1), last))
+        stride = max(1, len(span) // per_seq)
+        ends = span[::stride][:per_seq]  # spread over the whole answer
         prev = 0
         for p in ends:  # history seq[: p + 1], anchor seq[p]; rows for positions < p
             rows = hid[prev:p].float() if prev else hid[:p].float()
@@ -385,6 +474,10 @@ def train(cfg: TrainConfig, decoder=None, tokenizer=None, progress: bool = True)
     held = chat_ids[len(chat_ids) - n_held:] if n_held else []
     held_set = set(held)
     train_ids = [i for i in range(len(seqs)) if i not in held_set]
+    # Self-distilled answers are the drafting domain but scarce (generation is ~17x dearer
+    # per token than a prose prefill): they are seen chat_repeat times per epoch.
+    epoch_ids = [i for i in train_ids for _ in range(cfg.chat_repeat if kinds[i] == "chat"
+                                                     else 1)]
     eos = getattr(tokenizer, "eos_token_id", None)
     vocab = choose_draft_vocab([seqs[i] for i in train_ids], cfg.draft_vocab,
                                decoder.config.vocab_size, always=[eos] if eos is not None else [])
@@ -395,7 +488,7 @@ def train(cfg: TrainConfig, decoder=None, tokenizer=None, progress: bool = True)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     rng = random.Random(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
-    steps_per_epoch = math.ceil(len(train_ids) / cfg.batch_size)
+    steps_per_epoch = math.ceil(len(epoch_ids) / cfg.batch_size)
     total_steps = steps_per_epoch * cfg.epochs
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=total_steps,
                                                 pct_start=0.05, anneal_strategy="cos")
@@ -418,13 +511,14 @@ def train(cfg: TrainConfig, decoder=None, tokenizer=None, progress: bool = True)
     stopped_early = False
     for epoch in range(cfg.epochs):
         head.train()
-        bar = tqdm(_batches(train_ids, cfg.batch_size, rng), desc=f"epoch {epoch + 1}",
+        bar = tqdm(_batches(epoch_ids, cfg.batch_size, rng), desc=f"epoch {epoch + 1}",
                    unit="batch", disable=not progress)
         sums = {"loss": 0.0, "feature": 0.0, "ce": 0.0, "top1": 0.0}
         n = 0
         for batch in bar:
             out = train_step(head, embed, lm_sub, [seqs[i] for i in batch],
-                             [hidden[i] for i in batch], cfg.noise, cfg.ce_weight, gen)
+                             [hidden[i] for i in batch], cfg.noise, cfg.ce_weight, gen,
+                             cfg.unroll)
             opt.zero_grad(set_to_none=True)
             out["loss"].backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -465,6 +559,7 @@ def train(cfg: TrainConfig, decoder=None, tokenizer=None, progress: bool = True)
         "model": model_id,
         "data": data["stats"],
         "train_sequences": len(train_ids),
+        "sequences_per_epoch": len(epoch_ids),
         "heldout_sequences": len(held),
         "heldout_token_coverage_by_draft_vocab": coverage,
         "timings_s": {"data": round(t_data, 1), "train": round(train_s, 1),

@@ -4,7 +4,9 @@ KV rollback, losslessness through the core loop, the gRPC worker, and training e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -157,15 +159,50 @@ def test_rows_that_do_not_continue_the_session_ask_for_a_resync():
         stream[:6], hidden[:5], 3)
 
 
+def test_dynamic_draft_length_stops_where_the_heads_confidence_product_drops_below_it():
+    """EAGLE-2's dynamic depth: a block is the longest prefix of the full greedy block whose
+    running product of the head's top probabilities stays >= min_confidence."""
+    decoder = tiny_decoder(16, seed=4)
+    history = [1, 2, 3, 4, 5, 6, 7]
+    rows = hidden_of(decoder, history[:-1])
+    full_drafter = tiny_eagle(decoder, vocab_ids=list(range(2, 14)), max_draft_len=5)
+    full = full_drafter.session().propose(history, rows, 5)
+    assert len(full) == 5
+    # The head's confidence at each position of the full block, recomputed by hand.
+    session = full_drafter.session()
+    session.propose(history, rows, 0)
+    feature, reach, reaches = session._feature, 1.0, []
+    for token in full.tokens:
+        logits = full_drafter.draft_logits(feature)[0]
+        reach *= float(torch.softmax(logits, 0).max())
+        reaches.append(reach)
+        feature = full_drafter.head.step(feature, full_drafter.embed(torch.tensor([token])),
+                                         session.cache)
+    cuts = set()
+    for threshold in [0.0, *reaches, 0.999]:
+        drafter = tiny_eagle(decoder, vocab_ids=list(range(2, 14)), max_draft_len=5)
+        drafter.min_confidence = threshold
+        block = drafter.session().propose(history, rows, 5)
+        expected = sum(1 for r in reaches if r >= threshold)
+        assert block.tokens == full.tokens[:expected], threshold
+        cuts.add(len(block))
+    assert len(cuts) > 2  # the thresholds did cut blocks at several lengths
+    with pytest.raises(ValueError, match="min_confidence"):
+        EagleDrafter(full_drafter.head, decoder.embed_tokens.weight, decoder.lm_head.weight,
+                     min_confidence=1.5)
+
+
 # ---- losslessness through the core loop ----
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_greedy_output_is_token_identical_to_plain_decoding(seed):
+@pytest.mark.parametrize("min_confidence", [0.0, 0.12])
+def test_greedy_output_is_token_identical_to_plain_decoding(seed, min_confidence):
     decoder = tiny_decoder(16, seed=seed)
     prompt = [1, 5, 2, 9, 3]
     for name in ("eagle", "eagle+lookup"):
         eagle = tiny_eagle(decoder, vocab_ids=list(range(2, 14)), seed=seed)
+        eagle.min_confidence = min_confidence
         drafter = eagle if name == "eagle" else LookupThenEagle(PromptLookupSpeculator(2, 4),
                                                                 eagle)
         out = speculative_decode_with(decoder, prompt, decoder.new_cache(), drafter,
@@ -174,13 +211,15 @@ def test_greedy_output_is_token_identical_to_plain_decoding(seed):
         assert out.drafted_tokens > 0
 
 
-def test_temperature_one_output_is_distributed_as_plain_sampling():
+@pytest.mark.parametrize("min_confidence", [0.0, 0.3])
+def test_temperature_one_output_is_distributed_as_plain_sampling(min_confidence):
     decoder = tiny_decoder(6, seed=1)
     prompt = [1, 2, 3, 1, 2]
     params = SamplingParams(temperature=1.0)
     seeds, max_new = 1200, 3
     exact = exact_marginals(decoder, prompt, params, max_new)
     drafter = tiny_eagle(decoder, vocab_ids=[0, 1, 2, 4], seed=3, max_draft_len=3)
+    drafter.min_confidence = min_confidence
     counts = np.zeros((max_new, 6))
     drafted = 0
     for seed in range(seeds):
@@ -316,12 +355,40 @@ def test_prompt_lookup_is_sent_no_hidden_rows_by_the_scheduler():
 # ---- build / load / train ----
 
 
+def test_unrolled_training_forward_replays_the_drafting_steps():
+    """Pass j of `forward_unrolled` at position p is what draft step j + 1 computes from
+    anchor p - j (KV cache over the true prefix, then the head's own predictions): the
+    property that makes training-time test train the drafting path itself."""
+    from drafter_worker.eagle import EagleKvCache
+
+    config = EagleConfig(hidden_size=16, vocab_size=32, n_heads=4, n_kv_heads=2, head_dim=4,
+                         ffn_dim=24, draft_vocab_size=32)
+    head = EagleHead.random(config, seed=3).eval()
+    gen = torch.Generator().manual_seed(0)
+    t = 9
+    feats = torch.randn(1, t, 16, generator=gen)
+    embeds = torch.randn(1, t, 16, generator=gen)
+    with torch.no_grad():
+        passes = head.forward_unrolled(feats, embeds, 3)
+    assert torch.allclose(passes[0], head(feats, embeds))
+    for anchor in range(t - 2):
+        cache = EagleKvCache(config)
+        pred = head.step(feats[0, : anchor + 1], embeds[0, : anchor + 1], cache)[-1:]
+        assert torch.allclose(pred[0], passes[0][0, anchor], atol=1e-5)
+        for j in (1, 2):
+            pred = head.step(pred, embeds[0, anchor + j: anchor + j + 1], cache)
+            assert torch.allclose(pred[0], passes[j][0, anchor + j], atol=1e-5), (anchor, j)
+    # Teacher forcing (pass 0 at p) is not what step 2 sees: the replay is not trivial.
+    assert not torch.allclose(passes[1][0, 1:], passes[0][0, 1:], atol=1e-3)
+
+
 def test_head_round_trips_through_a_file_and_build_drafter_loads_it(tmp_path):
     decoder = tiny_decoder(16, seed=0)
     drafter = tiny_eagle(decoder, vocab_ids=list(range(3, 13)))
     path = tmp_path / "head.safetensors"
     drafter.head.save(path, metadata={"note": "test"})
-    loaded = build_drafter("eagle", max_draft_len=4, target=decoder, drafter_path=str(path))
+    loaded = build_drafter("eagle", max_draft_len=4, target=decoder, drafter_path=str(path),
+                           min_confidence=0.0)
     history = [1, 2, 3, 4]
     rows = hidden_of(decoder, history[:-1])
     # float16 storage: same drafts as the float32 head on this input.
@@ -348,7 +415,7 @@ def test_training_runs_end_to_end_on_a_tiny_corpus(tmp_path):
     decoder, tokenizer = load_tiny_random("tiny-random:vocab=64,seed=0,layers=2")
     cfg = TrainConfig(out=str(tmp_path / "h.safetensors"), data_dir=str(tmp_path / "data"),
                       max_prompts=8, max_new_tokens=12, gen_batch=4, stdlib_tokens=300,
-                      seq_len=48, draft_vocab=24, ffn_dim=16, epochs=2, batch_size=4,
+                      seq_len=48, draft_vocab=24, ffn_dim=16, epochs=2, batch_size=4, unroll=2,
                       heldout_fraction=0.25, eval_positions=20, threads=1, plot=False)
     summary = train(cfg, decoder, tokenizer, progress=False)
     assert len(summary["epochs"]) == 2
@@ -361,6 +428,56 @@ def test_training_runs_end_to_end_on_a_tiny_corpus(tmp_path):
     assert (tmp_path / "data").is_dir()  # the hidden-state cache, reused by a second run
     again = train(cfg, decoder, tokenizer, progress=False)
     assert again["data"] == summary["data"]
+    # Answers are seen chat_repeat times per epoch, prose once.
+    n_std = summary["data"]["stdlib_sequences"]
+    n_chat = summary["train_sequences"] - n_std
+    twice = train(dataclasses.replace(cfg, chat_repeat=2), decoder, tokenizer, progress=False)
+    assert twice["sequences_per_epoch"] == 2 * n_chat + n_std
+    assert len(twice["step_loss"]) == 2 * math.ceil((2 * n_chat + n_std) / cfg.batch_size)
+
+
+def test_answer_cache_generates_only_new_prompts(tmp_path, monkeypatch):
+    """More prompts cost only the new answers: the cached ones are not regenerated, and they
+    come back identical."""
+    from drafter_worker import train_eagle
+    from target_worker.testing import load_tiny_random
+
+    decoder, tokenizer = load_tiny_random("tiny-random:vocab=64,seed=0,layers=2")
+    generated = []
+    real = train_eagle.self_distill
+
+    def counting(decoder, prompts, *args, **kwargs):
+        generated.extend(tuple(p) for p in prompts)
+        return real(decoder, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(train_eagle, "self_distill", counting)
+    cfg = train_eagle.TrainConfig(out="", data_dir=str(tmp_path), max_prompts=4,
+                                  max_new_tokens=8, gen_batch=3, stdlib_tokens=0, seq_len=48)
+    small = train_eagle.build_dataset(cfg, decoder, tokenizer, "tiny", progress=False)
+    assert len(generated) == 4
+    big = train_eagle.build_dataset(dataclasses.replace(cfg, max_prompts=8), decoder,
+                                    tokenizer, "tiny", progress=False)
+    assert len(generated) == 8 and len(set(generated)) == 8  # 4 new ones, none twice
+    by_seq = {tuple(s): h for s, h in zip(big["sequences"], big["hidden"], strict=True)}
+    for seq, hid in zip(small["sequences"], small["hidden"], strict=True):
+        assert torch.equal(by_seq[tuple(seq)], hid)
+
+
+def test_stdlib_prose_is_reference_topics_then_docstrings_not_code():
+    from drafter_worker.train_eagle import stdlib_texts
+
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        pytest.skip("this Python has no pydoc_data")
+    budget = sum(len(t) for t in topics.values()) + 20_000
+    texts = stdlib_texts(budget)
+    assert sum(len(t) for t in texts) >= budget
+    assert texts[: len(topics)] == [topics[k] for k in sorted(topics)]
+    docstrings = texts[len(topics):]
+    assert docstrings and all(len(t) >= 200 for t in docstrings)
+    assert not any(t.lstrip().startswith(("import ", "from ", "#!", "# ", '"""'))
+                   for t in docstrings)
 
 
 def test_cli_in_process_eagle_gives_the_plain_greedy_output(tmp_path, capsys):
