@@ -26,6 +26,7 @@ import torch
 from drafter_worker import DraftBlock
 
 from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target
+from .errors import ServiceStopping
 from .speculative import DecodeRequest, SpeculativeOptions
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ class Scheduler:
             except asyncio.CancelledError:
                 pass
         for req in [*self.waiting, *self.active]:
-            req.events.put_nowait(RuntimeError("the service is shutting down"))
+            req.events.put_nowait(ServiceStopping("the service is shutting down"))
 
     def submit(self, prompt_tokens: Sequence[int], options: SpeculativeOptions,
                speculate: bool = True, max_draft_len: int | None = None) -> ServiceRequest:

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specd.v1 import generation_pb2, generation_pb2_grpc
 
+from .errors import client_status
 from .sampling import SamplingParams
 from .scheduler import Scheduler, ServiceRequest
 from .speculative import SpeculativeDecodeResult, SpeculativeOptions
@@ -192,7 +193,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     )
                     return
                 else:
-                    await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {event}")
+                    await _abort_failed(context, event)
         finally:
             # Client cancel, deadline, or a dropped stream: free the slot at the next step.
             self.scheduler.cancel(req)
@@ -212,7 +213,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         **_final_fields(req, event),
                     )
                 else:
-                    await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {event}")
+                    await _abort_failed(context, event)
         finally:
             self.scheduler.cancel(req)
 
@@ -249,6 +250,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except RuntimeError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"scaling failed: {exc}")
         return generation_pb2.ScaleResponse(**result)
+
+
+async def _abort_failed(context, exc: BaseException) -> None:
+    """Ends an RPC whose request failed with the status and client-safe message
+    `coordinator.errors.client_status` gives (internals stay in the server log)."""
+    code, message = client_status(exc)
+    if code == "INTERNAL":
+        log.error("request failed: %r", exc)
+    await context.abort(grpc.StatusCode[code], message)
 
 
 def _replica_proto(r: dict) -> generation_pb2.ReplicaStatus:
