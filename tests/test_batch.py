@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -56,17 +58,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_for_port(port: int, proc: subprocess.Popen, deadline_s: float) -> None:
+    """Returns once 127.0.0.1:``port`` accepts connections; fails if ``proc`` exits first or
+    the deadline passes."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"ray start exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)  # polling a port with a deadline, not waiting out a race
+    raise AssertionError(f"the head's dashboard port {port} did not open in {deadline_s} s")
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Stops the head started as ``proc`` and its process group (ours alone): SIGTERM lets
+    `ray start --block` shut its processes down; SIGKILL ends what is left."""
+    pgid = os.getpgid(proc.pid)
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 @pytest.mark.slow
 def test_the_batch_job_runs_under_ray_job_submit_on_a_local_head(tmp_path):
     ray_bin = Path(sys.executable).with_name("ray")
     temp = tempfile.mkdtemp(prefix="specd-head-")  # short: Ray's socket paths have a limit
     dashboard = _free_port()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
-    subprocess.run([str(ray_bin), "start", "--head", f"--port={_free_port()}",
-                    "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                    f"--dashboard-port={dashboard}", f"--temp-dir={temp}"],
-                   check=True, env=env, capture_output=True)
+    # `--block` keeps the head's own `ray start` process alive; in a new session (process
+    # group) of its own, so the head and everything it spawns can be stopped through that
+    # group alone (`ray stop` would stop every Ray on the machine).
+    head = subprocess.Popen(
+        [str(ray_bin), "start", "--head", "--block", f"--port={_free_port()}",
+         "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={dashboard}", f"--temp-dir={temp}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
+        _wait_for_port(dashboard, head, deadline_s=120)
         jobs_path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
         write_jobs(jobs_path, 4)
         submit = subprocess.run(
@@ -78,5 +115,5 @@ def test_the_batch_job_runs_under_ray_job_submit_on_a_local_head(tmp_path):
         assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
         assert finished_ids(out) == {"p0", "p1", "p2", "p3"}
     finally:
-        subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True)
+        _stop_group(head)
         shutil.rmtree(temp, ignore_errors=True)
