@@ -93,13 +93,15 @@ def init_embedded_ray() -> None:
     ``--disable-metrics-collection``: no metrics-export HTTP port (specd's own
     ``--metrics-port`` is separate). Ray still starts its API-server process
     (``dashboard.py --disable-frontend``) even with ``include_dashboard=False``; it binds
-    loopback too (README, "Ports").
+    loopback too (README, "Ports"). Ray's usage-stats report (an hourly upload from that
+    process) is off unless ``RAY_USAGE_STATS_ENABLED`` says otherwise.
     """
     import ray
     from ray._private import ray_constants
 
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # inherited by Ray's processes
     saved = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read by services.get_node_ip_address
     try:
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
                  _node_ip_address="127.0.0.1",
