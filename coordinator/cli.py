@@ -20,6 +20,10 @@ from .text import TextStream, encode_prompt
 
 DRAFTERS = ("prompt-lookup", "eagle", "eagle+lookup", "none")
 
+#: `specd serve --shutdown-grace` default, seconds: long enough for a typical answer
+#: (128 tokens at ~10 tok/s on a 2-core CPU take ~13 s).
+SHUTDOWN_GRACE_S = 30.0
+
 
 def build_drafter(name: str, ngram_size: int, max_draft_len: int | None, **kwargs):
     """The drafter named on the command line (``None`` for plain decoding).
@@ -229,6 +233,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
     ))
+    if not args.shutdown_grace >= 0:
+        raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
     stop = threading.Event()
     try:
         address = service.start()
@@ -243,9 +249,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        print("[specd] shutting down", file=sys.stderr, flush=True)
-        service.stop()
+        print(f"[specd] shutting down: in-flight streams get up to {args.shutdown_grace:g} s",
+              file=sys.stderr, flush=True)
+        service.stop(grace_s=args.shutdown_grace)
     return 0
+
+
+#: The --auth-token help: a flag's value is visible to every local user in `ps`.
+_AUTH_HELP = ("bearer token{what} (default $SPECD_AUTH_TOKEN); a value given here is visible "
+              "to every local user in `ps` and /proc: prefer the environment variable")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -264,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--in-process", action="store_true",
                      help="run the core loop in this process (no Ray, no gRPC)")
     gen.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                     help="bearer token for --server (default $SPECD_AUTH_TOKEN)")
+                     help=_AUTH_HELP.format(what=" for --server"))
     gen.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
     gen.add_argument("--raw", action="store_true", help="no chat template")
@@ -289,7 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-cert", default=None)
     serve.add_argument("--tls-key", default=None)
     serve.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                       help="require this bearer token (default $SPECD_AUTH_TOKEN)")
+                       help=_AUTH_HELP.format(what=" every call must carry"))
+    serve.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
+                       metavar="SECONDS",
+                       help="on SIGTERM or Ctrl-C, refuse new calls (UNAVAILABLE) and let "
+                            "in-flight streams finish for up to this long before cancelling "
+                            "them (default %(default)g)")
     serve.set_defaults(func=cmd_serve)
 
     scale = sub.add_parser("scale", help="change a running service's target replicas and "
@@ -298,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--drafters", type=int, default=None, metavar="N")
     scale.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
     scale.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                       help="bearer token (default $SPECD_AUTH_TOKEN)")
+                       help=_AUTH_HELP.format(what=""))
     scale.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
     scale.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                        help="give up waiting after this long (the scale still completes)")
@@ -372,7 +389,8 @@ def _add_bench_parser(sub) -> None:
                        help="benchmark a running `specd serve` instead")
     bench.add_argument("--concurrency", type=_csv, default=("1", "4", "8", "16"),
                        metavar="1,4,8,16", help="--service: concurrent streams per level")
-    bench.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"))
+    bench.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
+                       help=_AUTH_HELP.format(what=" for --service"))
     bench.add_argument("--tls-ca", default=None)
     bench.set_defaults(func=cmd_bench)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,6 +77,37 @@ def default_target_threads(replicas: int, tp: int = 1, cpus: int | None = None) 
     On 2 cores: 1 replica -> 2 threads, 2 replicas -> 1 each."""
     cpus = cpus or os.cpu_count() or 1
     return max(1, cpus // max(1, replicas * tp))
+
+
+def init_embedded_ray() -> None:
+    """Starts the embedded single-machine Ray with every port on loopback, no dashboard and no
+    Ray metrics exporter.
+
+    A loopback node IP makes Ray 2.60's GCS, raylet, object manager, core workers, agents and
+    its two internal Prometheus servers (dashboard head, autoscaler monitor) bind 127.0.0.1
+    instead of every interface. `ray.init` turns a loopback ``_node_ip_address`` into the
+    machine's address unless Ray's ``ENABLE_RAY_CLUSTER`` constant (read from
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when ray is first imported, so setting the variable
+    later does nothing) is off; it is switched off for this call only.
+    ``enable_metrics_collection=False`` makes the raylet start its agent with
+    ``--disable-metrics-collection``: no metrics-export HTTP port (specd's own
+    ``--metrics-port`` is separate). Ray still starts its API-server process
+    (``dashboard.py --disable-frontend``) even with ``include_dashboard=False``; it binds
+    loopback too (README, "Ports"). Ray's usage-stats report (an hourly upload from that
+    process) is off unless ``RAY_USAGE_STATS_ENABLED`` says otherwise.
+    """
+    import ray
+    from ray._private import ray_constants
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # inherited by Ray's processes
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read by services.get_node_ip_address
+    try:
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 _node_ip_address="127.0.0.1",
+                 _system_config={"enable_metrics_collection": False})
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def load_tokenizer_for(model: str | None):
@@ -143,8 +175,11 @@ class CoordinatorActor:
         # Embedded: loopback only. On a cluster the actor may land on another node; it binds
         # there and answers with its own node's address.
         host = "127.0.0.1" if cfg.address is None else "0.0.0.0"
+        # Only this coordinator may call it: a fresh secret per drafter; histories capped at
+        # the model's context length.
+        secret = secrets.token_urlsafe(32)
         try:
-            address = await actor.start.remote(host, 0)
+            address = await actor.start.remote(host, 0, secret, await self._context_length())
         except BaseException:
             ray.kill(actor)
             raise
@@ -156,7 +191,19 @@ class CoordinatorActor:
 
         # float16 hidden rows on the wire: half the bytes, ample for a drafter's input.
         return DrafterClient(address, timeout_s=cfg.drafter_timeout_s,
-                             hidden_dtype="float16"), stop
+                             hidden_dtype="float16", secret=secret), stop
+
+    async def _context_length(self) -> int:
+        """The model's context length (read once, off the event loop: a GGUF takes ~3 s)."""
+        if getattr(self, "_max_seq_len", None) is None:
+            import asyncio
+
+            from target_worker.loader import model_config
+
+            config = await asyncio.get_running_loop().run_in_executor(
+                None, model_config, self.config.model)
+            self._max_seq_len = int(config.max_seq_len)
+        return self._max_seq_len
 
     async def start(self) -> int:
         """Starts the drafters, the replicas, then the API; returns the bound API port."""
@@ -218,11 +265,13 @@ class CoordinatorActor:
         """Target replica handles by name."""
         return dict(self._replica_handles)
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Stops the API (new calls are refused with UNAVAILABLE; in-flight ones get up to
+        ``grace_s`` seconds to finish, then are cancelled), then the router."""
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         if self.server is not None:
-            await self.server.stop(grace=1.0)
+            await self.server.stop(grace=grace_s)
         if self.router is not None:
             await self.router.close()
 
@@ -301,10 +350,7 @@ class Service:
         validate_tp(cfg.model, cfg.tp)  # before any actor starts
         if not ray.is_initialized():
             if cfg.address is None:
-                # Embedded: no dashboard; this setting keeps most of Ray's ports on loopback.
-                os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-                ray.init(include_dashboard=False, log_to_driver=False,
-                         configure_logging=False)
+                init_embedded_ray()
             else:
                 ray.init(address=cfg.address, log_to_driver=False)
             self._owns_ray = True
@@ -361,16 +407,17 @@ class Service:
         """The first drafter worker actor, or None."""
         return next(iter(self.drafter_actors.values()), None)
 
-    def stop(self) -> None:
-        """Stops the API, destroys replicas and drafters, kills the coordinator, and shuts Ray
-        down if this service started it."""
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stops the API (in-flight streams get up to ``grace_s`` seconds to finish, new calls
+        are refused with UNAVAILABLE meanwhile), destroys replicas and drafters, kills the
+        coordinator, and shuts Ray down if this service started it."""
         import ray
 
         if not ray.is_initialized():
             return
         if self.coordinator is not None:
             try:
-                ray.get(self.coordinator.stop.remote(), timeout=30)
+                ray.get(self.coordinator.stop.remote(grace_s), timeout=grace_s + 30)
             except Exception:
                 log.exception("coordinator stop failed")
             ray.kill(self.coordinator)  # its child actors die with it

@@ -2,6 +2,10 @@
 
 Prints ``drafter listening on HOST:PORT`` (one line, flushed) once bound; on a signal it
 stops accepting calls, lets in-flight ones finish (grace period) and exits with status 0.
+
+The shared secret callers must send comes from $SPECD_DRAFTER_SECRET (an environment
+variable, not a flag: flags show in `ps`). Without it the worker answers any local process,
+so it then listens on loopback only (a warning is logged; a non-loopback --host is refused).
 """
 
 from __future__ import annotations
@@ -9,19 +13,39 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
-from .server import DRAFTERS, build_drafter, start_drafter_server
+from .server import (
+    DRAFTERS,
+    SECRET_ENV,
+    SessionLimits,
+    build_drafter,
+    start_drafter_server,
+)
 
 #: Seconds in-flight calls get to finish after a stop signal.
 _GRACE_S = 2.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m drafter_worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m drafter_worker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    limits = SessionLimits()
     parser.add_argument("--port", type=int, required=True, help="TCP port; 0 picks a free one")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help=f"interface to bind (0.0.0.0: all; needs ${SECRET_ENV})")
+    parser.add_argument("--max-history", type=int, default=limits.max_history,
+                        help="most tokens of one request's history: the target model's "
+                             "context length (default %(default)s, SmolLM2's)")
+    parser.add_argument("--max-sessions", type=int, default=limits.max_sessions,
+                        help="most request ids held; the least recently used go first "
+                             "(default %(default)s)")
+    parser.add_argument("--idle-timeout", type=float, default=limits.idle_timeout_s,
+                        metavar="SECONDS",
+                        help="forget a request id this long after its last call "
+                             "(default %(default)s)")
     parser.add_argument("--drafter", default="prompt-lookup", choices=DRAFTERS)
     parser.add_argument("--ngram-size", type=int, default=3)
     parser.add_argument("--max-draft-len", type=int, default=None,
@@ -35,13 +59,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     """Runs the server until SIGINT/SIGTERM, then stops it gracefully."""
+    limits = SessionLimits(max_history=args.max_history, max_sessions=args.max_sessions,
+                           idle_timeout_s=args.idle_timeout)
+    secret = os.environ.get(SECRET_ENV) or None
     drafter = build_drafter(args.drafter, args.ngram_size, args.max_draft_len,
                             model=args.model, drafter_path=args.drafter_path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    server, port = await start_drafter_server(drafter, args.host, args.port)
+    server, port = await start_drafter_server(drafter, args.host, args.port, secret=secret,
+                                              limits=limits)
     print(f"drafter listening on {args.host}:{port}", flush=True)
     try:
         await stop.wait()

@@ -2,9 +2,10 @@
 
 Usage::
 
+    secret = secrets.token_urlsafe(32)
     actor = DrafterActor.remote("prompt-lookup", ngram_size=3, max_draft_len=10)
-    address = ray.get(actor.start.remote(host="0.0.0.0"))   # "node-ip:port"
-    client = DrafterClient(address)
+    address = ray.get(actor.start.remote(host="0.0.0.0", secret=secret))   # "node-ip:port"
+    client = DrafterClient(address, secret=secret)
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import grpc
 import ray
 
-from .server import build_drafter, start_drafter_server
+from .server import SessionLimits, build_drafter, start_drafter_server
 
 #: Hosts that bind every interface: the actor then advertises its node's IP.
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
@@ -35,17 +36,29 @@ class _DrafterActor:
         self._server: grpc.aio.Server | None = None
         self._address: str | None = None
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, secret: str | None = None,
+                    max_history: int | None = None) -> str:
         """Starts serving (idempotent: a second call returns the first address).
+
+        Args:
+            host, port: where to listen (port 0 picks one).
+            secret: the shared secret every call must carry (see `start_drafter_server`;
+                required unless ``host`` is loopback).
+            max_history: `SessionLimits.max_history` (the model's context length), or None
+                for the default.
 
         Returns:
             ``"host:port"`` to connect to; for a wildcard ``host`` the node's IP address.
 
         Raises:
+            ValueError: a non-loopback ``host`` without a secret, or a bad ``max_history``.
             RuntimeError: the address could not be bound.
         """
         if self._server is None:
-            server, bound = await start_drafter_server(self.drafter, host, port)
+            limits = SessionLimits() if max_history is None else SessionLimits(
+                max_history=max_history)
+            server, bound = await start_drafter_server(self.drafter, host, port, secret=secret,
+                                                       limits=limits)
             advertised = ray.util.get_node_ip_address() if host in _WILDCARD_HOSTS else host
             self._server, self._address = server, f"{advertised}:{bound}"
         return self._address

@@ -21,7 +21,7 @@ from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
 from . import wire
 from .draft import DraftBlock
-from .server import grpc_options
+from .server import SECRET_METADATA_KEY, grpc_options
 
 if TYPE_CHECKING:  # annotation only: importing coordinator here would load the target model code
     from coordinator.sampling import SamplingParams
@@ -88,6 +88,8 @@ class DrafterClient:
         timeout_s: deadline of every RPC, in seconds (> 0).
         hidden_dtype: the wire dtype of hidden rows ("float32", "float16", "bfloat16").
         channel_credentials: ``grpc.ChannelCredentials`` for TLS, or None for plaintext.
+        secret: the worker's shared secret, sent as `SECRET_METADATA_KEY` metadata on every
+            call; None sends none (a worker started without one).
 
     Attributes:
         stats: ``{"calls": int, "errors": int, "latency_s": float}``: `propose` calls made,
@@ -103,6 +105,7 @@ class DrafterClient:
         timeout_s: float = 1.0,
         hidden_dtype: str = "float32",
         channel_credentials: grpc.ChannelCredentials | None = None,
+        secret: str | None = None,
     ):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -114,6 +117,7 @@ class DrafterClient:
         self.timeout_s = float(timeout_s)
         self.hidden_dtype = hidden_dtype
         self._credentials = channel_credentials
+        self._metadata = None if secret is None else ((SECRET_METADATA_KEY, secret),)
         self._channel: grpc.aio.Channel | None = None
         self._stub: drafter_pb2_grpc.DrafterStub | None = None
         # request id -> number of history tokens the worker holds for it.
@@ -147,7 +151,8 @@ class DrafterClient:
             DrafterUnavailable: the RPC failed or timed out.
         """
         try:
-            reply = await self._get_stub().Info(drafter_pb2.InfoRequest(), timeout=self.timeout_s)
+            reply = await self._get_stub().Info(drafter_pb2.InfoRequest(), timeout=self.timeout_s,
+                                                metadata=self._metadata)
         except grpc.RpcError as e:
             raise DrafterUnavailable(f"drafter {self.address}: Info failed: {_describe(e)}") from e
         return DrafterInfo(reply.name, reply.wants_hidden, reply.max_draft_len)
@@ -213,7 +218,8 @@ class DrafterClient:
         self.stats["calls"] += 1
         start = time.perf_counter()
         try:
-            reply = await self._get_stub().Propose(request, timeout=self.timeout_s)
+            reply = await self._get_stub().Propose(request, timeout=self.timeout_s,
+                                                   metadata=self._metadata)
         except grpc.RpcError as e:
             self.stats["errors"] += 1
             raise DrafterUnavailable(
@@ -253,8 +259,8 @@ class DrafterClient:
             self._known.pop(rid, None)
         try:
             await self._get_stub().Release(
-                drafter_pb2.ReleaseRequest(request_ids=list(request_ids)), timeout=self.timeout_s
-            )
+                drafter_pb2.ReleaseRequest(request_ids=list(request_ids)), timeout=self.timeout_s,
+                metadata=self._metadata)
         except Exception as e:  # best effort: a lost release only leaks worker memory
             log.warning("drafter %s: Release failed: %s", self.address, _describe(e))
 

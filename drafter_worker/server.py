@@ -5,15 +5,26 @@ step ships only the new tokens. The view is append-only; whenever a caller's ``k
 count disagrees with it the service answers ``resync`` and forgets the id, and the caller
 resends the whole history. A proposal therefore always equals ``drafter.propose`` on the
 full committed history, computed from scratch.
+
+Least exposure: with a secret every call but health checks must carry it
+(`SECRET_METADATA_KEY`; else ``UNAUTHENTICATED``); without one the server binds loopback only.
+A request's history is capped (`SessionLimits.max_history`, the model's context length in the
+service), and so is the number of ids held (least recently used ones are forgotten first) and
+their idle time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import logging
 import os
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -36,6 +47,107 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 SERVICE_NAME: str = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
 
+#: gRPC metadata key of the shared secret the coordinator sends on every drafter call.
+SECRET_METADATA_KEY = "x-specd-drafter-secret"
+
+#: Environment variable `python -m drafter_worker` reads its secret from.
+SECRET_ENV = "SPECD_DRAFTER_SECRET"
+
+
+class ProposeRefused(ValueError):
+    """A Propose call the worker refuses as a whole (``INVALID_ARGUMENT``); the message names
+    the field. Nothing in the call was applied."""
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Bounds on what a drafter worker holds for its callers.
+
+    Attributes:
+        max_history: the most tokens one request's history may reach (the service passes the
+            model's context length; the default is SmolLM2's); a Propose item beyond it
+            refuses the whole call.
+        max_sessions: the most request ids held; past it the least recently used id is
+            forgotten (its next call resyncs, which costs a resend, never an output).
+        idle_timeout_s: seconds after its last Propose an id is forgotten (checked on every
+            call; memory is bounded by the other two limits meanwhile).
+
+    Raises:
+        ValueError: a limit that is not positive.
+    """
+
+    max_history: int = 8192
+    max_sessions: int = 1024
+    idle_timeout_s: float = 600.0
+
+    def __post_init__(self):
+        for name in ("max_history", "max_sessions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s!r}")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names a loopback interface only ("localhost", 127.0.0.0/8, ::1)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class SharedSecretInterceptor(grpc.aio.ServerInterceptor):
+    """Requires `SECRET_METADATA_KEY` metadata equal to the secret (compared in constant time)
+    on every RPC but health checks; others get ``UNAUTHENTICATED``.
+
+    Raises:
+        ValueError: an empty secret.
+    """
+
+    EXEMPT = ("/grpc.health.v1.Health/",)
+
+    def __init__(self, secret: str):
+        if not secret:
+            raise ValueError("the drafter secret must be non-empty")
+        self._expected = secret.encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(self.EXEMPT):
+            return await continuation(handler_call_details)
+        given = ""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == SECRET_METADATA_KEY:
+                given = value if isinstance(value, str) else ""
+        if hmac.compare_digest(given.encode(), self._expected):
+            return await continuation(handler_call_details)
+        return _refusing(await continuation(handler_call_details))
+
+
+def _refusing(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s shape that aborts with UNAUTHENTICATED (the drafter's RPCs
+    are unary-unary; reflection is stream-stream)."""
+    details = "missing or invalid drafter secret"
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+
+    async def streaming(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler is not None and handler.response_streaming:
+        if handler.request_streaming:
+            return grpc.stream_stream_rpc_method_handler(streaming)
+        return grpc.unary_stream_rpc_method_handler(streaming)
+    if handler is not None and handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary)
+    return grpc.unary_unary_rpc_method_handler(unary)
+
+
 def grpc_options() -> list[tuple[str, int]]:
     """Channel/server options shared by the server and `DrafterClient`."""
     return [
@@ -52,12 +164,22 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     drafters need not be thread-safe, and a GPU drafter always sees the same thread (CUDA
     streams are per thread). The synchronous `propose_batch` / `release_ids` are the same
     logic without gRPC; call them only from one thread at a time.
+
+    Args:
+        drafter: the `Drafter` served.
+        limits: what the worker holds at most (`SessionLimits`; default: its defaults).
+        clock: seconds, monotonic (injectable for tests of idle expiry).
     """
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, limits: SessionLimits | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.drafter = drafter
+        self.limits = limits or SessionLimits()
+        self._clock = clock
         # request id -> the committed history the drafter has seen (prompt first).
         self._histories: dict[str, list[int]] = {}
+        # request id -> time of its last Propose, least recently used first.
+        self._last_used: OrderedDict[str, float] = OrderedDict()
         # request id -> its own drafter, for drafters with per-request state (a KV cache):
         # those expose ``session(sampling, seed)`` (see `drafter_worker.eagle`).
         self._sessions: dict[str, Drafter] = {}
@@ -66,7 +188,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     # --- gRPC handlers ---------------------------------------------------------------------
 
     async def Propose(self, request, context):  # noqa: N802 (gRPC method name)
-        return await self._run(self.propose_batch, request)
+        try:
+            return await self._run(self.propose_batch, request)
+        except ProposeRefused as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def Release(self, request, context):  # noqa: N802
         await self._run(self.release_ids, list(request.request_ids))
@@ -86,8 +211,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     def propose_batch(self, request: drafter_pb2.ProposeRequest) -> drafter_pb2.ProposeResponse:
         """One result per item, in order; items are applied in order (a repeated id sees the
-        earlier item's state). Never raises for an item-level problem: that item gets an
-        empty block, the others are unaffected."""
+        earlier item's state). A drafting problem with one item gives that item an empty
+        block, the others are unaffected.
+
+        Raises:
+            ProposeRefused: an item whose history would exceed ``limits.max_history``
+                (checked before anything is applied).
+        """
+        cap = self.limits.max_history
+        for i, item in enumerate(request.items):
+            total = item.known + len(item.append)
+            if total > cap:
+                raise ProposeRefused(
+                    f"items[{i}].append: a history of {total} tokens (known {item.known} + "
+                    f"{len(item.append)} appended) exceeds max_history {cap}")
+        self.expire_idle()
         response = drafter_pb2.ProposeResponse()
         for item in request.items:
             result = response.results.add()
@@ -131,6 +269,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return False, DraftBlock.empty()
         # Committed before drafting: a drafter failure does not change what was committed.
         self._histories[rid] = history
+        self._touch(rid)
         max_len = int(item.max_len)
         drafter = self._drafter_for(rid, item)
         try:
@@ -173,9 +312,37 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def _forget(self, rid: str) -> None:
         self._histories.pop(rid, None)
         self._sessions.pop(rid, None)
+        self._last_used.pop(rid, None)
+
+    def _touch(self, rid: str) -> None:
+        """Marks ``rid`` used now; forgets the least recently used ids past the session cap."""
+        self._last_used[rid] = self._clock()
+        self._last_used.move_to_end(rid)
+        while len(self._last_used) > self.limits.max_sessions:
+            oldest = next(iter(self._last_used))
+            log.warning("holding %d request ids (max_sessions): forgetting %r, the least "
+                        "recently used", len(self._last_used), oldest)
+            self._forget(oldest)
+
+    def expire_idle(self) -> list[str]:
+        """Forgets every id whose last Propose is more than ``limits.idle_timeout_s`` ago;
+        returns them (oldest first). Runs at the start of every Propose and Release."""
+        deadline = self._clock() - self.limits.idle_timeout_s
+        expired = []
+        while self._last_used:
+            rid, used = next(iter(self._last_used.items()))
+            if used >= deadline:
+                break
+            expired.append(rid)
+            self._forget(rid)
+        if expired:
+            log.info("forgot %d request ids idle for over %.0f s", len(expired),
+                     self.limits.idle_timeout_s)
+        return expired
 
     def release_ids(self, request_ids: list[str]) -> None:
         """Forgets the given ids; unknown ids are ignored."""
+        self.expire_idle()
         for rid in request_ids:
             self._forget(rid)
 
@@ -190,7 +357,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
 
 async def start_drafter_server(
-    drafter: Drafter, host: str = "127.0.0.1", port: int = 0
+    drafter: Drafter, host: str = "127.0.0.1", port: int = 0, *, secret: str | None = None,
+    limits: SessionLimits | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Starts a grpc.aio server for ``drafter`` on the running event loop.
 
@@ -199,17 +367,28 @@ async def start_drafter_server(
 
     Args:
         drafter: any `Drafter`; its calls run on a dedicated thread (see `DrafterServicer`).
-        host: the interface to bind ("0.0.0.0" for all).
+        host: the interface to bind ("0.0.0.0" for all: needs ``secret``).
         port: the TCP port; 0 picks a free one.
+        secret: when given, every call but health checks must carry it as
+            `SECRET_METADATA_KEY` metadata (`SharedSecretInterceptor`). Without one any local
+            process may call, so only a loopback ``host`` is allowed (and a warning logged).
+        limits: `SessionLimits` for the servicer (default: its defaults).
 
     Returns:
         ``(server, bound_port)``. Stop it with ``await server.stop(grace_seconds)``.
 
     Raises:
+        ValueError: a non-loopback ``host`` without a ``secret``, or an empty ``secret``.
         RuntimeError: the address could not be bound.
     """
-    server = grpc.aio.server(options=grpc_options())
-    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(drafter), server)
+    if secret is None:
+        if not is_loopback(host):
+            raise ValueError(f"the drafter may listen on {host!r} only with a secret "
+                             f"(${SECRET_ENV}); without one it binds loopback only")
+        log.warning("drafter on %s without a secret: any local process may call it", host)
+    interceptors = [] if secret is None else [SharedSecretInterceptor(secret)]
+    server = grpc.aio.server(interceptors=interceptors, options=grpc_options())
+    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(drafter, limits), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
