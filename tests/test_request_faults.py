@@ -5,14 +5,25 @@ and malformed request bytes are INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
+import time
 
+import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from service_harness import LocalService, run_in_thread
+from test_service import REPEATING, solo
+from test_service import request as make_request
 
 from coordinator.rule import target_rows
 from coordinator.sampling import Sampler, SamplingParams, greedy_tokens, sampling_distributions
+from coordinator.speculative import DecodeRequest, SpeculativeDecodeResult
 from drafter_worker import DraftDist
+from specd.v1 import generation_pb2
+from target_worker.engine import TargetEngine
 
 # ---- sampling: no legal input raises ----
 
@@ -85,3 +96,234 @@ def test_temperature_below_the_epsilon_is_greedy_everywhere():
 def test_a_repetition_penalty_that_would_overflow_is_refused_naming_the_field(value):
     with pytest.raises(ValueError, match=r"repetition_penalty=.*must be in \[0.01, 100\]"):
         SamplingParams(temperature=1.0, repetition_penalty=value)
+
+
+# ---- one request's fault fails that request alone ----
+
+POISON_VERIFY_SEED = 660001  # on_verify raises for requests with this seed (injected fault)
+POISON_PREFILL_SEED = 660002  # on_prefill raises
+MARKER = [60, 61, 62, 63, 60, 61]  # the engine refuses / fails calls carrying this prompt
+GOOD = [
+    make_request(REPEATING, max_new=150),
+    make_request([11, 3, 40, 22, 17, 9, 31], max_new=150, seed=4, temperature=0.9),
+    make_request([1, 2, 3, 1, 2, 3], max_new=150, repetition_penalty=1.3,
+                 frequency_penalty=0.5),
+    make_request([9, 9, 9, 9], max_new=150, seed=11, temperature=1.2, min_p=0.05),
+]
+
+
+def _wait_for(condition, what: str, timeout_s: float = 60.0):
+    """Polls ``condition`` (a cheap check) until it holds; fails naming ``what`` at the
+    deadline. Each poll yields to other threads through a blocking wait, not a sleep race."""
+    deadline = time.monotonic() + timeout_s
+    tick = threading.Event()
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        tick.wait(0.01)
+
+
+def _stream(svc, req, started: threading.Event | None = None):
+    """Runs one stream: (tokens, final chunk, None) or (tokens, None, grpc.RpcError)."""
+    channel, stub = svc.stub()
+    tokens = []
+    with channel:
+        try:
+            final = None
+            for chunk in stub.Generate(req, timeout=120):
+                tokens.extend(chunk.token_ids)
+                final = chunk
+                if started is not None:
+                    started.set()
+            return tokens, final, None
+        except grpc.RpcError as err:
+            return tokens, None, err
+        finally:
+            if started is not None:
+                started.set()
+
+
+def _assert_client_safe(err: grpc.RpcError) -> None:
+    """The status message names no internals (exception text, class names, paths, pids)."""
+    details = err.details()
+    assert details and "request" in details
+    for leak in ("injected", "secret", "pid", "Error", "Traceback", "slot"):
+        assert leak not in details, f"{leak!r} leaked into {details!r}"
+
+
+def _healthy_and_empty(svc) -> None:
+    channel, stub = svc.stub()
+    with channel:
+        def drained():
+            s = stub.Status(generation_pb2.StatusRequest(), timeout=10)
+            return (s.used_slots == 0 and s.active_requests == 0 and s.waiting_requests == 0
+                    and all(e.used_slots == 0 for e in svc.engines.values()))
+        _wait_for(drained, "every slot to be freed")
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        good = stub.GenerateUnary(GOOD[0], timeout=60)
+        assert list(good.token_ids) == solo(svc, GOOD[0])
+
+
+@pytest.fixture()
+def faulty(monkeypatch):
+    """A service whose DecodeRequest raises inside on_verify / on_prefill for the poison seeds;
+    records how many requests were decoding on the replica when on_verify raised."""
+    svc = LocalService(max_active=16).start()
+    svc.coactive_at_fault = []
+    on_verify, on_prefill = DecodeRequest.on_verify, DecodeRequest.on_prefill
+
+    def faulty_verify(self, *args, **kwargs):
+        if self.options.seed == POISON_VERIFY_SEED:
+            svc.coactive_at_fault.append(
+                sum(len(r.scheduler.active) for r in svc.router.replicas.values()))
+            raise RuntimeError("injected fault in on_verify at /secret/path pid 1234")
+        return on_verify(self, *args, **kwargs)
+
+    def faulty_prefill(self, *args, **kwargs):
+        if self.options.seed == POISON_PREFILL_SEED:
+            raise ValueError("cannot sample from a distribution with no positive mass")
+        return on_prefill(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeRequest, "on_verify", faulty_verify)
+    monkeypatch.setattr(DecodeRequest, "on_prefill", faulty_prefill)
+    yield svc
+    svc.stop()
+
+
+def _start_good(svc) -> tuple[list[list[int]], list]:
+    expected = [solo(svc, r) for r in GOOD]
+    started = [threading.Event() for _ in GOOD]
+    futures = [run_in_thread(_stream, svc, r, e) for r, e in zip(GOOD, started, strict=True)]
+    for e in started:
+        assert e.wait(60), "a good stream never started"
+    return expected, futures
+
+
+def _check_good(expected, futures) -> None:
+    for i, (want, future) in enumerate(zip(expected, futures, strict=True)):
+        tokens, final, err = future.result(timeout=120)
+        assert err is None, f"good stream {i} failed beside the poison: {err.code()} " \
+                            f"{err.details()}"
+        assert tokens == want, f"good stream {i} changed beside the poison"
+        assert final.finish_reason == "length"
+
+
+def test_poison_requests_fail_alone_free_their_slots_and_the_service_keeps_serving(faulty):
+    svc = faulty
+    expected, futures = _start_good(svc)
+    tiny_t = make_request(REPEATING, max_new=20, temperature=1e-45, top_k=5)
+    penalty = make_request(REPEATING, max_new=20, temperature=1.0, repetition_penalty=1e-45)
+    in_verify = make_request(REPEATING, max_new=20, seed=POISON_VERIFY_SEED)
+    in_prefill = make_request(REPEATING, max_new=20, seed=POISON_PREFILL_SEED)
+    poison = [run_in_thread(_stream, svc, r) for r in (tiny_t, penalty, in_verify, in_prefill)]
+    _check_good(expected, futures)
+    results = [f.result(timeout=120) for f in poison]
+
+    # temperature 1e-45 is greedy: served, token-identical to the greedy request.
+    tokens, final, err = results[0]
+    assert err is None and tokens == solo(svc, make_request(REPEATING, max_new=20))
+    # repetition_penalty 1e-45 would overflow: refused naming the field.
+    _, _, err = results[1]
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "repetition_penalty" in err.details()
+    # Faults inside on_verify / on_prefill: INTERNAL with a message carrying no internals.
+    for _, _, err in results[2:]:
+        assert err is not None and err.code() == grpc.StatusCode.INTERNAL
+        _assert_client_safe(err)
+    assert svc.coactive_at_fault and max(svc.coactive_at_fault) > 1, \
+        "the on_verify fault never fired beside another request"
+    _healthy_and_empty(svc)
+
+    # 40 more poison requests (more than the 16 slots): every one answered, none leaks.
+    more = [make_request(REPEATING, max_new=8,
+                         seed=(POISON_VERIFY_SEED, POISON_PREFILL_SEED)[i % 2])
+            for i in range(40)]
+    for future in [run_in_thread(_stream, svc, r) for r in more]:
+        _, _, err = future.result(timeout=120)
+        assert err is not None and err.code() == grpc.StatusCode.INTERNAL
+    _healthy_and_empty(svc)
+
+
+def _engine_fault(monkeypatch, method: str, exc_type: type[Exception]) -> None:
+    """Makes ``TargetEngine.<method>`` raise ``exc_type`` for any batch holding a request
+    whose prompt is `MARKER` (as a per-item validation error or a whole-call failure)."""
+    original = getattr(TargetEngine, method)
+
+    def faulty(self, items):
+        for item in items:
+            tokens = item.tokens if method == "prefill" else self._slots[item.slot].tokens
+            if list(tokens[:len(MARKER)]) == MARKER:
+                raise exc_type(f"slot {item.slot}: injected {method} fault")
+        return original(self, items)
+
+    monkeypatch.setattr(TargetEngine, method, faulty)
+
+
+@pytest.mark.parametrize("method,exc_type,code", [
+    # A per-item refusal of a batched verify: retried one by one, only the offender fails.
+    ("verify", ValueError, grpc.StatusCode.INTERNAL),
+    # The prefill call itself fails (not a validation error): only the requests in that call.
+    ("prefill", RuntimeError, grpc.StatusCode.UNAVAILABLE),
+    # The batched verify fails as a whole: its requests fail, later ones are served.
+    ("verify", RuntimeError, grpc.StatusCode.UNAVAILABLE),
+])
+def test_a_failing_target_call_fails_only_the_requests_in_it(monkeypatch, method, exc_type,
+                                                             code):
+    svc = LocalService(max_active=16).start()
+    try:
+        expected = [solo(svc, r) for r in GOOD]
+        _engine_fault(monkeypatch, method, exc_type)
+        if exc_type is RuntimeError and method == "verify":
+            # Everything decoding shares the failing call: only the poison and the requests
+            # beside it fail; the service serves the next ones.
+            _, _, err = _stream(svc, make_request(MARKER, max_new=20))
+            assert err is not None and err.code() == code
+            _assert_client_safe(err)
+            _healthy_and_empty(svc)
+            return
+        started = [threading.Event() for _ in GOOD]
+        futures = [run_in_thread(_stream, svc, r, e) for r, e in zip(GOOD, started, strict=True)]
+        for e in started:
+            assert e.wait(60), "a good stream never started"
+        _, _, err = _stream(svc, make_request(MARKER, max_new=20))
+        assert err is not None and err.code() == code
+        _assert_client_safe(err)
+        _check_good(expected, futures)
+        _healthy_and_empty(svc)
+    finally:
+        svc.stop()
+
+
+def test_status_counts_a_slot_held_while_its_request_is_being_admitted():
+    from coordinator.scheduler import LocalTarget, Scheduler
+    from coordinator.speculative import SpeculativeOptions
+    from target_worker import load_model
+
+    decoder, _ = load_model("tiny-random:vocab=64,seed=0,layers=2")
+
+    async def main():
+        engine = TargetEngine(decoder, max_slots=4)
+        entered, gate = asyncio.Event(), asyncio.Event()
+
+        class SlowPrefill(LocalTarget):
+            async def prefill(self, items):
+                entered.set()
+                await gate.wait()
+                return await super().prefill(items)
+
+        scheduler = Scheduler(SlowPrefill(engine), adaptive=False)
+        scheduler.start()
+        req = scheduler.submit([1, 2, 3], SpeculativeOptions(max_new_tokens=3))
+        await asyncio.wait_for(entered.wait(), 30)
+        assert engine.used_slots == 1
+        assert scheduler.status()["used_slots"] == 1, "an allocated slot is not reported"
+        gate.set()
+        while not isinstance(await asyncio.wait_for(req.events.get(), 30),
+                             SpeculativeDecodeResult):
+            pass
+        assert scheduler.status()["used_slots"] == engine.used_slots == 0
+        await scheduler.close()
+
+    asyncio.run(main())
