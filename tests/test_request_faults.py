@@ -123,14 +123,14 @@ def _wait_for(condition, what: str, timeout_s: float = 60.0):
         tick.wait(0.01)
 
 
-def _stream(svc, req, started: threading.Event | None = None):
+def _stream(svc, req, started: threading.Event | None = None, timeout_s: float = 120):
     """Runs one stream: (tokens, final chunk, None) or (tokens, None, grpc.RpcError)."""
     channel, stub = svc.stub()
     tokens = []
     with channel:
         try:
             final = None
-            for chunk in stub.Generate(req, timeout=120):
+            for chunk in stub.Generate(req, timeout=timeout_s):
                 tokens.extend(chunk.token_ids)
                 final = chunk
                 if started is not None:
@@ -327,3 +327,153 @@ def test_status_counts_a_slot_held_while_its_request_is_being_admitted():
         await scheduler.close()
 
     asyncio.run(main())
+
+
+# ---- admission cannot stall the loop ----
+
+class GatedTokenizer:
+    """The tiny tokenizer, except that encoding a text containing ``BLOCK`` waits until
+    ``release`` is set (``entered`` is set first); counts every encode call."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.encodes = 0
+
+    def encode(self, text, add_special_tokens=True):
+        self.encodes += 1
+        if "BLOCK" in text:
+            self.entered.set()
+            assert self.release.wait(120), "the test never released the tokenizer"
+        return self.inner.encode(text, add_special_tokens)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.fixture()
+def gated():
+    svc = LocalService()
+    svc.tokenizer = GatedTokenizer(svc.tokenizer)  # what the servicer will tokenize with
+    svc.start()
+    yield svc
+    svc.tokenizer.release.set()
+    svc.stop()
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_a_prompt_being_tokenized_does_not_stall_other_streams(gated, kind):
+    svc, tok = gated, gated.tokenizer
+    blocked = generation_pb2.GenerateRequest(max_new_tokens=4, ignore_eos=True)
+    if kind == "text":
+        blocked.text = "BLOCK the loop"
+    else:
+        blocked.chat.messages.add(role="user", content="BLOCK the loop")
+    slow = run_in_thread(_unary, svc, blocked)
+    try:
+        assert tok.entered.wait(30), "the blocked prompt was never tokenized"
+        # While its tokenizer call is stuck, another stream runs to completion.
+        req = make_request(REPEATING, max_new=30)
+        tokens, final, err = _stream(svc, req, timeout_s=20)
+        assert err is None, f"the other stream stalled behind tokenizing: {err.code()}"
+        assert tokens == solo(svc, req) and final.finish_reason == "length"
+        assert not slow.done()
+    finally:
+        tok.release.set()
+    reply, err = slow.result(timeout=60)
+    assert err is None and len(reply.token_ids) == 4
+
+
+def _unary(svc, req):
+    channel, stub = svc.stub()
+    with channel:
+        try:
+            return stub.GenerateUnary(req, timeout=60), None
+        except grpc.RpcError as err:
+            return None, err
+
+
+def test_a_prompt_over_the_size_cap_is_refused_before_tokenizing(gated):
+    from coordinator.server import GenerationServicer, start_generation_server
+
+    svc, tok = gated, gated.tokenizer
+    servicer = GenerationServicer(svc.scheduler, tok, 64, 256, "prompt-lookup", "tiny",
+                                  max_prompt_bytes=1000)
+    server, port = svc.call(start_generation_server(servicer, "127.0.0.1", 0))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            from specd.v1 import generation_pb2_grpc
+
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            before = tok.encodes
+            for over in ("é" * 501, "x" * 1001):  # 1002 and 1001 UTF-8 bytes
+                big = generation_pb2.GenerateRequest(max_new_tokens=2, text=over)
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.GenerateUnary(big, timeout=30)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert err.value.details().startswith("text: the prompt is over 1000 bytes")
+                chat = generation_pb2.GenerateRequest(max_new_tokens=2)
+                chat.chat.messages.add(role="user", content=over[:300])
+                chat.chat.messages.add(role="user", content=over[300:])
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.GenerateUnary(chat, timeout=30)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert err.value.details().startswith("chat: the prompt is over 1000 bytes")
+            assert tok.encodes == before, "an over-cap prompt was tokenized"
+            ok = stub.GenerateUnary(generation_pb2.GenerateRequest(
+                max_new_tokens=2, text="é" * 100, ignore_eos=True), timeout=30)
+            assert len(ok.token_ids) == 2
+    finally:
+        svc.call(server.stop(None))
+
+
+def test_the_default_size_cap_admits_a_full_context_of_the_longest_token():
+    from coordinator.server import MAX_MESSAGE_BYTES, GenerationServicer, InvalidRequest
+
+    class Vocab:
+        def get_vocab(self):
+            return {"a": 0, "Ġthe": 1, "<|im_start|>": 2, "ééé": 3}
+
+    servicer = GenerationServicer(None, Vocab(), 4, 100, "none", "fake")
+    # The longest entry (12 bytes) repeated to fill the context is admitted ...
+    servicer._check_size("text", ["<|im_start|>" * 100])
+    servicer._check_size("chat", ["<|im_start|>" * 50, "<|im_start|>" * 50])
+    # ... anything longer cannot fit the context whatever it tokenizes to, and is refused
+    # well below the transport's 64 MB limit.
+    with pytest.raises(InvalidRequest, match="over 1200 bytes"):
+        servicer._check_size("text", ["x" * 1201])
+    assert servicer.max_prompt_bytes == 1200 < MAX_MESSAGE_BYTES
+    with pytest.raises(ValueError, match="max_prompt_bytes"):
+        GenerationServicer(None, Vocab(), 4, 100, "none", "fake", max_prompt_bytes=0)
+
+
+def test_the_size_cap_is_configurable_from_the_cli():
+    from coordinator.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--max-prompt-bytes", "4096"])
+    assert args.max_prompt_bytes == 4096
+    assert build_parser().parse_args(["serve"]).max_prompt_bytes is None
+
+
+# ---- malformed request bytes ----
+
+@pytest.mark.parametrize("method", ["GenerateUnary", "Generate", "Status"])
+@pytest.mark.parametrize("garbage", [b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x08"])
+def test_malformed_request_bytes_are_invalid_argument(gated, method, garbage):
+    svc = gated
+    with grpc.insecure_channel(svc.address) as channel:
+        path = f"/specd.v1.Generation/{method}"
+        if method == "Generate":
+            call = channel.unary_stream(path, request_serializer=None,
+                                        response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as err:
+                list(call(garbage, timeout=30))
+        else:
+            call = channel.unary_unary(path, request_serializer=None,
+                                       response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as err:
+                call(garbage, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        name = "StatusRequest" if method == "Status" else "GenerateRequest"
+        assert err.value.details() == f"malformed request: not a valid specd.v1.{name}"
+    _healthy_and_empty(svc)
