@@ -417,24 +417,15 @@ class Scheduler:
         # chosen so far (the adaptive choice prices drafts at the margin of the whole step).
         step_tokens = len(requests)
         for i, req in enumerate(requests):
-            budget = req.decode.draft_budget()
-            if req.max_draft_len is not None:
-                budget = min(budget, req.max_draft_len)
-            if not req.speculate or budget <= 0:
+            try:
+                job = self._propose_job(req, step_tokens, ProposeJob)
+            except Exception as exc:
+                self._stop_drafting(req, exc)
                 continue
-            if self.adaptive and self.cost_model is not None:
-                if req.adaptive is None:
-                    req.adaptive = AdaptiveDraftLength(self.cost_model)
-                budget = req.adaptive.next_len(budget, batch_tokens=step_tokens - 1)
-                step_tokens += budget
-                if budget <= 0:
-                    continue
-            jobs.append(ProposeJob(
-                request_id=req.id, history=req.decode.history, max_len=budget,
-                hidden_log=req.decode.hidden_log() if self.wants_hidden else None,
-                sampling=req.decode.sampling,
-                seed=0 if req.decode.options.seed is None else req.decode.options.seed,
-            ))
+            if job is None:
+                continue
+            step_tokens += job.max_len
+            jobs.append(job)
             where.append(i)
         if not jobs:
             return drafts
@@ -446,9 +437,50 @@ class Scheduler:
             for i in where:
                 requests[i].drafter_failures += 1
             return drafts
+        except ValueError as exc:  # a job refused before anything was sent: find which
+            log.warning("drafter refused a batch of %d jobs (%r); proposing one at a time",
+                        len(jobs), exc)
+            blocks = []
+            for i, job in zip(where, jobs, strict=True):
+                try:
+                    blocks.extend(await self.drafter.propose([job]))
+                except ValueError as one:
+                    self._stop_drafting(requests[i], one)
+                    blocks.append(DraftBlock.empty())
+                except DrafterUnavailable:
+                    requests[i].drafter_failures += 1
+                    blocks.append(DraftBlock.empty())
         for i, job, block in zip(where, jobs, blocks, strict=True):
             drafts[i] = block.truncate(job.max_len)
         return drafts
+
+    def _propose_job(self, req: ServiceRequest, step_tokens: int, job_type):
+        """``req``'s `ProposeJob` for this step, or None when it drafts nothing now.
+        ``step_tokens``: tokens already in this step's forward (for the adaptive choice)."""
+        budget = req.decode.draft_budget()
+        if req.max_draft_len is not None:
+            budget = min(budget, req.max_draft_len)
+        if not req.speculate or budget <= 0:
+            return None
+        if self.adaptive and self.cost_model is not None:
+            if req.adaptive is None:
+                req.adaptive = AdaptiveDraftLength(self.cost_model)
+            budget = req.adaptive.next_len(budget, batch_tokens=step_tokens - 1)
+            if budget <= 0:
+                return None
+        return job_type(
+            request_id=req.id, history=req.decode.history, max_len=budget,
+            hidden_log=req.decode.hidden_log() if self.wants_hidden else None,
+            sampling=req.decode.sampling,
+            seed=0 if req.decode.options.seed is None else req.decode.options.seed,
+        )
+
+    def _stop_drafting(self, req: ServiceRequest, exc: BaseException) -> None:
+        """Drafting for ``req`` failed on its own (not the drafter's fault): it decodes
+        undrafted from now on, which is lossless; the others keep drafting."""
+        log.error("request %s: drafting failed (%r); it decodes without drafts", req.id, exc,
+                  exc_info=exc)
+        req.speculate = False
 
     def _hidden_for(self, req: ServiceRequest) -> bool:
         return self.wants_hidden and req.speculate

@@ -296,6 +296,59 @@ def test_a_failing_target_call_fails_only_the_requests_in_it(monkeypatch, method
         svc.stop()
 
 
+@pytest.mark.parametrize("where", ["job", "pool"])
+def test_a_request_whose_drafting_fails_decodes_undrafted_and_the_others_keep_drafting(
+        monkeypatch, where):
+    """Building the poison's propose job raises, or the drafter pool refuses any batch holding
+    it (ValueError: bad job, nothing sent): the poison is still served, token-identical (drafts
+    never change tokens), and the good streams are unaffected."""
+    import drafter_worker.client as client
+    from coordinator.drafter_pool import DrafterPool
+
+    svc = LocalService(max_active=16).start()
+    try:
+        expected = [solo(svc, r) for r in GOOD]
+        poison = make_request(MARKER + MARKER, max_new=40)
+        want = solo(svc, poison)
+
+        def is_poison(job) -> bool:
+            return list(job.history[:len(MARKER)]) == MARKER
+
+        if where == "job":
+            real = client.ProposeJob
+
+            def job(**kwargs):
+                made = real(**kwargs)
+                if is_poison(made):
+                    raise RuntimeError("injected fault building a propose job")
+                return made
+
+            monkeypatch.setattr(client, "ProposeJob", job)
+        else:
+            propose = DrafterPool.propose
+
+            async def refusing(self, jobs):
+                if len(jobs) > 0 and any(is_poison(j) for j in jobs):
+                    raise ValueError("injected: a job the drafter client refuses")
+                return await propose(self, jobs)
+
+            monkeypatch.setattr(DrafterPool, "propose", refusing)
+        started = [threading.Event() for _ in GOOD]
+        futures = [run_in_thread(_stream, svc, r, e) for r, e in zip(GOOD, started, strict=True)]
+        for e in started:
+            assert e.wait(60), "a good stream never started"
+        tokens, final, err = _stream(svc, poison)
+        assert err is None, f"the poison failed: {err.code()} {err.details()}"
+        assert tokens == want
+        _check_good(expected, futures)
+        # The good greedy stream, on a repeating prompt, still drafted and accepted.
+        _, final, _ = _stream(svc, GOOD[0])
+        assert final.speculation.accepted_tokens > 0
+        _healthy_and_empty(svc)
+    finally:
+        svc.stop()
+
+
 def test_status_counts_a_slot_held_while_its_request_is_being_admitted():
     from coordinator.scheduler import LocalTarget, Scheduler
     from coordinator.speculative import SpeculativeOptions
