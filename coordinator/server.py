@@ -25,7 +25,7 @@ from specd.v1 import generation_pb2, generation_pb2_grpc
 
 from .errors import client_status
 from .sampling import SamplingParams
-from .scheduler import Scheduler, ServiceRequest
+from .scheduler import REQUEST_FAILED, Scheduler, ServiceRequest
 from .speculative import SpeculativeDecodeResult, SpeculativeOptions
 from .text import TextStream, encode_chat, encode_prompt
 
@@ -234,10 +234,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # GIL while encoding, and encode/decode with fixed settings are thread-safe.
             prompt, options, speculate, max_draft_len = await asyncio.to_thread(
                 self.parse, request)
-            return self.scheduler.submit(prompt, options, speculate, max_draft_len)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # abort raises; keeps type checkers honest
+        except Exception:  # the tokenizer failed: no internals to the client
+            log.exception("parsing a request failed")
+            await context.abort(grpc.StatusCode.INTERNAL, REQUEST_FAILED)
+            raise
+        try:
+            return self.scheduler.submit(prompt, options, speculate, max_draft_len)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise
         except RuntimeError as exc:  # a router with no serving replica
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             raise
@@ -260,6 +268,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     return
                 else:
                     await _abort_failed(context, event)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # detokenizing its text failed: this stream alone ends
+            log.exception("streaming request %s failed", req.id)
+            await context.abort(grpc.StatusCode.INTERNAL, REQUEST_FAILED)
         finally:
             # Client cancel, deadline, or a dropped stream: free the slot at the next step.
             self.scheduler.cancel(req)
@@ -280,6 +293,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     )
                 else:
                     await _abort_failed(context, event)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            log.exception("answering request %s failed", req.id)
+            await context.abort(grpc.StatusCode.INTERNAL, REQUEST_FAILED)
         finally:
             self.scheduler.cancel(req)
 

@@ -392,13 +392,28 @@ class GatedTokenizer:
         self.inner = inner
         self.entered, self.release = threading.Event(), threading.Event()
         self.encodes = 0
+        self.crash_decode = False
 
     def encode(self, text, add_special_tokens=True):
         self.encodes += 1
+        if "CRASH" in text:
+            raise RuntimeError("injected tokenizer crash at /secret/path")
         if "BLOCK" in text:
             self.entered.set()
             assert self.release.wait(120), "the test never released the tokenizer"
         return self.inner.encode(text, add_special_tokens)
+
+    def decode(self, ids, skip_special_tokens=False):
+        if self.crash_decode:
+            raise RuntimeError("injected decode crash at /secret/path")
+        return self.inner.decode(ids, skip_special_tokens)
+
+    def apply_chat_template(self, messages, **kwargs):
+        from jinja2.exceptions import TemplateError
+
+        if any(m["content"] == "REFUSE" for m in messages):
+            raise TemplateError("Conversation roles must alternate user/assistant")
+        return self.inner.apply_chat_template(messages, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -444,6 +459,35 @@ def _unary(svc, req):
             return stub.GenerateUnary(req, timeout=60), None
         except grpc.RpcError as err:
             return None, err
+
+
+def test_tokenizer_failures_answer_their_request_with_a_clear_status(gated):
+    svc, tok = gated, gated.tokenizer
+    crash = generation_pb2.GenerateRequest(max_new_tokens=4, text="CRASH")
+    refused = generation_pb2.GenerateRequest(max_new_tokens=4)
+    refused.chat.messages.add(role="user", content="REFUSE")
+    channel, stub = svc.stub()
+    with channel:
+        with pytest.raises(grpc.RpcError) as err:  # encoding raised: internal, no details
+            stub.GenerateUnary(crash, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        _assert_client_safe(err.value)
+        with pytest.raises(grpc.RpcError) as err:  # the chat template refused the messages
+            stub.GenerateUnary(refused, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == ("chat: the model's chat template refused the messages: "
+                                       "Conversation roles must alternate user/assistant")
+        tok.crash_decode = True  # detokenizing the stream's text raises
+        try:
+            for rpc in (lambda: list(stub.Generate(make_request(REPEATING), timeout=30)),
+                        lambda: stub.GenerateUnary(make_request(REPEATING), timeout=30)):
+                with pytest.raises(grpc.RpcError) as err:
+                    rpc()
+                assert err.value.code() == grpc.StatusCode.INTERNAL
+                _assert_client_safe(err.value)
+        finally:
+            tok.crash_decode = False
+    _healthy_and_empty(svc)
 
 
 def test_a_prompt_over_the_size_cap_is_refused_before_tokenizing(gated):
