@@ -114,7 +114,7 @@ GOOD = [
 
 def _wait_for(condition, what: str, timeout_s: float = 60.0):
     """Polls ``condition`` (a cheap check) until it holds; fails naming ``what`` at the
-    deadline. Each poll yields to other threads through a blocking wait, not a sleep race."""
+    deadline."""
     deadline = time.monotonic() + timeout_s
     tick = threading.Event()
     while not condition():
@@ -261,36 +261,34 @@ def _engine_fault(monkeypatch, method: str, exc_type: type[Exception]) -> None:
     monkeypatch.setattr(TargetEngine, method, faulty)
 
 
-@pytest.mark.parametrize("method,exc_type,code", [
+@pytest.mark.parametrize("method,exc_type,code,beside", [
     # A per-item refusal of a batched verify: retried one by one, only the offender fails.
-    ("verify", ValueError, grpc.StatusCode.INTERNAL),
-    # The prefill call itself fails (not a validation error): only the requests in that call.
-    ("prefill", RuntimeError, grpc.StatusCode.UNAVAILABLE),
-    # The batched verify fails as a whole: its requests fail, later ones are served.
-    ("verify", RuntimeError, grpc.StatusCode.UNAVAILABLE),
+    ("verify", ValueError, grpc.StatusCode.INTERNAL, True),
+    # The prefill call itself fails (not a validation error): only the requests in that call
+    # (the poison, admitted alone while the good ones decode).
+    ("prefill", RuntimeError, grpc.StatusCode.UNAVAILABLE, True),
+    # The batched verify fails as a whole: every request in it fails (here the poison alone:
+    # any request beside it shares its call), the service serves the next ones.
+    ("verify", RuntimeError, grpc.StatusCode.UNAVAILABLE, False),
 ])
 def test_a_failing_target_call_fails_only_the_requests_in_it(monkeypatch, method, exc_type,
-                                                             code):
+                                                             code, beside):
     svc = LocalService(max_active=16).start()
     try:
         expected = [solo(svc, r) for r in GOOD]
         _engine_fault(monkeypatch, method, exc_type)
-        if exc_type is RuntimeError and method == "verify":
-            # Everything decoding shares the failing call: only the poison and the requests
-            # beside it fail; the service serves the next ones.
-            _, _, err = _stream(svc, make_request(MARKER, max_new=20))
-            assert err is not None and err.code() == code
-            _assert_client_safe(err)
-            _healthy_and_empty(svc)
-            return
-        started = [threading.Event() for _ in GOOD]
-        futures = [run_in_thread(_stream, svc, r, e) for r, e in zip(GOOD, started, strict=True)]
-        for e in started:
-            assert e.wait(60), "a good stream never started"
+        futures = []
+        if beside:
+            started = [threading.Event() for _ in GOOD]
+            futures = [run_in_thread(_stream, svc, r, e)
+                       for r, e in zip(GOOD, started, strict=True)]
+            for e in started:
+                assert e.wait(60), "a good stream never started"
         _, _, err = _stream(svc, make_request(MARKER, max_new=20))
         assert err is not None and err.code() == code
         _assert_client_safe(err)
-        _check_good(expected, futures)
+        if beside:
+            _check_good(expected, futures)
         _healthy_and_empty(svc)
     finally:
         svc.stop()
@@ -554,10 +552,17 @@ def test_the_size_cap_is_configurable_from_the_cli():
 
 # ---- malformed request bytes ----
 
+@pytest.fixture(scope="module")
+def plain():
+    svc = LocalService().start()
+    yield svc
+    svc.stop()
+
+
 @pytest.mark.parametrize("method", ["GenerateUnary", "Generate", "Status"])
 @pytest.mark.parametrize("garbage", [b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x08"])
-def test_malformed_request_bytes_are_invalid_argument(gated, method, garbage):
-    svc = gated
+def test_malformed_request_bytes_are_invalid_argument(plain, method, garbage):
+    svc = plain
     with grpc.insecure_channel(svc.address) as channel:
         path = f"/specd.v1.Generation/{method}"
         if method == "Generate":
