@@ -232,6 +232,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port, adaptive=not args.no_adaptive,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
+        max_prompt_bytes=args.max_prompt_bytes,
     ))
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
@@ -298,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scale_flags(serve)
     serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                        help="serve Prometheus /metrics on --host:PORT (0 picks one)")
+    serve.add_argument("--max-prompt-bytes", type=int, default=None, metavar="BYTES",
+                       help="refuse prompts (text, or all chat contents) over BYTES of UTF-8 "
+                            "before tokenizing (default: the context length x the longest "
+                            "token's bytes, which keeps the whole context reachable)")
     serve.add_argument("--tls-cert", default=None)
     serve.add_argument("--tls-key", default=None)
     serve.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),

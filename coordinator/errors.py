@@ -26,6 +26,13 @@ class RequestInvalid(RequestError):
     code = "INVALID_ARGUMENT"
 
 
+class RequestFailed(RequestError):
+    """Serving the request raised an unexpected error (a bug, a numeric edge); this request
+    alone failed. The message is generic: the cause is in the server log."""
+
+    code = "INTERNAL"
+
+
 class ReplicaUnavailable(RequestError):
     """The target replica serving the request failed or stopped answering; a retry may land
     on a healthy one."""
@@ -46,5 +53,5 @@ def client_status(exc: BaseException) -> tuple[str, str]:
     return "INTERNAL", "generation failed: internal error (the server log has the details)"
 
 
-__all__ = ["ReplicaUnavailable", "RequestError", "RequestInvalid", "ServiceStopping",
-           "client_status"]
+__all__ = ["ReplicaUnavailable", "RequestError", "RequestFailed", "RequestInvalid",
+           "ServiceStopping", "client_status"]

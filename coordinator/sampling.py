@@ -3,7 +3,14 @@
 Semantics follow vLLM's sampler (v1): penalties on the logits first (repetition over prompt
 + generated tokens, presence/frequency over generated tokens only), then temperature, then
 min-p, top-k and top-p filtering on the probabilities. Temperature 0 is greedy: a one-hot at
-the argmax of the penalised logits.
+the argmax of the penalised logits; so is any temperature below `GREEDY_TEMPERATURE` (vLLM's
+``_SAMPLING_EPS = 1e-5`` in ``vllm/sampling_params.py``), where dividing float32 logits by it
+would overflow and the distribution is a point mass at the argmax anyway.
+
+Every legal `SamplingParams` gives valid rows (finite, non-negative, summing to 1) for any
+finite logits of magnitude below ~3e31: temperatures under the epsilon are greedy, and the
+repetition penalty is bounded (`REPETITION_PENALTY_RANGE`) so ``logit / penalty / temperature``
+stays finite in float32.
 """
 
 from __future__ import annotations
@@ -15,18 +22,27 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+#: Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``); `SamplingParams` stores 0.0.
+GREEDY_TEMPERATURE = 1e-5
+#: Legal repetition penalties, inclusive. 0.01 already multiplies a seen token's logit by 100;
+#: outside the range ``logit / penalty`` overflows float32 for ordinary logits (1e-45 did:
+#: +inf logits, a NaN softmax, a request that could not be sampled).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How the target samples, validated on construction.
 
     Attributes:
-        temperature: >= 0; 0 means greedy.
+        temperature: >= 0; 0 means greedy. A value below `GREEDY_TEMPERATURE` is greedy too
+            and is stored as 0.0 (so every consumer, drafters included, sees greedy).
         top_k: keep the k most likely tokens; 0 disables.
         top_p: nucleus mass in (0, 1]; 1 disables.
         min_p: drop tokens below ``min_p * max_prob``, in [0, 1]; 0 disables.
-        repetition_penalty: > 0; 1 disables. Divides positive / multiplies negative logits of
-            every token in the prompt or the output (CTRL, Keskar et al. 2019).
+        repetition_penalty: in `REPETITION_PENALTY_RANGE` ([0.01, 100]); 1 disables. Divides
+            positive / multiplies negative logits of every token in the prompt or the output
+            (CTRL, Keskar et al. 2019).
         presence_penalty: in [-2, 2]; subtracted once from each token in the output.
         frequency_penalty: in [-2, 2]; subtracted per occurrence in the output.
 
@@ -63,11 +79,15 @@ class SamplingParams:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", self.repetition_penalty, "must be > 0")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise bad("repetition_penalty", self.repetition_penalty,
+                      f"must be in [{low:g}, {high:g}] (1 disables)")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, getattr(self, name), "must be in [-2, 2]")
+        if 0.0 < self.temperature < GREEDY_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:

@@ -8,6 +8,15 @@ Requests join (prefill) and leave between steps, never inside one.
 
 A drafter that fails or misses its deadline costs that step its drafts only: the step is
 verified with empty drafts, which is still lossless.
+
+A failure stays with its request: an exception while handling one request (slot allocation,
+building its items, `DecodeRequest.on_prefill` / ``on_verify``, the rule, stop-string
+detokenizing) fails that request alone with a `coordinator.errors.RequestError` on its queue,
+frees its slot and drafter state, and the step goes on for the others. A batched target call
+that fails with a ``ValueError`` (the engine's per-item validation) is retried one item at a
+time, so only the offending request fails (safe: every item is fed at absolute positions after
+a rollback). Any other failure of a target call fails only the requests in that call, through
+`Scheduler._on_target_failure`, which a supervised replica overrides.
 """
 
 from __future__ import annotations
@@ -26,10 +35,15 @@ import torch
 from drafter_worker import DraftBlock
 
 from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target
-from .errors import ServiceStopping
+from .errors import ReplicaUnavailable, RequestError, RequestFailed, ServiceStopping
 from .speculative import DecodeRequest, SpeculativeOptions
 
 log = logging.getLogger(__name__)
+
+#: What a client sees when its request failed inside the service (the cause goes to the log).
+REQUEST_FAILED = ("generation failed: internal error while serving this request (the server "
+                  "log has the details)")
+REPLICA_FAILED = "the target replica failed while serving this request; retry it"
 
 
 class Target(Protocol):
@@ -115,6 +129,8 @@ class SchedulerStats:
     drafter_failures: int = 0
     completed: int = 0
     cancelled: int = 0
+    #: Requests failed alone (their own fault, or their target call's).
+    failed: int = 0
 
 
 class Scheduler:
@@ -145,6 +161,10 @@ class Scheduler:
         self.cost_model = cost_model
         self.waiting: deque[ServiceRequest] = deque()
         self.active: list[ServiceRequest] = []
+        #: Requests holding a slot whose prefill has not been consumed yet.
+        self._admitting: list[ServiceRequest] = []
+        #: Slots allocated and not yet freed, whoever holds them (what Status reports).
+        self._slots_held = 0
         self.stats = SchedulerStats()
         self._ids = itertools.count()
         self._wakeup = asyncio.Event()
@@ -167,7 +187,7 @@ class Scheduler:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        for req in [*self.waiting, *self.active]:
+        for req in [*self.waiting, *self._admitting, *self.active]:
             req.events.put_nowait(ServiceStopping("the service is shutting down"))
 
     def submit(self, prompt_tokens: Sequence[int], options: SpeculativeOptions,
@@ -195,7 +215,7 @@ class Scheduler:
         return {
             "active_requests": len(self.active),
             "waiting_requests": len(self.waiting),
-            "used_slots": sum(1 for r in self.active if r.slot is not None),
+            "used_slots": self._slots_held,
             "total_slots": self.max_active,
             **vars(self.stats),
         }
@@ -214,40 +234,59 @@ class Scheduler:
                 await self._step()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the target failed: fail what is in flight, keep serving
+            except Exception as exc:
+                # Last resort (a scheduler bug, or `_on_target_failure` raised): requests and
+                # target calls fail alone inside the step. Fail what is in flight, keep serving.
                 log.exception("scheduler step failed")
-                for req in self.active:
-                    req.events.put_nowait(exc)
-                    await self._release(req, count=False)
-                self.active = []
+                for req in [*self._admitting, *self.active]:
+                    await self._fail(req, exc)
 
     async def _admit(self) -> None:
         if self.adaptive and self.cost_model is None:
-            self.cost_model = await calibrate_target(self.target)
+            try:
+                self.cost_model = await calibrate_target(self.target)
+            except Exception as exc:  # the target cannot serve: the waiting requests fail
+                waiting = list(self.waiting)
+                self.waiting.clear()
+                await self._on_target_failure(exc, waiting)
+                return
         self._drop_cancelled()
-        admitted = []
-        while self.waiting and len(self.active) + len(admitted) < self.max_active:
+        while self.waiting and len(self.active) + len(self._admitting) < self.max_active:
             req = self.waiting.popleft()
             if req.cancelled:
                 self._finish_cancelled(req)
                 continue
-            req.slot = await self.target.allocate()
-            admitted.append(req)
-        if not admitted:
+            try:
+                slot = await self.target.allocate()
+            except Exception as exc:
+                await self._on_target_failure(exc, [req])
+                continue
+            req.slot = slot
+            self._slots_held += 1
+            self._admitting.append(req)
+        if not self._admitting:
             return
         from target_worker.engine import PrefillItem
 
-        items = [PrefillItem(slot=r.slot, tokens=r.decode.prefill_tokens(),
-                             sampling=r.decode.sampling, want_hidden=self._hidden_for(r))
-                 for r in admitted]
-        try:
-            outputs = await self.target.prefill(items)
-        except Exception:
-            self.active.extend(admitted)  # released by _run's failure path
-            raise
-        self.stats.forward_calls += 1
+        admitted, items = [], []
+        for r in list(self._admitting):
+            try:
+                items.append(PrefillItem(slot=r.slot, tokens=r.decode.prefill_tokens(),
+                                         sampling=r.decode.sampling,
+                                         want_hidden=self._hidden_for(r)))
+                admitted.append(r)
+            except Exception as exc:
+                await self._fail(r, exc)
+        outputs, _ = await self._target_call(self.target.prefill, admitted, items)
         for req, out in zip(admitted, outputs, strict=True):
-            req.decode.on_prefill(out.rows, out.hidden)
+            if out is None:  # failed with its call
+                continue
+            try:
+                req.decode.on_prefill(out.rows, out.hidden)
+            except Exception as exc:
+                await self._fail(req, exc)
+                continue
+            self._admitting.remove(req)
             await self._after_step(req)
             if not req.decode.finished:
                 self.active.append(req)
@@ -258,31 +297,114 @@ class Scheduler:
         self._drop_cancelled()
         if not self.active:
             return
-        drafts = await self._propose(self.active)
-        items = [
-            VerifyItem(slot=r.slot, start_pos=r.decode.cache_len,
-                       tokens=r.decode.verify_tokens(d), sampling=r.decode.sampling,
-                       want_hidden=self._hidden_for(r))
-            for r, d in zip(self.active, drafts, strict=True)
-        ]
+        active = list(self.active)
+        drafts = await self._propose(active)
+        batch, items = [], []
+        for r, d in zip(active, drafts, strict=True):
+            try:
+                items.append(VerifyItem(slot=r.slot, start_pos=r.decode.cache_len,
+                                        tokens=r.decode.verify_tokens(d),
+                                        sampling=r.decode.sampling,
+                                        want_hidden=self._hidden_for(r)))
+                batch.append((r, d))
+            except Exception as exc:
+                await self._fail(r, exc)
+        if not batch:
+            return
         began = time.perf_counter()
-        outputs = await self.target.verify(items)
-        if self.cost_model is not None:
+        outputs, whole = await self._target_call(self.target.verify, [r for r, _ in batch],
+                                                 items)
+        if whole and self.cost_model is not None:
             self.cost_model.observe(sum(len(item.tokens) for item in items),
                                     time.perf_counter() - began)
         self.stats.steps += 1
-        self.stats.forward_calls += 1
         still = []
-        for req, draft, out in zip(self.active, drafts, outputs, strict=True):
-            accepted_before = req.decode.result.accepted_tokens
-            req.decode.on_verify(draft, out.rows, out.hidden)
-            if req.adaptive is not None and req.adaptive.awaiting_update:
-                req.adaptive.update(len(draft), req.decode.result.accepted_tokens
-                                    - accepted_before)
+        for (req, draft), out in zip(batch, outputs, strict=True):
+            if out is None:  # failed with its call
+                continue
+            try:
+                accepted_before = req.decode.result.accepted_tokens
+                req.decode.on_verify(draft, out.rows, out.hidden)
+                if req.adaptive is not None and req.adaptive.awaiting_update:
+                    req.adaptive.update(len(draft), req.decode.result.accepted_tokens
+                                        - accepted_before)
+            except Exception as exc:
+                await self._fail(req, exc)
+                continue
             await self._after_step(req)
             if not req.decode.finished:
                 still.append(req)
         self.active = still
+
+    async def _target_call(self, call, requests: list[ServiceRequest], items: list
+                           ) -> tuple[list, bool]:
+        """``call(items)`` (the target's batched prefill or verify) for ``requests``, one item
+        each. Returns (outputs, whether the batched call succeeded); an output is None for a
+        request that failed (already answered and released).
+
+        A ``ValueError`` (the engine refusing an item; nothing is changed then, and every
+        item is fed at absolute positions after a rollback, so a retry is safe) retries the
+        items one at a time: only the offending request fails. Any other exception is a
+        failure of the target itself: `_on_target_failure` for the requests not yet answered.
+        """
+        if not items:
+            return [], False
+        try:
+            outputs = list(await call(items))
+            self.stats.forward_calls += 1
+            return outputs, True
+        except Exception as exc:
+            if not isinstance(exc, ValueError):
+                await self._on_target_failure(exc, requests)
+                return [None] * len(requests), False
+            if len(items) == 1:
+                await self._fail(requests[0], exc)
+                return [None], False
+            log.warning("target refused a batch of %d (%r); retrying one at a time",
+                        len(items), exc)
+        outputs: list = []
+        for i, (req, item) in enumerate(zip(requests, items, strict=True)):
+            try:
+                outputs.extend(await call([item]))
+                self.stats.forward_calls += 1
+            except ValueError as exc:
+                await self._fail(req, exc)
+                outputs.append(None)
+            except Exception as exc:
+                await self._on_target_failure(exc, requests[i:])
+                outputs.extend([None] * (len(requests) - i))
+                break
+        return outputs, False
+
+    async def _on_target_failure(self, exc: BaseException,
+                                 requests: list[ServiceRequest]) -> None:
+        """A target call (allocate, calibrate, prefill or verify) failed as a whole, not
+        for one item: fails ``requests`` (those in the call) with `ReplicaUnavailable` and
+        frees their slots and drafter state; the loop then goes on.
+
+        The hook for supervision: a replica-aware subclass may also mark the replica down
+        or restart it (call this first so the requests are answered). An exception raised
+        here fails every request in flight (the loop's last resort) and the loop goes on.
+        """
+        log.error("target call failed for %d request(s): %r", len(requests), exc)
+        for req in requests:
+            await self._fail(req, exc, ReplicaUnavailable(REPLICA_FAILED))
+
+    async def _fail(self, req: ServiceRequest, exc: BaseException,
+                    error: RequestError | None = None) -> None:
+        """Fails one request alone: logs ``exc``, puts ``error`` (default: ``exc`` itself
+        when it is a `RequestError`, else `RequestFailed` with a generic message) on its
+        queue, takes it out of the loop and frees its slot and drafter state."""
+        if error is None:
+            error = exc if isinstance(exc, RequestError) else RequestFailed(REQUEST_FAILED)
+        log.error("request %s failed: %r", req.id, exc, exc_info=exc)
+        self.stats.failed += 1
+        if req in self.active:
+            self.active.remove(req)
+        if req in self._admitting:
+            self._admitting.remove(req)
+        req.events.put_nowait(error)
+        await self._release(req, count=False)
 
     async def _propose(self, requests: list[ServiceRequest]) -> list[DraftBlock]:
         drafts = [DraftBlock.empty() for _ in requests]
@@ -295,24 +417,15 @@ class Scheduler:
         # chosen so far (the adaptive choice prices drafts at the margin of the whole step).
         step_tokens = len(requests)
         for i, req in enumerate(requests):
-            budget = req.decode.draft_budget()
-            if req.max_draft_len is not None:
-                budget = min(budget, req.max_draft_len)
-            if not req.speculate or budget <= 0:
+            try:
+                job = self._propose_job(req, step_tokens, ProposeJob)
+            except Exception as exc:
+                self._stop_drafting(req, exc)
                 continue
-            if self.adaptive and self.cost_model is not None:
-                if req.adaptive is None:
-                    req.adaptive = AdaptiveDraftLength(self.cost_model)
-                budget = req.adaptive.next_len(budget, batch_tokens=step_tokens - 1)
-                step_tokens += budget
-                if budget <= 0:
-                    continue
-            jobs.append(ProposeJob(
-                request_id=req.id, history=req.decode.history, max_len=budget,
-                hidden_log=req.decode.hidden_log() if self.wants_hidden else None,
-                sampling=req.decode.sampling,
-                seed=0 if req.decode.options.seed is None else req.decode.options.seed,
-            ))
+            if job is None:
+                continue
+            step_tokens += job.max_len
+            jobs.append(job)
             where.append(i)
         if not jobs:
             return drafts
@@ -324,9 +437,50 @@ class Scheduler:
             for i in where:
                 requests[i].drafter_failures += 1
             return drafts
+        except ValueError as exc:  # a job refused before anything was sent: find which
+            log.warning("drafter refused a batch of %d jobs (%r); proposing one at a time",
+                        len(jobs), exc)
+            blocks = []
+            for i, job in zip(where, jobs, strict=True):
+                try:
+                    blocks.extend(await self.drafter.propose([job]))
+                except ValueError as one:
+                    self._stop_drafting(requests[i], one)
+                    blocks.append(DraftBlock.empty())
+                except DrafterUnavailable:
+                    requests[i].drafter_failures += 1
+                    blocks.append(DraftBlock.empty())
         for i, job, block in zip(where, jobs, blocks, strict=True):
             drafts[i] = block.truncate(job.max_len)
         return drafts
+
+    def _propose_job(self, req: ServiceRequest, step_tokens: int, job_type):
+        """``req``'s `ProposeJob` for this step, or None when it drafts nothing now.
+        ``step_tokens``: tokens already in this step's forward (for the adaptive choice)."""
+        budget = req.decode.draft_budget()
+        if req.max_draft_len is not None:
+            budget = min(budget, req.max_draft_len)
+        if not req.speculate or budget <= 0:
+            return None
+        if self.adaptive and self.cost_model is not None:
+            if req.adaptive is None:
+                req.adaptive = AdaptiveDraftLength(self.cost_model)
+            budget = req.adaptive.next_len(budget, batch_tokens=step_tokens - 1)
+            if budget <= 0:
+                return None
+        return job_type(
+            request_id=req.id, history=req.decode.history, max_len=budget,
+            hidden_log=req.decode.hidden_log() if self.wants_hidden else None,
+            sampling=req.decode.sampling,
+            seed=0 if req.decode.options.seed is None else req.decode.options.seed,
+        )
+
+    def _stop_drafting(self, req: ServiceRequest, exc: BaseException) -> None:
+        """Drafting for ``req`` failed on its own (not the drafter's fault): it decodes
+        undrafted from now on, which is lossless; the others keep drafting."""
+        log.error("request %s: drafting failed (%r); it decodes without drafts", req.id, exc,
+                  exc_info=exc)
+        req.speculate = False
 
     def _hidden_for(self, req: ServiceRequest) -> bool:
         return self.wants_hidden and req.speculate
@@ -341,6 +495,7 @@ class Scheduler:
     async def _release(self, req: ServiceRequest, count: bool = True) -> None:
         if req.slot is not None:
             slot, req.slot = req.slot, None
+            self._slots_held -= 1
             try:
                 await self.target.free(slot)
             except Exception:

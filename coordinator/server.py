@@ -1,9 +1,13 @@
 """The gRPC ``specd.v1.Generation`` front end (grpc.aio) over a `Scheduler`.
 
 Bad input is refused with ``INVALID_ARGUMENT`` and a message naming the field; the server
-keeps serving others. A client that cancels (or whose deadline passes) stops its request at the
-next step boundary and frees its KV slot. Optional TLS and a bearer token checked by a server
-interceptor (the health service is exempt so probes work without it).
+keeps serving others. Bytes that are not a valid request message are ``INVALID_ARGUMENT`` too
+(each handler parses its own request, see `generation_handlers`). A prompt over the size cap
+(``max_prompt_bytes``) is refused before it is tokenized, and tokenizing and chat rendering run
+in a worker thread, so a big prompt never stalls the event loop (every stream's steps).
+A client that cancels (or whose deadline passes) stops its request at the next step boundary
+and frees its KV slot. Optional TLS and a bearer token checked by a server interceptor (the
+health service is exempt so probes work without it).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,7 +25,7 @@ from specd.v1 import generation_pb2, generation_pb2_grpc
 
 from .errors import client_status
 from .sampling import SamplingParams
-from .scheduler import Scheduler, ServiceRequest
+from .scheduler import REQUEST_FAILED, Scheduler, ServiceRequest
 from .speculative import SpeculativeDecodeResult, SpeculativeOptions
 from .text import TextStream, encode_chat, encode_prompt
 
@@ -29,6 +33,37 @@ log = logging.getLogger(__name__)
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Bytes per token assumed for a tokenizer that does not list its vocabulary (a guess).
+FALLBACK_TOKEN_BYTES = 64
+
+
+def default_max_prompt_bytes(tokenizer, max_seq_len: int) -> int:
+    """The prompt-size cap (UTF-8 bytes of prompt text or chat contents) that still admits
+    every prompt of up to ``max_seq_len`` tokens: ``max_seq_len`` x the longest vocabulary
+    entry in UTF-8 bytes. No token covers more text than that, so a longer prompt would
+    tokenize into more than ``max_seq_len`` tokens and be refused anyway, after tokenizing.
+    (Vocabulary entries are written in the tokenizer's alphabet: byte-level BPE's ``Ġ`` is two
+    UTF-8 bytes for one byte of text, so the bound errs towards admitting.) For SmolLM2
+    (context 8192, longest entry 162 bytes) it is ~1.3 MB.
+
+    A tokenizer without ``get_vocab`` gets `FALLBACK_TOKEN_BYTES` per token.
+    """
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    longest = FALLBACK_TOKEN_BYTES
+    if get_vocab is not None:
+        longest = max((len(t.encode("utf-8")) for t in get_vocab()), default=longest)
+    return max_seq_len * max(longest, 4)  # one UTF-8 character is up to 4 bytes
+
+
+def _text_bytes(texts: Sequence[str], cap: int) -> int:
+    """UTF-8 size of ``texts``, or some value > ``cap`` as soon as it is known to exceed it
+    (without encoding a huge string: a character is 1 to 4 bytes)."""
+    chars = sum(len(t) for t in texts)
+    if chars > cap:
+        return chars
+    if 4 * chars <= cap:
+        return chars  # a lower bound, enough to know it fits
+    return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
 
 
 class InvalidRequest(ValueError):
@@ -85,14 +120,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         vocab_size, max_seq_len: the target's, for validation.
         drafter_name: the service's drafter ("none" when it has none).
         model_name: reported by Status.
+        max_prompt_bytes: the most UTF-8 bytes of prompt text (or of all chat messages'
+            contents) accepted, checked before tokenizing; None derives it from the
+            tokenizer so the model's context stays reachable (`default_max_prompt_bytes`).
+
+    Raises:
+        ValueError: ``max_prompt_bytes`` is not a positive integer.
     """
 
     def __init__(self, scheduler: Scheduler, tokenizer, vocab_size: int, max_seq_len: int,
-                 drafter_name: str, model_name: str):
+                 drafter_name: str, model_name: str, max_prompt_bytes: int | None = None):
+        if max_prompt_bytes is None:
+            max_prompt_bytes = default_max_prompt_bytes(tokenizer, max_seq_len)
+        if (isinstance(max_prompt_bytes, bool) or not isinstance(max_prompt_bytes, int)
+                or max_prompt_bytes < 1):
+            raise ValueError(f"max_prompt_bytes must be a positive integer, got "
+                             f"{max_prompt_bytes!r}")
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len
+        self.max_prompt_bytes = max_prompt_bytes
         self.drafter_name = drafter_name
         self.model_name = model_name
         self._scale_tasks: set[asyncio.Task] = set()
@@ -104,25 +152,39 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if kind is None:
             raise InvalidRequest("prompt: set one of text, chat or token_ids")
         if kind == "token_ids":
+            if len(request.token_ids.ids) >= self.max_seq_len:  # before copying or scanning
+                raise InvalidRequest(
+                    f"prompt: {len(request.token_ids.ids)} tokens leave no room in the "
+                    f"model's context of {self.max_seq_len}")
             ids = list(request.token_ids.ids)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequest(
                     f"token_ids: id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         elif kind == "text":
+            self._check_size("text", [request.text])
             ids = encode_prompt(self.tokenizer, request.text, raw=True) if request.text else []
         else:
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             if not messages or not any(m["content"] for m in messages):
                 raise InvalidRequest("chat: at least one message with content is required")
+            self._check_size("chat", [m["content"] for m in messages])
             ids = encode_chat(self.tokenizer, messages)
         if not ids:
             raise InvalidRequest(f"prompt: the {kind} prompt is empty")
         return ids
 
+    def _check_size(self, kind: str, texts: Sequence[str]) -> None:
+        size = _text_bytes(texts, self.max_prompt_bytes)
+        if size > self.max_prompt_bytes:
+            raise InvalidRequest(
+                f"{kind}: the prompt is over {self.max_prompt_bytes} bytes, more than the "
+                f"model's context of {self.max_seq_len} tokens can hold")
+
     def parse(self, request: generation_pb2.GenerateRequest
               ) -> tuple[list[int], SpeculativeOptions, bool, int | None]:
-        """(prompt ids, options, speculate, max_draft_len) or `InvalidRequest`."""
+        """(prompt ids, options, speculate, max_draft_len) or `InvalidRequest`. Tokenizes:
+        blocking (the server calls it in a worker thread)."""
         prompt = self._prompt_tokens(request)
         sampling = sampling_from_proto(request.sampling)
         if request.max_new_tokens <= 0:
@@ -167,11 +229,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _submit(self, request, context) -> ServiceRequest:
         try:
-            prompt, options, speculate, max_draft_len = self.parse(request)
-            return self.scheduler.submit(prompt, options, speculate, max_draft_len)
+            # Off the event loop: tokenizing a big prompt (or rendering a chat template) must
+            # not stall every other stream's steps. Hugging Face fast tokenizers release the
+            # GIL while encoding, and encode/decode with fixed settings are thread-safe.
+            prompt, options, speculate, max_draft_len = await asyncio.to_thread(
+                self.parse, request)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise  # abort raises; keeps type checkers honest
+        except Exception:  # the tokenizer failed: no internals to the client
+            log.exception("parsing a request failed")
+            await context.abort(grpc.StatusCode.INTERNAL, REQUEST_FAILED)
+            raise
+        try:
+            return self.scheduler.submit(prompt, options, speculate, max_draft_len)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise
         except RuntimeError as exc:  # a router with no serving replica
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             raise
@@ -194,6 +268,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     return
                 else:
                     await _abort_failed(context, event)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # detokenizing its text failed: this stream alone ends
+            log.exception("streaming request %s failed", req.id)
+            await context.abort(grpc.StatusCode.INTERNAL, REQUEST_FAILED)
         finally:
             # Client cancel, deadline, or a dropped stream: free the slot at the next step.
             self.scheduler.cancel(req)
@@ -214,6 +293,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     )
                 else:
                     await _abort_failed(context, event)
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            log.exception("answering request %s failed", req.id)
+            await context.abort(grpc.StatusCode.INTERNAL, REQUEST_FAILED)
         finally:
             self.scheduler.cancel(req)
 
@@ -296,6 +380,51 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         return _refusing(handler, "missing or invalid bearer token")
 
 
+def generation_handlers(servicer: generation_pb2_grpc.GenerationServicer
+                        ) -> dict[str, grpc.RpcMethodHandler]:
+    """The ``specd.v1.Generation`` method handlers (as ``add_GenerationServicer_to_server``
+    builds them) except that each parses its own request bytes: bytes that are not a valid
+    message get ``INVALID_ARGUMENT`` naming the message type. (grpc.aio answers a failing
+    ``request_deserializer`` with ``UNKNOWN`` and an exception class name.)"""
+    handlers = {}
+    for method in generation_pb2.DESCRIPTOR.services_by_name["Generation"].methods:
+        if method.client_streaming:  # pragma: no cover - the API has none
+            raise NotImplementedError(f"{method.full_name}: client streaming")
+        request_cls = getattr(generation_pb2, method.input_type.name)
+        serialize = getattr(generation_pb2, method.output_type.name).SerializeToString
+        impl = getattr(servicer, method.name)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _parsing_stream(impl, request_cls), response_serializer=serialize)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _parsing_unary(impl, request_cls), response_serializer=serialize)
+    return handlers
+
+
+async def _parse_request(raw: bytes, request_cls, context):
+    try:
+        return request_cls.FromString(raw)
+    except Exception:  # DecodeError, or anything else a parser raises on bad bytes
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"malformed request: not a valid {request_cls.DESCRIPTOR.full_name}")
+
+
+def _parsing_unary(impl: Callable, request_cls) -> Callable:
+    async def handler(raw: bytes, context):
+        return await impl(await _parse_request(raw, request_cls, context), context)
+
+    return handler
+
+
+def _parsing_stream(impl: Callable, request_cls) -> Callable:
+    async def handler(raw: bytes, context):
+        async for response in impl(await _parse_request(raw, request_cls, context), context):
+            yield response
+
+    return handler
+
+
 def _refusing(handler: grpc.RpcMethodHandler | None, details: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as ``handler`` that aborts with UNAUTHENTICATED."""
 
@@ -339,7 +468,10 @@ async def start_generation_server(
                  # A second server on a busy port must fail, not silently share it.
                  ("grpc.so_reuseport", 0)],
     )
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    handlers = generation_handlers(servicer)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers),))
+    server.add_registered_method_handlers(GENERATION_SERVICE, handlers)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -366,6 +498,8 @@ __all__ = [
     "BearerTokenInterceptor",
     "GenerationServicer",
     "InvalidRequest",
+    "default_max_prompt_bytes",
+    "generation_handlers",
     "sampling_from_proto",
     "start_generation_server",
 ]

@@ -47,6 +47,8 @@ class ServiceConfig:
         auth_token: bearer token required by the API (health checks exempt).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0 picks a
             port; None: off). Needs prometheus_client.
+        max_prompt_bytes: refuse prompts over this many UTF-8 bytes before tokenizing; None
+            derives it so the context stays reachable (`server.default_max_prompt_bytes`).
     """
 
     model: str | None = None
@@ -68,6 +70,7 @@ class ServiceConfig:
     tls_key: str | None = None
     auth_token: str | None = None
     metrics_port: int | None = None
+    max_prompt_bytes: int | None = None
 
 
 def default_target_threads(replicas: int, tp: int = 1, cpus: int | None = None) -> int:
@@ -222,7 +225,8 @@ class CoordinatorActor:
         servicer = GenerationServicer(
             self.router, tokenizer, vocab_size=info["vocab_size"],
             max_seq_len=info["max_seq_len"], drafter_name=cfg.drafter,
-            model_name=cfg.model or "SmolLM2-135M-Instruct")
+            model_name=cfg.model or "SmolLM2-135M-Instruct",
+            max_prompt_bytes=cfg.max_prompt_bytes)
         cert = Path(cfg.tls_cert).read_bytes() if cfg.tls_cert else None
         key = Path(cfg.tls_key).read_bytes() if cfg.tls_key else None
         self.server, port = await start_generation_server(

@@ -4,11 +4,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+try:
+    from jinja2.exceptions import TemplateError, TemplateSyntaxError
+except ImportError:  # without Jinja no chat template can raise its errors
+    class TemplateError(Exception):
+        pass
+
+    class TemplateSyntaxError(TemplateError):
+        pass
+
 
 def encode_chat(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
     """Token ids of ``messages`` rendered with the model's chat template, ending where the
-    assistant's turn begins (the template adds the special tokens itself)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assistant's turn begins (the template adds the special tokens itself).
+
+    Raises:
+        ValueError: the template refused the messages (a Jinja ``TemplateError``, e.g. roles
+            that do not alternate as it requires); the message is the template's own.
+    """
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False)
+    except TemplateSyntaxError:  # the template itself is broken: not the client's fault
+        raise
+    except TemplateError as exc:  # raise_exception(...) inside the template
+        raise ValueError(f"chat: the model's chat template refused the messages: {exc}") \
+            from exc
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
