@@ -216,10 +216,16 @@ class Scheduler:
                 raise
             except Exception as exc:  # the target failed: fail what is in flight, keep serving
                 log.exception("scheduler step failed")
-                for req in self.active:
-                    req.events.put_nowait(exc)
-                    await self._release(req, count=False)
+                await self._on_target_failure(exc, self.active)
                 self.active = []
+
+    async def _on_target_failure(self, exc: Exception, requests: list[ServiceRequest]) -> None:
+        """A target call raised ``exc``: fails ``requests`` (those in flight) with it and
+        frees their slots. `coordinator.router.ReplicaScheduler` overrides it to take a dead
+        replica out of service."""
+        for req in requests:
+            req.events.put_nowait(exc)
+            await self._release(req, count=False)
 
     async def _admit(self) -> None:
         if self.adaptive and self.cost_model is None:
