@@ -145,7 +145,7 @@ class MeteredTarget:
             self.failure = why
 
     async def allocate(self) -> int:
-        return await self._guarded("allocate", lambda: self.inner.allocate())
+        return await self._guarded("allocate", self.inner.allocate)
 
     async def free(self, slot: int) -> None:
         await self._guarded("free", lambda: self.inner.free(slot))

@@ -73,14 +73,12 @@ class Dying:
         """What the status probe calls: Ray's handle of a dead actor raises."""
         if not self.dead:
             raise AttributeError("handle")  # alive: the probe reads the local engine
-        dying = self
 
         class Handle:
             class status:
                 @staticmethod
                 def remote():
                     raise death()
-        del dying
         return Handle()
 
 
@@ -326,3 +324,11 @@ def test_pool_marks_a_failing_member_unhealthy_and_moves_its_requests():
         assert fresh.seen == [["r4"]]
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("value", [0, -1.0, True, "60"])
+def test_target_timeout_must_be_a_positive_number(value):
+    from coordinator.service import Service, ServiceConfig
+
+    with pytest.raises(ValueError, match="target_timeout_s"):
+        Service(ServiceConfig(model="tiny-random", target_timeout_s=value))
