@@ -302,9 +302,9 @@ class ReplicaScheduler(Scheduler):
         log.error("replica %s is out of service: %s", self.name, self.target.failure)
         in_call = {*requests, *self.active}
         lost = [r for r in self.requests if r in in_call or r.decode.result.forward_calls > 0]
-        unstarted = [r for r in self.requests if r not in set(lost)]
-        for req in unstarted:
-            self.requests.discard(req)
+        unstarted = [r for r in self.requests if r not in in_call and
+                     r.decode.result.forward_calls == 0]
+        self.requests.difference_update(unstarted)
         self.waiting.clear()
         if self.on_failure is not None:
             self.on_failure(self, sorted(unstarted, key=lambda r: r.submitted_at))
@@ -518,8 +518,10 @@ class Router:
 
         Drafters are added first (new replicas may then ask them whether they want hidden
         rows). Replicas to remove are the least loaded ones; each drains before it is
-        destroyed, so this returns only when their requests have finished. Scale calls run
-        one at a time.
+        destroyed, so this returns only when their requests have finished. A replica or
+        drafter being re-created after a failure counts toward its count (it comes back) and
+        is the first to go on a scale-down (a healthy one never leaves while a failed one
+        stays). Scale calls run one at a time.
 
         Raises:
             ValueError: a count below 1 (replicas) or 0 (drafters), above `MAX_COUNT`, not an
