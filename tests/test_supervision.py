@@ -257,6 +257,38 @@ def test_scale_down_removes_the_dead_replica_and_keeps_the_healthy_one():
         svc.stop()
 
 
+def test_a_failed_re_creation_shows_failed_and_is_retried():
+    svc = LocalService(replicas=1, drafters=1, restart_delay_s=0.01).start()
+    try:
+        before, _ = stream_tokens(svc, request(REPEATING, max_new=20))
+        dying = dying_replica(svc, hold=False)
+        real = svc.router.replica_factory
+        attempts = []
+        second = asyncio.Event()
+
+        async def flaky(name):  # the first attempt fails; the second waits for the test
+            attempts.append(name)
+            if len(attempts) == 1:
+                raise RuntimeError("no resources")
+            await second.wait()
+            return await real(name)
+
+        svc.router.replica_factory = flaky
+        dying.dead = True
+        with pytest.raises(grpc.RpcError) as err:
+            stream_tokens(svc, request(REPEATING, max_new=20))
+        assert_unavailable_without_internals(err.value)
+        wait_until(lambda: len(attempts) == 2, what="a second attempt")
+        assert replica_states(svc) == {"replica-0": "failed"}
+        assert health(svc) == NOT_SERVING
+        on_loop(svc, second.set)
+        wait_until(lambda: health(svc) == SERVING, what="health SERVING again")
+        assert replica_states(svc) == {"replica-0": "serving"} and attempts == ["replica-0"] * 2
+        assert stream_tokens(svc, request(REPEATING, max_new=20))[0] == before
+    finally:
+        svc.stop()
+
+
 def test_killed_drafter_is_marked_unhealthy_replaced_and_drafting_resumes():
     svc = LocalService(replicas=1, drafters=1).start()
     try:
