@@ -230,6 +230,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_active=args.max_active, target_threads=args.target_threads,
         tp=args.tp, target_replicas=args.target_replicas, drafters=args.drafters,
         metrics_port=args.metrics_port, adaptive=not args.no_adaptive,
+        target_timeout_s=args.target_timeout,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
         max_prompt_bytes=args.max_prompt_bytes,
@@ -297,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch threads per target rank (default: this machine's cores "
                             "divided among all replicas x tp ranks, at least 1)")
     _add_scale_flags(serve)
+    serve.add_argument("--target-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="a target call (prefill or verify of a batch) slower than this "
+                            "counts as a dead replica: its requests fail, it is re-created "
+                            "(default 600; a replica whose process dies is found at once)")
     serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                        help="serve Prometheus /metrics on --host:PORT (0 picks one)")
     serve.add_argument("--max-prompt-bytes", type=int, default=None, metavar="BYTES",

@@ -9,6 +9,11 @@ its own KV cache) so a step ships only the new tokens; moving a request costs a 
 resend and, for a model drafter, recomputing its cache. Load still spreads, because every new
 request lands on the least-loaded drafter.
 
+Supervision: a member whose calls fail ``unhealthy_after`` times in a row is marked
+``"unhealthy"``: it gets no requests (its own move to the others) and ``on_unhealthy`` is told,
+so the owner (`coordinator.router.Router`) can `stop_worker` it and `replace` it with a fresh
+worker under the same name (its counters carry on).
+
 Moving a request is always safe: the new drafter's client does not know the id, so its first
 call sends the whole history (``known = 0``), and drafts never change a greedy output (the
 rejection rule keeps sampled outputs distributed as the target's).
@@ -36,7 +41,8 @@ class PoolMember:
         name: the pool's name for it (``"drafter-0"``...).
         client: its `DrafterClient` (or anything with the same async methods and ``stats``).
         stop: awaited after the member leaves the pool (kills the worker), or None.
-        state: ``"serving"`` or ``"leaving"`` (gets no requests; in-flight calls finish).
+        state: ``"serving"``, ``"unhealthy"`` (failing; gets no requests until replaced) or
+            ``"leaving"`` (gets no requests; in-flight calls finish).
         assigned: request ids whose proposals go to this member.
         in_flight: Propose calls now outstanding.
         consecutive_errors: failed calls since its last success (> 0 puts it last in line).
@@ -50,26 +56,36 @@ class PoolMember:
     in_flight: int = 0
     consecutive_errors: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    restarts: int = 0
+    #: ``calls``, ``errors``, ``latency_s`` of the workers this member had before (replaced).
+    retired: dict = field(default_factory=lambda: {"calls": 0, "errors": 0, "latency_s": 0.0})
 
     def __post_init__(self) -> None:
         self.idle.set()
 
     def status(self) -> dict:
         """``name, address, state, calls, errors, latency_s`` (summed seconds),
-        ``mean_latency_s, assigned_requests, in_flight``."""
-        s = self.client.stats
-        calls = int(s.get("calls", 0))
+        ``mean_latency_s, assigned_requests, in_flight, restarts``; the counters include
+        the workers it replaced."""
+        s = self.stats()
+        calls = int(s["calls"])
         return {
             "name": self.name,
             "address": str(getattr(self.client, "address", "")),
             "state": self.state,
             "calls": calls,
-            "errors": int(s.get("errors", 0)),
-            "latency_s": float(s.get("latency_s", 0.0)),
-            "mean_latency_s": float(s.get("latency_s", 0.0)) / calls if calls else 0.0,
+            "errors": int(s["errors"]),
+            "latency_s": float(s["latency_s"]),
+            "mean_latency_s": float(s["latency_s"]) / calls if calls else 0.0,
             "assigned_requests": len(self.assigned),
             "in_flight": self.in_flight,
+            "restarts": self.restarts,
         }
+
+    def stats(self) -> dict:
+        """``calls``, ``errors``, ``latency_s`` of its current worker plus retired ones."""
+        now = self.client.stats
+        return {key: value + now.get(key, 0) for key, value in self.retired.items()}
 
 
 class DrafterPool:
@@ -78,11 +94,19 @@ class DrafterPool:
     Args:
         on_failure: called with the request ids whose proposal failed in a call (they decode
             that step without drafts); the router uses it for per-request counters.
+        unhealthy_after: consecutive failed calls that mark a member unhealthy (>= 1).
+        on_unhealthy: called with a member's name when it is marked unhealthy.
     """
 
-    def __init__(self, on_failure: Callable[[list[str]], None] | None = None):
+    def __init__(self, on_failure: Callable[[list[str]], None] | None = None,
+                 unhealthy_after: int = 3, on_unhealthy: Callable[[str], None] | None = None):
+        if isinstance(unhealthy_after, bool) or not isinstance(unhealthy_after, int) or \
+                unhealthy_after < 1:
+            raise ValueError(f"unhealthy_after must be an int >= 1, got {unhealthy_after!r}")
         self.members: dict[str, PoolMember] = {}
         self.on_failure = on_failure
+        self.unhealthy_after = unhealthy_after
+        self.on_unhealthy = on_unhealthy
         self._owner: dict[str, PoolMember] = {}
         self._order = itertools.count()
         self._rank: dict[str, int] = {}
@@ -125,6 +149,39 @@ class DrafterPool:
             if member.stop is not None:
                 await member.stop()
 
+    async def stop_worker(self, name: str) -> None:
+        """Stops an unhealthy member's worker (after its in-flight calls end) and closes its
+        client; the member stays, unhealthy, until `replace`.
+
+        Raises:
+            KeyError: no such member.
+        """
+        member = self.members[name]
+        await member.idle.wait()
+        stop, member.stop = member.stop, None
+        try:
+            await member.client.close()
+        finally:
+            if stop is not None:
+                await stop()
+
+    def replace(self, name: str, client, stop: Callable[[], Awaitable[None]] | None = None
+                ) -> None:
+        """Gives member ``name`` a fresh worker: it serves again (requests assigned anew send
+        their whole history), its old worker's counters kept in ``retired``.
+
+        Raises:
+            KeyError: no such member.
+        """
+        member = self.members[name]
+        for key, value in member.client.stats.items():
+            if key in member.retired:
+                member.retired[key] += value
+        member.client, member.stop = client, stop
+        member.consecutive_errors = 0
+        member.restarts += 1
+        member.state = "serving"
+
     async def close(self) -> None:
         """Removes every member."""
         for name in list(self.members):
@@ -151,8 +208,8 @@ class DrafterPool:
         """Summed over current members: ``calls``, ``errors``, ``latency_s``."""
         total = {"calls": 0, "errors": 0, "latency_s": 0.0}
         for m in self.members.values():
-            for key in total:
-                total[key] += m.client.stats.get(key, 0)
+            for key, value in m.stats().items():
+                total[key] += value
         return total
 
     def status(self) -> list[dict]:
@@ -189,6 +246,9 @@ class DrafterPool:
                 for rid in ids:
                     self._unassign(rid)
                 failed.extend(ids)
+                if member.consecutive_errors >= self.unhealthy_after and \
+                        member.state == "serving":
+                    self._mark_unhealthy(member)
                 continue
             if isinstance(result, BaseException):
                 raise result
@@ -219,6 +279,15 @@ class DrafterPool:
             self._owner[rid] = member
             member.assigned.add(rid)
         return member
+
+    def _mark_unhealthy(self, member: PoolMember) -> None:
+        log.error("drafter %s failed %d calls in a row: marked unhealthy, its requests move",
+                  member.name, member.consecutive_errors)
+        member.state = "unhealthy"
+        for rid in list(member.assigned):
+            self._unassign(rid)
+        if self.on_unhealthy is not None:
+            self.on_unhealthy(member.name)
 
     def _unassign(self, rid: str) -> None:
         member = self._owner.pop(rid, None)

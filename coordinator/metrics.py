@@ -30,6 +30,7 @@ REPLICA_METRICS = (
      "Mean pickled verify output bytes.", "gauge"),
     ("drafter_failures", "drafter_failures", "Steps decoded undrafted: drafter failed.",
      "counter"),
+    ("restarts", "restarts", "Times the replica was re-created after failing.", "counter"),
 )
 
 #: The same for each drafter worker.
@@ -39,6 +40,7 @@ DRAFTER_METRICS = (
     ("latency_seconds", "latency_s", "Summed Propose wall time.", "counter"),
     ("assigned_requests", "assigned_requests", "Requests drafted by this worker.", "gauge"),
     ("in_flight", "in_flight", "Propose calls outstanding.", "gauge"),
+    ("restarts", "restarts", "Times the worker was replaced after failing.", "counter"),
 )
 
 

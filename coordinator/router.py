@@ -9,6 +9,16 @@ serving replica, and shares one `DrafterPool` among them. It has the `Scheduler`
 draining: it stops getting requests, the ones it holds finish, then its loop stops and its
 actors are destroyed. A drafter leaves at once; its requests continue on another one.
 
+Supervision. A replica whose target call finds it dead (a Ray actor error) or that misses the
+call deadline (``target_timeout_s``) is taken out of placement at once: the requests it was
+decoding fail with `coordinator.errors.ReplicaUnavailable` (a message with no internals), the
+ones it had not started move to a serving replica (or get the same error when none serves),
+and it is re-created through the replica factory (fresh KV slots) under the same name, retried
+with backoff while the factory fails. A periodic probe and every Status catch a replica that
+died while idle. A drafter that fails ``unhealthy_after`` calls in a row is marked unhealthy
+(`DrafterPool`), its requests move, and it is replaced through the drafter factory. Health
+listeners (the gRPC health service) hear whenever "some replica can serve" changes.
+
 Metrics (`Router.status`): per replica, requests, tokens/s (last 10 s), mean wall time of a
 verify call as the coordinator sees it, the replica's own forward time per call, and the
 pickled bytes of verify inputs and outputs per step; per drafter, calls, errors, latency.
@@ -20,6 +30,7 @@ import asyncio
 import itertools
 import logging
 import pickle
+import sys
 import time
 import weakref
 from collections import deque
@@ -27,6 +38,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from .drafter_pool import DrafterPool
+from .errors import ReplicaUnavailable
 from .scheduler import Scheduler, ServiceRequest, Target
 from .speculative import SpeculativeOptions
 
@@ -35,11 +47,41 @@ log = logging.getLogger(__name__)
 #: Upper bound on either count in one `Router.scale` call (a typo guard, not a design limit).
 MAX_COUNT = 64
 
+#: Longest wait between two attempts to re-create a failed replica or drafter, seconds.
+MAX_RESTART_DELAY_S = 30.0
+
+#: What a client whose request was on a failed replica is told (no pids, ids or addresses).
+REPLICA_FAILED_MESSAGE = ("the target replica serving this request failed; it is being "
+                          "restarted, a retry may succeed")
+
 #: ``async (name) -> (target, stop, info)``: starts a replica; ``info`` is its ``model_info``
-#: dict (plus anything to report, e.g. ``tp``); ``stop`` destroys it.
+#: dict (plus anything to report, e.g. ``tp``); ``stop`` destroys it. Also used to re-create
+#: a failed replica under its name; if cancelled it must not leave what it started running.
 ReplicaFactory = Callable[[str], Awaitable[tuple[Target, Callable[[], Awaitable[None]], dict]]]
-#: ``async (name) -> (client, stop)``: starts a drafter worker and a client for it.
+#: ``async (name) -> (client, stop)``: starts a drafter worker and a client for it (also to
+#: replace an unhealthy one; the same cancellation rule).
 DrafterFactory = Callable[[str], Awaitable[tuple[object, Callable[[], Awaitable[None]]]]]
+
+
+class ReplicaFailed(Exception):
+    """A target call found its replica dead or unresponsive. Internal: the message (which may
+    carry Ray's pid / actor id / address) goes to the log; clients get `ReplicaUnavailable`."""
+
+
+def is_replica_death(exc: BaseException | None) -> bool:
+    """Whether ``exc`` says a replica's process is gone: `ReplicaFailed`, a Ray actor error
+    (``ray.exceptions.RayActorError``: ActorDiedError, ActorUnavailableError), also as the
+    cause of a task error (a tensor-parallel rank that died under rank 0)."""
+    ray_errors = sys.modules.get("ray.exceptions")  # a Ray error implies Ray is imported
+    for _ in range(8):  # a short cause chain; never loops on a cycle
+        if exc is None:
+            return False
+        if isinstance(exc, ReplicaFailed):
+            return True
+        if ray_errors is not None and isinstance(exc, ray_errors.RayActorError):
+            return True
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return False
 
 
 class RateMeter:
@@ -72,31 +114,71 @@ def pickled_size(obj) -> int:
 
 class MeteredTarget:
     """A `Target` that counts, per kind (``prefill``, ``verify``): calls, wall seconds as the
-    coordinator sees them (transport included), and pickled bytes sent and received."""
+    coordinator sees them (transport included), and pickled bytes sent and received; and
+    that supervises every call.
 
-    def __init__(self, inner: Target):
+    Supervision: a call that raises a replica death error (`is_replica_death`) or runs past
+    ``timeout_s`` marks the replica failed (`failure` says why, for the log) and raises
+    `ReplicaFailed`; once failed, every call raises `ReplicaFailed` at once (a dead replica is
+    never waited on again).
+
+    Args:
+        inner: the replica's `Target`.
+        timeout_s: deadline of one call in seconds (allocate, free, prefill, verify), or None.
+    """
+
+    def __init__(self, inner: Target, timeout_s: float | None = None):
         self.inner = inner
+        self.timeout_s = timeout_s
+        self.failure: str | None = None
         self.stats: dict[str, float] = {}
         for kind in ("prefill", "verify"):
             for key in ("calls", "seconds", "bytes_sent", "bytes_received"):
                 self.stats[f"{kind}_{key}"] = 0
 
+    @property
+    def failed(self) -> bool:
+        return self.failure is not None
+
+    def mark_failed(self, why: str) -> None:
+        if self.failure is None:
+            self.failure = why
+
     async def allocate(self) -> int:
-        return await self.inner.allocate()
+        return await self._guarded("allocate", self.inner.allocate)
 
     async def free(self, slot: int) -> None:
-        await self.inner.free(slot)
+        await self._guarded("free", lambda: self.inner.free(slot))
 
     async def prefill(self, items: list) -> list:
-        return await self._metered("prefill", self.inner.prefill, items)
+        return await self._metered("prefill", lambda: self.inner.prefill(items), items)
 
     async def verify(self, items: list) -> list:
-        return await self._metered("verify", self.inner.verify, items)
+        return await self._metered("verify", lambda: self.inner.verify(items), items)
+
+    async def _guarded(self, kind: str, call: Callable[[], Awaitable]):
+        if self.failure is not None:
+            raise ReplicaFailed(self.failure)
+        try:
+            if self.timeout_s is None:
+                return await call()
+            async with asyncio.timeout(self.timeout_s) as deadline:
+                return await call()
+        except TimeoutError as exc:
+            if self.timeout_s is None or not deadline.expired():
+                raise
+            self.mark_failed(f"{kind} did not answer within {self.timeout_s} s")
+            raise ReplicaFailed(self.failure) from exc
+        except Exception as exc:
+            if not is_replica_death(exc):
+                raise
+            self.mark_failed(f"{kind} failed: the replica died: {exc!r}")
+            raise ReplicaFailed(self.failure) from exc
 
     async def _metered(self, kind: str, call, items: list) -> list:
         sent = pickled_size(items)
         start = time.perf_counter()
-        out = await call(items)
+        out = await self._guarded(kind, call)
         self.stats[f"{kind}_seconds"] += time.perf_counter() - start
         self.stats[f"{kind}_calls"] += 1
         self.stats[f"{kind}_bytes_sent"] += sent
@@ -104,7 +186,10 @@ class MeteredTarget:
         return out
 
     async def replica_status(self) -> dict:
-        """The replica's own ``status()`` (`TargetActor.status`) when it has one, else {}."""
+        """The replica's own ``status()`` (`TargetActor.status`) when it has one, else {}
+        (also once it failed)."""
+        if self.failure is not None:
+            return {}
         handle = getattr(self.inner, "handle", None)
         if handle is not None:
             return await handle.status.remote()
@@ -116,23 +201,35 @@ class MeteredTarget:
 
 
 class ReplicaScheduler(Scheduler):
-    """The `Scheduler` of one replica plus what routing and draining need: the set of
-    requests it holds, a token rate meter, and `drain`. Request ids come from a counter
-    shared by all replicas, so they are unique service-wide (the drafter pool keys by id)."""
+    """The `Scheduler` of one replica plus what routing, draining and supervision need: the
+    set of requests it holds, a token rate meter, `drain`, `adopt`. Request ids come from a
+    counter shared by all replicas, so they are unique service-wide (the drafter pool keys
+    by id).
+
+    Args:
+        on_failure: called once, as ``on_failure(scheduler, unstarted)``, when the target
+            turns out dead or unresponsive (`MeteredTarget.failed`); ``unstarted`` are the
+            requests it held but had not prefilled, for the router to place elsewhere (the
+            rest fail with `ReplicaUnavailable`: `_on_target_failure`).
+    """
 
     def __init__(self, name: str, target: MeteredTarget, drafter, ids: itertools.count,
                  max_active: int = 32, wants_hidden: bool = False, adaptive: bool = False,
-                 cost_model=None):
+                 cost_model=None,
+                 on_failure: Callable[[ReplicaScheduler, list[ServiceRequest]], None]
+                 | None = None):
         super().__init__(target, drafter, max_active=max_active, wants_hidden=wants_hidden,
                          adaptive=adaptive, cost_model=cost_model)
         self.name = name
         self._ids = ids
+        self.on_failure = on_failure
         self.requests: set[ServiceRequest] = set()
         self.placed = 0
         self.tokens_emitted = 0
         self.meter = RateMeter()
         self._empty = asyncio.Event()
         self._empty.set()
+        self._failure_handled = False
 
     def submit(self, prompt_tokens: Sequence[int], options: SpeculativeOptions,
                speculate: bool = True, max_draft_len: int | None = None) -> ServiceRequest:
@@ -141,6 +238,17 @@ class ReplicaScheduler(Scheduler):
         self.placed += 1
         self._empty.clear()
         return req
+
+    def adopt(self, req: ServiceRequest) -> None:
+        """Queues a request another replica held but never prefilled (its events queue and id
+        stay; nothing about it was computed yet, so its output is unchanged)."""
+        req.slot = None
+        req.adaptive = None  # priced with the other replica's cost model
+        self.waiting.append(req)
+        self.requests.add(req)
+        self.placed += 1
+        self._empty.clear()
+        self._wakeup.set()
 
     def load(self) -> tuple[int, int]:
         """(requests held — decoding or waiting, tokens still to process — prompts awaiting
@@ -169,12 +277,47 @@ class ReplicaScheduler(Scheduler):
             self.meter.add(req.emitted - before)
 
     async def _release(self, req: ServiceRequest, count: bool = True) -> None:
+        if self.target.failed:
+            req.slot = None  # its slot died with the replica: nothing to free
         try:
             await super()._release(req, count)
         finally:
             self.requests.discard(req)
             if not self.requests:
                 self._empty.set()
+
+    async def _on_target_failure(self, exc: Exception, requests: list[ServiceRequest]) -> None:
+        """The replica is dead or unresponsive (else: `Scheduler._on_target_failure`). This
+        loop ends; the requests it held that were in the failed call or had been prefilled
+        fail with `ReplicaUnavailable` (their cache is gone mid-stream); the others (waiting,
+        or admitted but not yet prefilled) go to ``on_failure`` to be placed elsewhere."""
+        if not self.target.failed:
+            await super()._on_target_failure(exc, requests)
+            return
+        if self._failure_handled:
+            return
+        self._failure_handled = True
+        self._closed = True
+        self._wakeup.set()
+        log.error("replica %s is out of service: %s", self.name, self.target.failure)
+        in_call = {*requests, *self.active}
+        lost = [r for r in self.requests if r in in_call or r.decode.result.forward_calls > 0]
+        unstarted = [r for r in self.requests if r not in in_call and
+                     r.decode.result.forward_calls == 0]
+        self.requests.difference_update(unstarted)
+        self.waiting.clear()
+        for req in unstarted:  # a slot allocated on the dead replica dies with it
+            if req.slot is not None:
+                req.slot = None
+                self._slots_held -= 1
+        self._admitting = []
+        if self.on_failure is not None:
+            self.on_failure(self, sorted(unstarted, key=lambda r: r.submitted_at))
+        for req in lost:
+            await self._fail(req, exc, ReplicaUnavailable(REPLICA_FAILED_MESSAGE))
+        self.active = []
+        if not self.requests:
+            self._empty.set()
 
 
 @dataclass(eq=False)
@@ -184,8 +327,11 @@ class Replica:
     target: MeteredTarget
     stop: Callable[[], Awaitable[None]] | None
     info: dict = field(default_factory=dict)
-    state: str = "serving"  # or "draining"
+    #: "serving", "draining", "restarting" (failed; being re-created) or "failed" (its
+    #: re-creation failed; retried with backoff).
+    state: str = "serving"
     reported: dict = field(default_factory=dict)  # the replica's last status()
+    restarts: int = 0
 
 
 _GAUGES = ("active_requests", "waiting_requests", "used_slots", "total_slots")
@@ -215,19 +361,38 @@ class Router:
             each replica calibrates its own forward cost unless ``cost_model`` is given.
         cost_model: a `coordinator.adaptive.ForwardCostModel` shared by every replica
             (tests); None calibrates per replica.
+        target_timeout_s: deadline of one target call (a prefill or verify of a full batch
+            included), seconds; a replica that misses it is treated as dead. None: no
+            deadline (death errors are still detected).
+        probe_interval_s: how often idle replicas are asked for their status to find one
+            that died while idle, seconds; None: only on `refresh` and `scale`.
+        restart_delay_s: wait after a failed re-creation attempt (doubling, at most
+            `MAX_RESTART_DELAY_S`), seconds.
     """
 
     def __init__(self, replica_factory: ReplicaFactory,
                  drafter_factory: DrafterFactory | None = None, max_active: int = 32,
                  drafter_pool: DrafterPool | None = None, adaptive: bool = True,
-                 cost_model=None):
+                 cost_model=None, target_timeout_s: float | None = None,
+                 probe_interval_s: float | None = 5.0, restart_delay_s: float = 1.0):
+        if target_timeout_s is not None and not target_timeout_s > 0:
+            raise ValueError(f"target_timeout_s must be > 0, got {target_timeout_s!r}")
         self.replica_factory = replica_factory
         self.adaptive = adaptive
         self.cost_model = cost_model
         self.drafter_factory = drafter_factory
         self.max_active = max_active
+        self.target_timeout_s = target_timeout_s
+        self.probe_interval_s = probe_interval_s
+        self.restart_delay_s = restart_delay_s
         self.pool = drafter_pool or DrafterPool()
         self.pool.on_failure = self._on_drafter_failure
+        self.pool.on_unhealthy = self._on_drafter_unhealthy
+        self._restarts: dict[str, asyncio.Task] = {}  # name -> its re-creation task
+        self._attempts: dict[str, asyncio.Task] = {}  # name -> the factory call in flight
+        self._health_listeners: list[Callable[[bool], None]] = []
+        self._health: bool | None = None
+        self._probe_task: asyncio.Task | None = None
         self.replicas: dict[str, Replica] = {}
         self.wants_hidden = False
         self._ids = itertools.count()
@@ -248,6 +413,16 @@ class Router:
 
     def serving(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.state == "serving"]
+
+    def can_serve(self) -> bool:
+        """Whether some replica takes new requests (health: SERVING)."""
+        return bool(self.serving())
+
+    def add_health_listener(self, listener: Callable[[bool], None]) -> None:
+        """Calls ``listener(can_serve)`` now and whenever `can_serve` changes (on the event
+        loop; it must not block)."""
+        self._health_listeners.append(listener)
+        listener(self.can_serve())
 
     def submit(self, prompt_tokens: Sequence[int], options: SpeculativeOptions,
                speculate: bool = True, max_draft_len: int | None = None) -> ServiceRequest:
@@ -300,6 +475,7 @@ class Router:
         return {
             "name": replica.name,
             "state": replica.state,
+            "restarts": replica.restarts,
             "tp": int(replica.info.get("tp", 1)),
             **s,
             "requests_placed": replica.scheduler.placed,
@@ -315,15 +491,27 @@ class Router:
 
     async def refresh(self, timeout_s: float = 2.0) -> None:
         """Fetches each replica's own ``status()`` (forward time) for `status`; a replica
-        that does not answer in time keeps its previous report."""
-        async def one(replica: Replica) -> None:
-            try:
-                replica.reported = await asyncio.wait_for(
-                    replica.target.replica_status(), timeout_s)
-            except Exception as exc:  # metrics only: never fail Status over them
-                log.warning("replica %s status failed: %r", replica.name, exc)
+        that does not answer in time keeps its previous report (a busy replica answers after
+        its forward); one whose process is gone is taken out of service (`probe`)."""
+        await self.probe(timeout_s)
 
-        await asyncio.gather(*(one(r) for r in list(self.replicas.values())))
+    async def probe(self, timeout_s: float = 2.0) -> None:
+        """Asks every serving replica for its ``status()``; one that answers with a death
+        error is taken out of service and restarted (as a failed call would). Silence is
+        not death here: the call deadline decides that."""
+        async def one(replica: Replica) -> None:
+            target = replica.target
+            try:
+                replica.reported = await asyncio.wait_for(target.replica_status(), timeout_s)
+            except Exception as exc:  # never fail Status over metrics
+                if is_replica_death(exc) and replica.target is target:
+                    target.mark_failed(f"status probe: the replica died: {exc!r}")
+                    await self._found_dead(replica)
+                elif not isinstance(exc, TimeoutError):
+                    log.warning("replica %s status failed: %r", replica.name, exc)
+
+        await asyncio.gather(*(one(r) for r in list(self.replicas.values())
+                               if not r.target.failed))
 
     # ---- scaling ----
 
@@ -334,8 +522,10 @@ class Router:
 
         Drafters are added first (new replicas may then ask them whether they want hidden
         rows). Replicas to remove are the least loaded ones; each drains before it is
-        destroyed, so this returns only when their requests have finished. Scale calls run
-        one at a time.
+        destroyed, so this returns only when their requests have finished. A replica or
+        drafter being re-created after a failure counts toward its count (it comes back) and
+        is the first to go on a scale-down (a healthy one never leaves while a failed one
+        stays). Scale calls run one at a time.
 
         Raises:
             ValueError: a count below 1 (replicas) or 0 (drafters), above `MAX_COUNT`, not an
@@ -361,7 +551,8 @@ class Router:
                     "added": added, "removed": removed}
 
     async def _scale_drafters(self, want: int, added: list, removed: list, errors: list) -> None:
-        have = self.pool.serving()
+        # A drafter being replaced counts as one: it comes back. It is removed first.
+        have = [m for m in self.pool.members.values() if m.state != "leaving"]
         if want > len(have):
             started = await _start_all("drafter", self._drafter_names, want - len(have),
                                        self.drafter_factory, errors)
@@ -374,12 +565,22 @@ class Router:
                 for replica in self.replicas.values():
                     replica.scheduler.wants_hidden = self.wants_hidden
         elif want < len(have):
-            leaving = sorted(have, key=lambda m: (len(m.assigned), m.in_flight))[:len(have) - want]
+            leaving = sorted(have, key=lambda m: (m.state == "serving", len(m.assigned),
+                                                  m.in_flight))[:len(have) - want]
+            for member in leaving:
+                await self._cancel_restart(member.name)
             await asyncio.gather(*(self.pool.remove(m.name) for m in leaving))
             removed.extend(m.name for m in leaving)
 
     async def _scale_replicas(self, want: int, added: list, removed: list, errors: list) -> None:
-        have = self.serving()
+        # A failed replica counts as one (it is being re-created); on a scale-down failed ones
+        # leave first, and a probe first finds any that died while idle.
+        def members() -> list[Replica]:
+            return [r for r in self.replicas.values() if r.state != "draining"]
+
+        if want < len(members()):
+            await self.probe()
+        have = members()
         if want > len(have):
             started = await _start_all("replica", self._replica_names, want - len(have),
                                        self.replica_factory, errors)
@@ -387,29 +588,56 @@ class Router:
                 self._add_replica(name, target, stop, info)
                 added.append(name)
         elif want < len(have):
-            leaving = sorted(have, key=lambda r: r.scheduler.load())[:len(have) - want]
+            def healthy(r: Replica) -> bool:
+                return r.state == "serving" and not r.target.failed
+
+            leaving = sorted(have, key=lambda r: (healthy(r), *r.scheduler.load())
+                             )[:len(have) - want]
             for replica in leaving:
-                replica.state = "draining"
+                if replica.state == "serving":
+                    replica.state = "draining"
+                else:  # decided now, before its re-creation can finish
+                    replica.state = "failed"
+                    task = self._restarts.get(replica.name)
+                    if task is not None:
+                        task.cancel()
+            self._health_changed()
             await asyncio.gather(*(self._remove_replica(r) for r in leaving))
             removed.extend(r.name for r in leaving)
 
-    def _add_replica(self, name: str, target: Target, stop, info: dict) -> Replica:
-        metered = MeteredTarget(target)
+    def _new_scheduler(self, name: str, target: Target) -> tuple[MeteredTarget, ReplicaScheduler]:
+        metered = MeteredTarget(target, self.target_timeout_s)
         scheduler = ReplicaScheduler(name, metered, self.pool, self._ids,
                                      max_active=self.max_active, wants_hidden=self.wants_hidden,
-                                     adaptive=self.adaptive, cost_model=self.cost_model)
+                                     adaptive=self.adaptive, cost_model=self.cost_model,
+                                     on_failure=self._on_replica_failure)
+        return metered, scheduler
+
+    def _add_replica(self, name: str, target: Target, stop, info: dict) -> Replica:
+        metered, scheduler = self._new_scheduler(name, target)
         replica = self.replicas[name] = Replica(name, scheduler, metered, stop, dict(info))
         scheduler.start()
+        if self._probe_task is None and self.probe_interval_s is not None:
+            self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+        self._health_changed()
         return replica
 
     async def _remove_replica(self, replica: Replica) -> None:
-        await replica.scheduler.drain()
-        final = replica.scheduler.status()
+        """Removes a draining replica once drained, or a failed one at once."""
+        if replica.state == "draining":
+            await replica.scheduler.drain()
+        else:  # failed: nothing runs on it
+            await self._cancel_restart(replica.name)
+            await replica.scheduler.close()
+        self._retire(replica.scheduler)
+        del self.replicas[replica.name]
+        await self._stop_replica(replica)
+        self._health_changed()
+
+    def _retire(self, scheduler: ReplicaScheduler) -> None:
+        final = scheduler.status()
         for key in _COUNTERS:
             self._retired[key] += final[key]
-        del self.replicas[replica.name]
-        if replica.stop is not None:
-            await replica.stop()
 
     def model_info(self) -> dict:
         """The first replica's ``model_info``.
@@ -424,17 +652,148 @@ class Router:
     async def close(self) -> None:
         """Stops every replica loop (failing what is in flight) and destroys replicas and
         drafters."""
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            await asyncio.gather(self._probe_task, return_exceptions=True)
+            self._probe_task = None
+        for name in list(self._restarts):
+            await self._cancel_restart(name)
         for replica in list(self.replicas.values()):
             await replica.scheduler.close()
             self.replicas.pop(replica.name, None)
-            if replica.stop is not None:
-                try:
-                    await replica.stop()
-                except Exception:
-                    log.exception("stopping replica %s failed", replica.name)
+            await self._stop_replica(replica)
         await self.pool.close()
 
-    # ---- internals ----
+    # ---- supervision ----
+
+    def _health_changed(self) -> None:
+        now = self.can_serve()
+        if now != self._health:
+            self._health = now
+            if not now:
+                log.error("no target replica can serve: new requests get UNAVAILABLE")
+            for listener in self._health_listeners:
+                listener(now)
+
+    def _on_replica_failure(self, scheduler: ReplicaScheduler,
+                            unstarted: list[ServiceRequest]) -> None:
+        """`ReplicaScheduler` ``on_failure``: out of placement now, re-created in the
+        background, its unstarted requests placed on serving replicas (or failed)."""
+        replica = self.replicas.get(scheduler.name)
+        if replica is not None and replica.scheduler is scheduler and \
+                replica.state == "serving":
+            replica.state = "restarting"
+            self._restarts[replica.name] = asyncio.get_running_loop().create_task(
+                self._restart_replica(replica))
+        # (a draining replica that fails is just removed: its drain ends with its requests)
+        self._health_changed()
+        for req in unstarted:
+            serving = self.serving()
+            if not serving:
+                req.events.put_nowait(ReplicaUnavailable(REPLICA_FAILED_MESSAGE))
+                continue
+            other = min(serving, key=lambda r: (*r.scheduler.load(), r.scheduler.placed))
+            other.scheduler.adopt(req)
+            self._placement[req] = other
+            log.info("request %s moved from failed replica %s to %s", req.id, scheduler.name,
+                     other.name)
+
+    async def _found_dead(self, replica: Replica) -> None:
+        """A probe found ``replica``'s process gone. An idle replica is handled here; a busy
+        one's loop finds out at its next target call (which now fails at once)."""
+        scheduler = replica.scheduler
+        if not scheduler.requests:
+            await scheduler._on_target_failure(ReplicaFailed(replica.target.failure), [])
+        else:
+            scheduler._wakeup.set()
+
+    async def _restart_replica(self, replica: Replica) -> None:
+        try:
+            await replica.scheduler.close()  # its loop has ended or waits idle; nothing in it
+            await self._stop_replica(replica)  # frees the dead one's resources first
+
+            def attempt_failed() -> None:
+                replica.state = "failed"
+
+            target, stop, info = await self._recreate(replica.name, self.replica_factory,
+                                                      attempt_failed)
+            self._retire(replica.scheduler)
+            replica.target, replica.scheduler = self._new_scheduler(replica.name, target)
+            replica.stop, replica.info, replica.reported = stop, dict(info), {}
+            replica.restarts += 1
+            replica.state = "serving"
+            replica.scheduler.start()
+            log.warning("replica %s restarted", replica.name)
+            self._health_changed()
+        finally:
+            self._restarts.pop(replica.name, None)
+
+    async def _recreate(self, name: str, factory, attempt_failed: Callable[[], None]):
+        """``factory(name)``, retried with backoff until it succeeds (cancellable). The call
+        in flight is kept in ``_attempts`` so a cancellation can stop what it started."""
+        delay = self.restart_delay_s
+        while True:
+            attempt = self._attempts[name] = asyncio.ensure_future(factory(name))
+            try:
+                result = await attempt
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                del self._attempts[name]
+                log.warning("re-creating %s failed (retrying in %.1f s): %r", name, delay, exc)
+                attempt_failed()
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, MAX_RESTART_DELAY_S)
+                continue
+            del self._attempts[name]
+            return result
+
+    async def _cancel_restart(self, name: str) -> None:
+        """Stops re-creating ``name``; a worker its last attempt started but that was never
+        installed is stopped."""
+        task = self._restarts.pop(name, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        attempt = self._attempts.pop(name, None)
+        if attempt is not None and attempt.done() and not attempt.cancelled() \
+                and attempt.exception() is None:
+            try:
+                await attempt.result()[1]()
+            except Exception:
+                log.exception("stopping an uninstalled %s failed", name)
+
+    async def _stop_replica(self, replica: Replica) -> None:
+        stop, replica.stop = replica.stop, None
+        if stop is not None:
+            try:
+                await stop()
+            except Exception:
+                log.exception("stopping replica %s failed", replica.name)
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            try:
+                await self.probe()
+            except Exception:
+                log.exception("replica probe failed")
+
+    def _on_drafter_unhealthy(self, name: str) -> None:
+        """`DrafterPool` ``on_unhealthy``: replaces the worker in the background."""
+        if self.drafter_factory is None or name in self._restarts:
+            return
+        self._restarts[name] = asyncio.get_running_loop().create_task(
+            self._restart_drafter(name))
+
+    async def _restart_drafter(self, name: str) -> None:
+        try:
+            await self.pool.stop_worker(name)
+            client, stop = await self._recreate(name, self.drafter_factory, lambda: None)
+            self.pool.replace(name, client, stop)
+            log.warning("drafter %s replaced", name)
+        finally:
+            self._restarts.pop(name, None)
 
     def _on_drafter_failure(self, request_ids: list[str]) -> None:
         # Counted as the single-drafter scheduler counts: per request step, and per replica

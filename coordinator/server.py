@@ -491,7 +491,30 @@ async def start_generation_server(
     await server.start()
     for name in ("", GENERATION_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    listen = getattr(servicer.scheduler, "add_health_listener", None)  # a Router
+    if listen is not None:
+        listen(_HealthReporter(health_servicer))
     return server, bound
+
+
+class _HealthReporter:
+    """Mirrors a router's "some replica can serve" into the health service, for the overall
+    server ("") and the Generation service: SERVING or NOT_SERVING, in the order reported."""
+
+    def __init__(self, health_servicer):
+        self.health = health_servicer
+        self._last: asyncio.Future | None = None
+
+    def __call__(self, can_serve: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if can_serve
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._last = asyncio.ensure_future(self._set(self._last, status))
+
+    async def _set(self, previous: asyncio.Future | None, status) -> None:
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)  # keep the order
+        for name in ("", GENERATION_SERVICE):
+            await self.health.set(name, status)
 
 
 __all__ = [

@@ -43,6 +43,11 @@ class ServiceConfig:
         target_threads: torch threads per target rank; None divides this machine's cores
             among all ranks (`default_target_threads`).
         drafter_timeout_s: deadline of one Propose call; a miss decodes the step undrafted.
+        target_timeout_s: deadline of one target call (allocate, prefill, verify, free) in
+            seconds; a replica that misses it is treated as dead: its requests fail with
+            UNAVAILABLE and it is re-created. Generous by default: a CPU prefill of a full
+            batch of long prompts takes minutes. A replica whose process dies is detected at
+            once whatever this is.
         tls_cert, tls_key: PEM file paths for TLS on the API.
         auth_token: bearer token required by the API (health checks exempt).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0 picks a
@@ -66,6 +71,7 @@ class ServiceConfig:
     drafters: int = 1
     target_threads: int | None = None
     drafter_timeout_s: float = 1.0
+    target_timeout_s: float = 600.0
     tls_cert: str | None = None
     tls_key: str | None = None
     auth_token: str | None = None
@@ -150,8 +156,17 @@ class CoordinatorActor:
         cfg = self.config
         loop = asyncio.get_running_loop()
         # May block (placement groups): off the event loop, which keeps serving.
-        handle = await loop.run_in_executor(None, lambda: create_target_replica(
+        creating = loop.run_in_executor(None, lambda: create_target_replica(
             cfg.model, tp=cfg.tp, max_slots=cfg.max_active, num_threads=self._threads))
+        try:
+            handle = await asyncio.shield(creating)
+        except asyncio.CancelledError:  # a cancelled restart: destroy it once it exists
+            def destroy_when_made(made) -> None:
+                if not made.cancelled() and made.exception() is None:
+                    loop.run_in_executor(None, destroy_target_replica, made.result())
+
+            creating.add_done_callback(destroy_when_made)
+            raise
         try:
             info = dict(await handle.model_info.remote())  # waits for the model to load
         except BaseException:
@@ -218,7 +233,8 @@ class CoordinatorActor:
         with_drafter = cfg.drafter != "none"
         self.router = Router(self._start_replica,
                              self._start_drafter if with_drafter else None,
-                             max_active=cfg.max_active, adaptive=cfg.adaptive)
+                             max_active=cfg.max_active, adaptive=cfg.adaptive,
+                             target_timeout_s=cfg.target_timeout_s)
         await self.router.scale(target_replicas=cfg.target_replicas,
                                 drafters=cfg.drafters if with_drafter else 0)
         info = self.router.model_info()
@@ -317,6 +333,10 @@ class Service:
 
         check_count("target_replicas", config.target_replicas, 1)
         check_count("drafters", config.drafters, 0)
+        if isinstance(config.target_timeout_s, bool) or not isinstance(
+                config.target_timeout_s, int | float) or not config.target_timeout_s > 0:
+            raise ValueError(
+                f"target_timeout_s must be a positive number, got {config.target_timeout_s!r}")
         for name in ("tp", "max_active"):
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
