@@ -247,7 +247,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.metrics_port is not None:
             print(f"[specd] Prometheus metrics on http://{service.metrics_address}/metrics",
                   flush=True)
-        stop.wait()
+        # The coordinator is not replicated: if it dies, exit non-zero so a process
+        # supervisor restarts the service, rather than serve a dead address forever.
+        while not stop.wait(COORDINATOR_CHECK_S):
+            if not service.coordinator_alive():
+                print("[specd] error: the coordinator actor died; the service has stopped",
+                      file=sys.stderr, flush=True)
+                return 1
     except KeyboardInterrupt:
         pass
     finally:
@@ -256,6 +262,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         service.stop(grace_s=args.shutdown_grace)
     return 0
 
+
+#: How often `specd serve` checks that its coordinator actor is alive, seconds.
+COORDINATOR_CHECK_S = 5.0
 
 #: The --auth-token help: a flag's value is visible to every local user in `ps`.
 _AUTH_HELP = ("bearer token{what} (default $SPECD_AUTH_TOKEN); a value given here is visible "

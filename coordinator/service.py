@@ -431,6 +431,21 @@ class Service:
         """The first drafter worker actor, or None."""
         return next(iter(self.drafter_actors.values()), None)
 
+    def coordinator_alive(self, timeout_s: float = 30.0) -> bool:
+        """False once the coordinator actor has died (a busy one that answers late counts as
+        alive: only Ray's own death report decides)."""
+        import ray
+
+        if self.coordinator is None:
+            return False
+        try:
+            ray.get(self.coordinator.metrics_address.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return False
+        except ray.exceptions.GetTimeoutError:
+            pass
+        return True
+
     def stop(self, grace_s: float = 1.0) -> None:
         """Stops the API (in-flight streams get up to ``grace_s`` seconds to finish, new calls
         are refused with UNAVAILABLE meanwhile), destroys replicas and drafters, kills the

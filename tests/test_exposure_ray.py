@@ -156,3 +156,34 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_calls():
             proc.wait()
         proc.stdout.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_serve_exits_nonzero_when_its_coordinator_dies():
+    # The coordinator is not replicated: `specd serve` must not keep serving a dead address,
+    # so a process supervisor can restart it. Its own serve and Ray, as above.
+    tmp = tempfile.mkdtemp(prefix="specd-cd-")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "serve", "--port", "0", "--drafter", "none",
+         "--model", MODEL, "--target-threads", "1", "--shutdown-grace", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "RAY_TMPDIR": tmp})
+    try:
+        line = ""
+        for line in proc.stdout:
+            if "serving specd.v1.Generation on" in line:
+                break
+        assert "serving" in line, "the server never came up"
+        port = int(line.rsplit(":", 1)[1].split()[0])
+        # The coordinator actor is the process of this serve's tree listening on the API port.
+        owners = {pid for ip, p, pid, _ in listening_sockets(psutil.Process(proc.pid))
+                  if p == port}
+        assert len(owners) == 1, owners
+        os.kill(owners.pop(), signal.SIGKILL)
+        output = proc.communicate(timeout=120)[0]
+        assert proc.returncode == 1, output[-2000:]
+        assert "the coordinator actor died" in output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
