@@ -44,7 +44,7 @@ from .speculative import SpeculativeOptions, speculative_decode_with
 from .workloads import Workload, encode_prompt, load_workloads
 
 __all__ = ["BenchConfig", "RunRecord", "aggregate", "build_systems", "forward_timing", "hf_twin",
-           "run_bench"]
+           "run_bench", "thread_timing"]
 
 PLAIN = "specd-plain"
 BARE = "bare-forward"
@@ -447,6 +447,56 @@ def forward_timing(decoder, hf_model, ks: Sequence[int] = FORWARD_KS,
                     x / y for x, y in zip(times[BARE], times[HF_PLAIN], strict=True)),
                 "max_logit_diff": diff,
             })
+    return rows
+
+
+def thread_timing(decoder, threads: Sequence[int] = (1, 2), ks: Sequence[int] = (1, 8),
+                  cache_len: int = 300, repeats: int = 12, seed: int = 0) -> list[dict]:
+    """specd's forward at each torch thread count, on a quiet machine and beside one busy
+    process: the evidence for the default thread budget (`default_target_threads`).
+
+    For each condition (``busy`` False, then True: a ``python -c 'while True: pass'``
+    child started here and killed by its PID after), each k: ``repeats`` forwards of ``k``
+    tokens over ``cache_len`` cached ones per thread count, alternating thread counts call by
+    call. The torch thread count is restored after.
+
+    Returns:
+        One row per (busy, k, threads): ``median_ms`` and ``max_ms``.
+    """
+    import subprocess
+    import sys
+
+    before = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(seed)
+    vocab = decoder.config.vocab_size
+    length = min(cache_len, decoder.config.max_seq_len - max(ks))
+    cache = decoder.new_cache(length + max(ks))
+    rows = []
+    try:
+        decoder.forward_batch(torch.randint(0, vocab, (length,), generator=gen), 0, cache)
+        for busy in (False, True):
+            child = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+            try:
+                for k in ks:
+                    times: dict[int, list[float]] = {t: [] for t in threads}
+                    for r in range(repeats + 1):
+                        for t in (threads if r % 2 == 0 else threads[::-1]):
+                            torch.set_num_threads(t)
+                            block = torch.randint(0, vocab, (k,), generator=gen)
+                            start = time.perf_counter()
+                            decoder.forward_batch(block, length, cache)
+                            if r:  # the first round warms each thread count up
+                                times[t].append(time.perf_counter() - start)
+                            cache.truncate(length)
+                    rows += [{"busy": busy, "k": k, "threads": t,
+                              "median_ms": 1e3 * statistics.median(v), "max_ms": 1e3 * max(v)}
+                             for t, v in times.items()]
+            finally:
+                if child is not None:
+                    child.kill()
+                    child.wait()
+    finally:
+        torch.set_num_threads(before)
     return rows
 
 

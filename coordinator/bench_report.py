@@ -112,6 +112,21 @@ def forward_markdown(report: dict) -> list[str]:
     return lines
 
 
+def threads_markdown(report: dict) -> list[str]:
+    """The thread check's table (empty when not run)."""
+    rows = report.get("threads")
+    if not rows:
+        return []
+    lines = ["", "specd's forward (300 cached tokens) by torch threads, quiet and beside one busy "
+             "process (`while True: pass`), median and worst ms, interleaved:", "",
+             "| beside a busy process | k | threads | median ms | worst ms |",
+             "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {'yes' if r['busy'] else 'no'} | {r['k']} | {r['threads']} | "
+                     f"{r['median_ms']:.1f} | {r['max_ms']:.0f} |")
+    return lines
+
+
 def _targets_markdown(report: dict) -> list[str]:
     lines = ["", "| target | measured | met |", "|---|---:|---|"]
     for t in check_targets(report):
@@ -137,7 +152,7 @@ def default_path_markdown(report: dict) -> str:
         "from request to final chunk, prefill included; x hf-plain: paired ratio of tok/s "
         "to transformers plain generate in the same repeat.",
     ]
-    lines += forward_markdown(report)
+    lines += forward_markdown(report) + threads_markdown(report)
     lines += ["", "| workload | system | tok/s | ms/token | x hf-plain | forward calls "
               "| acceptance length |", "|---|---|---:|---:|---:|---:|---:|"]
     for row in report["summary"]:

@@ -219,6 +219,8 @@ class DefaultPathConfig:
         target_threads: ``specd generate --target-threads`` (None: its default).
         forward_ks, forward_cache_lens, forward_repeats: the forward timing run first
             (`coordinator.bench.forward_timing`; empty ``forward_ks``: none).
+        thread_check: time specd's forward at 1 and 2 threads, quiet and beside a busy
+            process (`coordinator.bench.thread_timing`).
 
     Raises:
         ValueError: a bad size.
@@ -233,6 +235,7 @@ class DefaultPathConfig:
     forward_ks: tuple[int, ...] = (1, 2, 4, 8, 32)
     forward_cache_lens: tuple[int, ...] = (300, 2000)
     forward_repeats: int = 15
+    thread_check: bool = True
 
     def __post_init__(self) -> None:
         from .bench import check_forward_sizes
@@ -346,9 +349,10 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
     """The default user path against transformers, in one run.
 
     First the forward timing (specd's forward against transformers' per k, this process,
-    before any service runs). Then the embedded service that ``specd generate`` starts
-    (`coordinator.cli.embedded_service_config` of the parsed default arguments: prompt
-    lookup, adaptive draft length, the default target threads) is started ONCE, and every
+    before any service runs) and the thread check. Then the embedded service that
+    ``specd generate`` starts (`coordinator.cli.embedded_service_config` of the parsed
+    default arguments: prompt lookup, adaptive draft length, the default target threads) is
+    started ONCE, and every
     prompt is sent to it as ``specd generate`` sends it, timed end to end from the request
     to the final chunk (prefill, gRPC and Ray included; the one-off service start and
     model load excluded, as the CLI's ``tok/s`` excludes them). A subprocess per request
@@ -368,7 +372,8 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
 
     Returns:
         The JSON-ready report: ``mode`` ("default-path"), ``config``, ``environment``,
-        ``service`` (its configuration), ``forward``, ``systems``, ``summary``
+        ``service`` (its configuration), ``forward``, ``threads`` (`thread_timing`),
+        ``systems``, ``summary``
         (`coordinator.bench.aggregate` with ``ratio_to_plain`` against hf-plain),
         ``identity`` (against hf-plain's first run of each prompt), ``prompt_tokens``
         (whether the service saw the same prompt length as transformers), ``runs``.
@@ -388,6 +393,7 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
         check_identity,
         forward_timing,
         load_hf_model,
+        thread_timing,
     )
     from .cli import embedded_service_config
     from .service import default_target_threads
@@ -412,6 +418,13 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
             progress(f"forward L={row['cache_len']} k={row['k']}: bare-forward "
                      f"{row['bare_forward_ms']:.1f} ms, hf-plain {row['hf_plain_ms']:.1f} ms, "
                      f"ratio {row['ratio']:.2f}")
+    threads_rows = None
+    if config.thread_check:
+        progress("timing specd's forward at 1 and 2 threads, quiet and beside a busy process")
+        threads_rows = thread_timing(decoder)
+        for row in threads_rows:
+            progress(f"busy={row['busy']} k={row['k']} threads={row['threads']}: "
+                     f"{row['median_ms']:.1f} ms (max {row['max_ms']:.0f})")
     del decoder  # the service loads its own
 
     args = generate_args(config)
@@ -461,6 +474,7 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
         "environment": {**_environment(), "target_threads": threads},
         "service": as_dict(service_config),
         "forward": forward,
+        "threads": threads_rows,
         "workloads": [{"workload": w, "prompt_id": pid, "prompt_tokens": n}
                       for (w, pid), n in lengths.items()],
         "systems": [{"name": s.name, "kind": s.kind} for s in systems],

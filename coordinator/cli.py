@@ -416,6 +416,8 @@ def _add_bench_parser(sub) -> None:
                        metavar="300,2000", help="forward timing: cached tokens")
     bench.add_argument("--forward-repeats", type=int, default=15,
                        help="forward timing: timed calls per system and size")
+    bench.add_argument("--no-thread-check", action="store_true",
+                       help="--default-path: skip timing 1 vs 2 threads beside a busy process")
     bench.add_argument("--service", default=None, metavar="HOST:PORT",
                        help="benchmark a running `specd serve` instead")
     bench.add_argument("--concurrency", type=_csv, default=("1", "4", "8", "16"),
@@ -466,7 +468,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 max_new_tokens=args.max_new_tokens or 160, repeats=args.repeats,
                 prompt_lookup=args.draft_len, target_threads=args.target_threads,
                 forward_ks=ks, forward_cache_lens=lens,
-                forward_repeats=args.forward_repeats), progress)
+                forward_repeats=args.forward_repeats,
+                thread_check=not args.no_thread_check), progress)
             text = default_path_markdown(report)
         else:
             from .bench import BenchConfig, run_bench

@@ -11,7 +11,14 @@ import pytest
 import torch
 from service_harness import LocalService
 
-from coordinator.bench import BenchConfig, forward_timing, hf_twin, load_hf_model, run_bench
+from coordinator.bench import (
+    BenchConfig,
+    forward_timing,
+    hf_twin,
+    load_hf_model,
+    run_bench,
+    thread_timing,
+)
 from coordinator.bench_report import check_targets, markdown, write_report
 from coordinator.bench_service import (
     SPECD_GENERATE,
@@ -90,7 +97,7 @@ def test_default_path_runs_the_cli_request_beside_transformers(tmp_path):
         service = LocalService(model=DENSE).start()
         return service.address, service.stop
 
-    config = DefaultPathConfig(model=DENSE, max_new_tokens=8, repeats=2,
+    config = DefaultPathConfig(model=DENSE, max_new_tokens=8, repeats=2, thread_check=False,
                                forward_ks=(1, 2), forward_cache_lens=(30,), forward_repeats=2)
     report = run_default_path_bench(config, progress=lambda line: None,
                                     workloads=_short_workloads(), start_service=start)
@@ -122,6 +129,16 @@ def test_default_path_runs_the_cli_request_beside_transformers(tmp_path):
     assert "# specd bench --default-path" in text
     assert "| code_edit | specd-generate |" in text and "| 30 | 2 |" in text
     assert json.loads(paths[0].read_text())["mode"] == "default-path"
+
+
+def test_thread_timing_covers_each_condition_and_restores_threads():
+    decoder, _ = load_model(DENSE)
+    torch.set_num_threads(1)
+    rows = thread_timing(decoder, threads=(1, 2), ks=(1, 3), cache_len=20, repeats=2)
+    assert [(r["busy"], r["k"], r["threads"]) for r in rows] == [
+        (busy, k, t) for busy in (False, True) for k in (1, 3) for t in (1, 2)]
+    assert all(0 < r["median_ms"] <= r["max_ms"] for r in rows)
+    assert torch.get_num_threads() == 1
 
 
 def test_default_path_config_rejects_bad_sizes():

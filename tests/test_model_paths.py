@@ -39,7 +39,7 @@ def test_gpu_attention_and_linear_paths_match_the_cpu_paths(monkeypatch):
             calls = []
             real = F.scaled_dot_product_attention
             m.setattr(F, "scaled_dot_product_attention",
-                      lambda *a, **k: calls.append(1) or real(*a, **k))
+                      lambda *a, calls=calls, real=real, **k: calls.append(1) or real(*a, **k))
             decoder.forward_batch([1, 2], 0, decoder.new_cache())
             assert len(calls) == decoder.config.n_layers
         for a, b in zip(reference, forced, strict=True):
