@@ -41,6 +41,9 @@ class ForwardCostModel:
         ValueError: an empty ``points``, a bad key or value, or ``alpha`` out of range.
     """
 
+    #: `observe` caps a measurement at this multiple of its bucket.
+    OUTLIER_FACTOR = 3.0
+
     def __init__(self, points: Mapping[int, float], alpha: float = 0.2):
         if not points:
             raise ValueError("points must hold at least one measurement")
@@ -91,7 +94,12 @@ class ForwardCostModel:
 
         An existing bucket moves ``alpha`` of the way to ``seconds``; a new ``n_tokens`` gets
         a bucket that starts at the current prediction and moves the same way, so one noisy
-        sample shifts the curve by ``alpha`` of its error, never all of it.
+        sample shifts the curve by ``alpha`` of its error, never all of it. ``seconds`` is
+        first capped at `OUTLIER_FACTOR` times the bucket: a step stalled by another process
+        (seconds, not milliseconds, on a shared machine) would otherwise price that size out
+        of every later choice, and a size no longer chosen is never measured again to undo
+        it. A real slowdown still comes through, by up to ``alpha * (OUTLIER_FACTOR - 1)``
+        of the bucket per step.
 
         Raises:
             ValueError: ``n_tokens < 1`` or ``seconds`` not finite and > 0.
@@ -102,7 +110,8 @@ class ForwardCostModel:
         if n not in self._points:
             self._points[n] = self.cost(n)
             bisect.insort(self._keys, n)
-        self._points[n] += self.alpha * (float(seconds) - self._points[n])
+        seconds = min(float(seconds), self.OUTLIER_FACTOR * self._points[n])
+        self._points[n] += self.alpha * (seconds - self._points[n])
 
 
 def calibrate(

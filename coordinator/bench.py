@@ -17,6 +17,10 @@ machine. Systems:
 - ``hf-plain`` and ``hf-prompt-lookup-k<N>``: transformers' ``generate`` on the same GGUF file
   (transformers' own GGUF loader), plain and with ``prompt_lookup_num_tokens=N``.
 
+Beside the generations, `forward_timing` times one target forward of ``k`` tokens over a
+cache of ``L`` tokens, specd's ``Decoder.forward_batch`` (the bare forward) against the
+transformers model's forward on the same weights (hf-plain's forward), call by call.
+
 Drafters come from `drafter_worker.server.build_drafter` by name (``--drafters``), so a new
 drafter is one more name. Greedy outputs must be token-identical across every system and
 repeat; the report says whether they are and lists any mismatch.
@@ -39,10 +43,16 @@ from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate
 from .speculative import SpeculativeOptions, speculative_decode_with
 from .workloads import Workload, encode_prompt, load_workloads
 
-__all__ = ["BenchConfig", "RunRecord", "aggregate", "build_systems", "run_bench"]
+__all__ = ["BenchConfig", "RunRecord", "aggregate", "build_systems", "forward_timing", "hf_twin",
+           "run_bench", "thread_timing"]
 
 PLAIN = "specd-plain"
 BARE = "bare-forward"
+HF_PLAIN = "hf-plain"
+#: Forward timing defaults: the block sizes speculative verification feeds, over a short and
+#: a long cache.
+FORWARD_KS = (1, 2, 4, 8, 32)
+FORWARD_CACHE_LENS = (300, 2000)
 
 
 @dataclass
@@ -243,6 +253,10 @@ class BenchConfig:
         bare: include the bare-forward reference.
         threads: torch intra-op threads (None: leave torch's setting).
         drafter_path: the EAGLE head for the ``eagle`` drafters (None: the shipped one).
+        forward_ks: block sizes of the forward timing (empty: no forward timing; it needs
+            the transformers model).
+        forward_cache_lens: cached tokens before the timed block, per row of the timing.
+        forward_repeats: timed calls per system, k and cache length, >= 1.
     """
 
     model: str | None = None
@@ -259,10 +273,14 @@ class BenchConfig:
     bare: bool = True
     threads: int | None = None
     drafter_path: str | None = None
+    forward_ks: tuple[int, ...] = FORWARD_KS
+    forward_cache_lens: tuple[int, ...] = FORWARD_CACHE_LENS
+    forward_repeats: int = 15
 
     def __post_init__(self) -> None:
+        check_forward_sizes(self.forward_ks, self.forward_cache_lens)
         for name in ("max_new_tokens", "repeats", "draft_len", "adaptive_max_draft_len",
-                     "ngram_size"):
+                     "ngram_size", "forward_repeats"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be an int >= 1, got {value!r}")
@@ -272,9 +290,28 @@ class BenchConfig:
             raise ValueError("no drafters given for the speculative systems")
 
 
-def load_hf_model(model: str | None):
+def check_forward_sizes(ks: Sequence[int], cache_lens: Sequence[int]) -> None:
+    """Raises ValueError naming the flag when a forward-timing size is not an int >= 1
+    (``ks`` may be empty: no forward timing)."""
+    for flag, values, least in (("forward-ks", ks, 1), ("forward-cache-lens", cache_lens, 1)):
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{flag} must be ints >= {least}, got {v!r}")
+    if ks and not cache_lens:
+        raise ValueError("forward-cache-lens is empty but forward-ks is not")
+
+
+def _quiet_hf(hf):
+    hf.generation_config.temperature = None  # greedy: silence sampling-field warnings
+    hf.generation_config.top_p = None
+    hf.generation_config.top_k = None
+    return hf.eval()
+
+
+def load_hf_model(model: str | None, decoder=None):
     """transformers' own load of the GGUF file (``from_pretrained(dir, gguf_file=...)``),
-    float32, eval mode; None for a model with no GGUF file (tiny-random).
+    float32, eval mode. A tiny-random model has no GGUF file: with its ``decoder`` given and
+    dense, its `hf_twin`; else None.
 
     Raises:
         ImportError: transformers cannot load GGUF files here (accelerate missing).
@@ -283,7 +320,9 @@ def load_hf_model(model: str | None):
     from target_worker.testing import is_tiny_random_spec
 
     if is_tiny_random_spec(model):
-        return None
+        if decoder is None or decoder.config.moe is not None:
+            return None
+        return hf_twin(decoder)
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -292,10 +331,173 @@ def load_hf_model(model: str | None):
     path = model_path(model)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                               dtype=torch.float32)
-    hf.generation_config.temperature = None  # greedy: silence sampling-field warnings
-    hf.generation_config.top_p = None
-    hf.generation_config.top_k = None
-    return hf.eval()
+    return _quiet_hf(hf)
+
+
+def hf_twin(decoder):
+    """A transformers ``LlamaForCausalLM`` (float32, eval) holding ``decoder``'s weights:
+    fused ``wqkv`` / ``w_gate_up`` split back into ``q/k/v_proj`` / ``gate/up_proj``. For
+    tests with tiny random models, which have no checkpoint transformers can load.
+
+    Raises:
+        ValueError: a MoE decoder or one with QKV biases (not a Llama layout).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    c = decoder.config
+    if c.moe is not None or c.qkv_bias:
+        raise ValueError("hf_twin needs a dense decoder without QKV biases (Llama layout)")
+    cfg = LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_dim,
+        num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim,
+        max_position_embeddings=c.max_seq_len, rms_norm_eps=c.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        tie_word_embeddings=c.tie_embeddings, attention_bias=False, mlp_bias=False)
+    hf = LlamaForCausalLM(cfg).to(torch.float32)
+    q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    state = {"model.embed_tokens.weight": decoder.embed_tokens.weight,
+             "model.norm.weight": decoder.norm.weight,
+             "lm_head.weight": decoder.lm_head.weight}
+    for i, block in enumerate(decoder.layers):
+        p = f"model.layers.{i}."
+        q, k, v = block.attn.wqkv.weight.split([q_rows, kv_rows, kv_rows])
+        gate, up = block.ffn.w_gate_up.weight.split(c.ffn_dim)
+        state.update({
+            p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": block.attn.wo.weight,
+            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": block.ffn.w_down.weight,
+            p + "input_layernorm.weight": block.attn_norm.weight,
+            p + "post_attention_layernorm.weight": block.ffn_norm.weight})
+    with torch.no_grad():
+        hf.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=True)
+    return _quiet_hf(hf)
+
+
+def forward_timing(decoder, hf_model, ks: Sequence[int] = FORWARD_KS,
+                   cache_lens: Sequence[int] = FORWARD_CACHE_LENS, repeats: int = 15,
+                   seed: int = 0) -> list[dict]:
+    """One forward of ``k`` new tokens over ``L`` cached ones: specd (``bare-forward``:
+    ``Decoder.forward_batch``, logits for all k rows) against the transformers model
+    (``hf-plain``: its forward with a ``DynamicCache``, ``logits_to_keep=0`` so all k rows
+    too), call by call in alternating order so drift hits both alike.
+
+    Both caches are filled once with the same ``L`` random tokens (``seed``); each timed
+    call feeds ``k`` random tokens at positions ``[L, L + k)`` and is rolled back after
+    (specd ``truncate``, transformers ``crop``). A (k, L) that does not fit the model's
+    context is skipped.
+
+    Returns:
+        One row per (L, k): ``cache_len``, ``k``, ``bare_forward_ms`` and ``hf_plain_ms``
+        (medians over ``repeats``), ``ratio`` (median of the paired per-call ratios specd /
+        transformers: < 1 is specd faster), ``max_logit_diff`` (the two models' logits on the
+        same block: they hold the same weights).
+    """
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = decoder.config.vocab_size
+    rows = []
+    for length in cache_lens:
+        fitting = [k for k in ks if length + k <= decoder.config.max_seq_len]
+        if not fitting:
+            continue
+        prefix = torch.randint(0, vocab, (length,), generator=gen)
+        cache = decoder.new_cache(min(decoder.config.max_seq_len, length + max(fitting)))
+        hf_cache = DynamicCache(config=hf_model.config)
+        with torch.inference_mode():
+            decoder.forward_batch(prefix, 0, cache)
+            hf_model(prefix[None], cache=hf_cache, use_cache=True, logits_to_keep=1)
+        for k in fitting:
+            block = torch.randint(0, vocab, (k,), generator=gen)
+            positions = torch.arange(length, length + k)[None]
+
+            def specd_call(block=block, length=length, cache=cache):
+                start = time.perf_counter()
+                logits = decoder.forward_batch(block, length, cache)
+                seconds = time.perf_counter() - start
+                cache.truncate(length)
+                return seconds, logits
+
+            def hf_call(block=block, k=k, positions=positions, hf_cache=hf_cache):
+                with torch.inference_mode():
+                    start = time.perf_counter()
+                    out = hf_model(block[None], cache=hf_cache, use_cache=True,
+                                   position_ids=positions, logits_to_keep=0)
+                    seconds = time.perf_counter() - start
+                hf_cache.crop(-k)
+                return seconds, out.logits[0]
+
+            _, a = specd_call()
+            _, b = hf_call()
+            diff = float((a - b).abs().max())
+            times: dict[str, list[float]] = {BARE: [], HF_PLAIN: []}
+            for r in range(repeats):
+                order = ((BARE, specd_call), (HF_PLAIN, hf_call))
+                for name, call in (order if r % 2 == 0 else order[::-1]):
+                    times[name].append(call()[0])
+            rows.append({
+                "cache_len": length, "k": k,
+                "bare_forward_ms": 1e3 * statistics.median(times[BARE]),
+                "hf_plain_ms": 1e3 * statistics.median(times[HF_PLAIN]),
+                "ratio": statistics.median(
+                    x / y for x, y in zip(times[BARE], times[HF_PLAIN], strict=True)),
+                "max_logit_diff": diff,
+            })
+    return rows
+
+
+def thread_timing(decoder, threads: Sequence[int] = (1, 2), ks: Sequence[int] = (1, 8),
+                  cache_len: int = 300, repeats: int = 12, seed: int = 0) -> list[dict]:
+    """specd's forward at each torch thread count, on a quiet machine and beside one busy
+    process: the evidence for the default thread budget (`default_target_threads`).
+
+    For each condition (``busy`` False, then True: a ``python -c 'while True: pass'``
+    child started here and killed by its PID after), each k: ``repeats`` forwards of ``k``
+    tokens over ``cache_len`` cached ones per thread count, alternating thread counts call by
+    call. The torch thread count is restored after.
+
+    Returns:
+        One row per (busy, k, threads): ``median_ms`` and ``max_ms``.
+    """
+    import subprocess
+    import sys
+
+    before = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(seed)
+    vocab = decoder.config.vocab_size
+    length = min(cache_len, decoder.config.max_seq_len - max(ks))
+    cache = decoder.new_cache(length + max(ks))
+    rows = []
+    try:
+        decoder.forward_batch(torch.randint(0, vocab, (length,), generator=gen), 0, cache)
+        for busy in (False, True):
+            child = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+            try:
+                for k in ks:
+                    times: dict[int, list[float]] = {t: [] for t in threads}
+                    for r in range(repeats + 1):
+                        for t in (threads if r % 2 == 0 else threads[::-1]):
+                            torch.set_num_threads(t)
+                            block = torch.randint(0, vocab, (k,), generator=gen)
+                            start = time.perf_counter()
+                            decoder.forward_batch(block, length, cache)
+                            if r:  # the first round warms each thread count up
+                                times[t].append(time.perf_counter() - start)
+                            cache.truncate(length)
+                    rows += [{"busy": busy, "k": k, "threads": t,
+                              "median_ms": 1e3 * statistics.median(v), "max_ms": 1e3 * max(v)}
+                             for t, v in times.items()]
+            finally:
+                if child is not None:
+                    child.kill()
+                    child.wait()
+    finally:
+        torch.set_num_threads(before)
+    return rows
 
 
 def build_systems(config: BenchConfig, decoder, eos: int | None, hf_model=None,
@@ -330,7 +532,7 @@ def build_systems(config: BenchConfig, decoder, eos: int | None, hf_model=None,
             systems.append(SpecdSystem(f"specd-{name}-adaptive", decoder, eos, drafter,
                                        cost_model))
     if hf_model is not None:
-        systems.append(HFSystem("hf-plain", hf_model, eos))
+        systems.append(HFSystem(HF_PLAIN, hf_model, eos))
         systems.append(HFSystem(f"hf-prompt-lookup-k{config.draft_len}", hf_model, eos,
                                 prompt_lookup=config.draft_len))
     return systems
@@ -370,7 +572,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = print) -> d
     progress(f"loading {config.model or 'the default model (SmolLM2-135M-Instruct)'}")
     decoder, tokenizer = load_model(config.model)
     eos = tokenizer.eos_token_id
-    hf_model = load_hf_model(config.model) if config.hf else None
+    hf_model = load_hf_model(config.model, decoder) if config.hf else None
     if config.hf and hf_model is None:
         progress("no GGUF file for this model: skipping the transformers systems")
     context = decoder.config.max_seq_len
@@ -379,6 +581,16 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = print) -> d
         for p in w.prompts:
             ids, cut = fit_prompt(encode_prompt(tokenizer, p), context, config.max_new_tokens)
             prompts.append((w, p.id, ids, cut))
+
+    forward = None
+    if hf_model is not None and config.forward_ks:
+        progress("timing one forward per k, specd against transformers, interleaved")
+        forward = forward_timing(decoder, hf_model, config.forward_ks,
+                                 config.forward_cache_lens, config.forward_repeats)
+        for row in forward:
+            progress(f"forward L={row['cache_len']} k={row['k']}: bare-forward "
+                     f"{row['bare_forward_ms']:.1f} ms, hf-plain {row['hf_plain_ms']:.1f} ms, "
+                     f"ratio {row['ratio']:.2f}")
 
     cost_model = None
     if config.adaptive:
@@ -423,6 +635,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = print) -> d
         "summary": aggregate(runs, names, [w.name for w in workloads]),
         "identity": check_identity(runs),
         "overhead": plain_overhead(runs),
+        "forward": forward,
         "cost_model": None if cost_model is None else {
             "calibrated_ms": {n: s * 1e3 for n, s in calibrated.items()},
             "final_ms": {n: s * 1e3 for n, s in cost_model.points().items()},
@@ -450,19 +663,20 @@ def _median(values: Sequence[float]) -> float | None:
 
 
 def aggregate(runs: Sequence[RunRecord], systems: Sequence[str],
-              workloads: Sequence[str]) -> list[dict]:
+              workloads: Sequence[str], baseline: str = PLAIN) -> list[dict]:
     """Per workload and system: medians over repeats of the workload's totals.
 
     Per repeat, a workload's tok/s is all its prompts' tokens over their summed wall time,
     and its ms/token the summed decode time over decode tokens (each run's tokens after the
-    first). ``ratio_to_plain`` is the median over repeats of tok/s divided by specd-plain's
-    tok/s in the same repeat (paired, since they ran side by side). Counters (forward calls,
+    first). ``ratio_to_plain`` is the median over repeats of tok/s divided by the
+    ``baseline`` system's (default specd-plain) tok/s in the same repeat (paired, since they
+    ran side by side). Counters (forward calls,
     acceptance length, per-position accept rate) are totals over prompts, averaged over
     repeats; HF systems have no per-position counts (None).
     """
     rows = []
     for workload in workloads:
-        plain_by_repeat = _per_repeat(runs, workload, PLAIN)
+        plain_by_repeat = _per_repeat(runs, workload, baseline)
         for system in systems:
             per = _per_repeat(runs, workload, system)
             if not per:
@@ -525,13 +739,14 @@ def _sum_lists(lists: Sequence[Sequence[int]]) -> list[int]:
     return total
 
 
-def check_identity(runs: Sequence[RunRecord]) -> dict:
+def check_identity(runs: Sequence[RunRecord], reference_system: str = PLAIN) -> dict:
     """Whether every run of a prompt (every system, every repeat) generated the same tokens
-    as the first specd-plain run of that prompt (the reference; greedy decoding is
-    deterministic). Mismatches list the system, repeat and first differing index."""
+    as the first ``reference_system`` (default specd-plain) run of that prompt (greedy
+    decoding is deterministic). Mismatches list the system, repeat and first differing
+    index."""
     reference: dict[tuple[str, str], list[int]] = {}
     for r in runs:
-        if r.system == PLAIN:
+        if r.system == reference_system:
             reference.setdefault((r.workload, r.prompt_id), r.tokens)
     mismatches = []
     for r in runs:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["TARGETS", "check_targets", "markdown", "write_plots", "write_report"]
+__all__ = ["DEFAULT_PATH_TARGETS", "TARGETS", "check_targets", "default_path_markdown",
+           "forward_targets", "markdown", "write_plots", "write_report"]
 
 #: The issue's targets (ratios within one run): (label, workload, numerator system,
 #: denominator system or None for the plain-decode overhead, bound, "ge" | "le").
@@ -19,6 +20,46 @@ TARGETS = (
      "specd-prompt-lookup-adaptive", "specd-plain", 0.98, "ge"),
 )
 OVERHEAD_TARGET = 0.10
+#: specd's forward over transformers' at these k (over FORWARD_TARGET_CACHE_LEN cached
+#: tokens) must be at most 1.0.
+FORWARD_TARGET_KS = (1, 2, 4, 8)
+FORWARD_TARGET_CACHE_LEN = 300
+#: --default-path targets: (label, workload or None for every workload, system, bound),
+#: each a paired tok/s ratio to hf-plain that must be at least the bound.
+DEFAULT_PATH_TARGETS = (
+    ("code editing: specd generate >= 1.3x transformers plain", "code_edit",
+     "specd-generate", 1.3),
+    ("open questions: specd generate >= 0.95x transformers plain", "open_question",
+     "specd-generate", 0.95),
+    ("specd generate --drafter none >= 0.9x transformers plain", None,
+     "specd-generate-drafter-none", 0.9),
+)
+
+
+def forward_targets(report: dict) -> list[dict]:
+    """specd forward / transformers forward <= 1.0 at each target k (None: not measured)."""
+    rows = {(r["cache_len"], r["k"]): r for r in report.get("forward") or []}
+    out = []
+    for k in FORWARD_TARGET_KS:
+        row = rows.get((FORWARD_TARGET_CACHE_LEN, k))
+        value = None if row is None else row["ratio"]
+        out.append({"target": f"forward k={k} ({FORWARD_TARGET_CACHE_LEN} cached): specd / "
+                              "transformers <= 1.0", "value": value, "bound": 1.0,
+                    "met": None if value is None else value <= 1.0})
+    return out
+
+
+def default_path_targets(report: dict) -> list[dict]:
+    """The --default-path targets with their measured paired ratios to hf-plain."""
+    out = []
+    workloads = list(dict.fromkeys(r["workload"] for r in report["summary"]))
+    for label, workload, system, bound in DEFAULT_PATH_TARGETS:
+        for w in ([workload] if workload else workloads):
+            row = _row(report["summary"], w, system)
+            value = None if row is None else row["ratio_to_plain"]
+            out.append({"target": label if workload else f"{w}: {label}", "value": value,
+                        "bound": bound, "met": None if value is None else value >= bound})
+    return out + forward_targets(report)
 
 
 def _row(summary: list[dict], workload: str, prefix: str) -> dict | None:
@@ -32,6 +73,8 @@ def _row(summary: list[dict], workload: str, prefix: str) -> dict | None:
 
 def check_targets(report: dict) -> list[dict]:
     """Each target with its measured value and whether it is met (None: not measured)."""
+    if report.get("mode") == "default-path":
+        return default_path_targets(report)
     out = []
     summary = report["summary"]
     for label, workload, num, den, bound, how in TARGETS:
@@ -51,7 +94,87 @@ def check_targets(report: dict) -> list[dict]:
     out.append({"target": "plain-decode overhead <= 10% over a bare forward", "value": value,
                 "bound": OVERHEAD_TARGET,
                 "met": None if value is None else value <= OVERHEAD_TARGET})
-    return out
+    return out + (forward_targets(report) if report.get("forward") else [])
+
+
+def forward_markdown(report: dict) -> list[str]:
+    """The forward-timing table (empty when not run)."""
+    rows = report.get("forward")
+    if not rows:
+        return []
+    lines = ["", "One target forward of k tokens over L cached tokens, median ms, interleaved "
+             "call by call; ratio: median of paired specd / transformers (< 1: specd faster).",
+             "", "| L | k | bare-forward ms | hf-plain ms | ratio | max logit diff |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['cache_len']} | {r['k']} | {r['bare_forward_ms']:.1f} | "
+                     f"{r['hf_plain_ms']:.1f} | {r['ratio']:.2f} | {r['max_logit_diff']:.1e} |")
+    return lines
+
+
+def threads_markdown(report: dict) -> list[str]:
+    """The thread check's table (empty when not run)."""
+    rows = report.get("threads")
+    if not rows:
+        return []
+    lines = ["", "specd's forward (300 cached tokens) by torch threads, quiet and beside one busy "
+             "process (`while True: pass`), median and worst ms, interleaved:", "",
+             "| beside a busy process | k | threads | median ms | worst ms |",
+             "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {'yes' if r['busy'] else 'no'} | {r['k']} | {r['threads']} | "
+                     f"{r['median_ms']:.1f} | {r['max_ms']:.0f} |")
+    return lines
+
+
+def _targets_markdown(report: dict) -> list[str]:
+    lines = ["", "| target | measured | met |", "|---|---:|---|"]
+    for t in check_targets(report):
+        value = "-" if t["value"] is None else (
+            f"{100 * t['value']:+.1f}%" if "overhead" in t["target"] else f"{t['value']:.2f}x")
+        met = "not measured" if t["met"] is None else ("yes" if t["met"] else "NO")
+        lines.append(f"| {t['target']} | {value} | {met} |")
+    return lines
+
+
+def default_path_markdown(report: dict) -> str:
+    """A ``--default-path`` report as Markdown: forward per k, then the default user path
+    against transformers per workload, identity and the issue's targets."""
+    cfg, env = report["config"], report["environment"]
+    lines = [
+        f"# specd bench --default-path ({env['time_utc']})",
+        "",
+        f"Model {cfg['model'] or 'SmolLM2-135M-Instruct (default)'}, greedy, "
+        f"max_new_tokens={cfg['max_new_tokens']}, repeats={cfg['repeats']}, torch "
+        f"{env['torch']} on {env['cpus']} CPUs; transformers {env['torch_threads']} threads, "
+        f"the service's target {env['target_threads']}. specd-generate: the request "
+        "`specd generate` sends to the embedded service it starts (started once), timed "
+        "from request to final chunk, prefill included; x hf-plain: paired ratio of tok/s "
+        "to transformers plain generate in the same repeat.",
+    ]
+    lines += forward_markdown(report) + threads_markdown(report)
+    lines += ["", "| workload | system | tok/s | ms/token | x hf-plain | forward calls "
+              "| acceptance length |", "|---|---|---:|---:|---:|---:|---:|"]
+    for row in report["summary"]:
+        lines.append(
+            f"| {row['workload']} | {row['system']} | {_fmt(row['tok_s'])} | "
+            f"{_fmt(row['ms_per_token'])} | {_fmt(row['ratio_to_plain'], '.2f')} | "
+            f"{_fmt(row['forward_calls'], '.0f')} | {_fmt(row['acceptance_length'], '.2f')} |")
+    ident = report["identity"]
+    lines.append("")
+    if ident["identical"]:
+        lines.append(f"Greedy outputs: identical to transformers plain in all "
+                     f"{ident['compared_runs']} runs.")
+    else:
+        lines.append(f"Greedy outputs: {len(ident['mismatches'])} of {ident['compared_runs']} "
+                     "runs differ from hf-plain:")
+        for m in ident["mismatches"]:
+            lines.append(f"- {m['workload']}/{m['prompt_id']} {m['system']} repeat "
+                         f"{m['repeat']}: first difference at token {m['first_diff']}")
+    if not report["prompt_tokens"]["identical"]:
+        lines.append("Prompt lengths differ between the service and transformers on: "
+                     + ", ".join(report["prompt_tokens"]["differ"]))
+    return "\n".join(lines + _targets_markdown(report)) + "\n"
 
 
 def _fmt(value, spec: str = ".1f", none: str = "-") -> str:
@@ -105,12 +228,7 @@ def markdown(report: dict) -> str:
             f"{overhead['plain_cpu_ms_per_token']:.1f} vs "
             f"{overhead['bare_cpu_ms_per_token']:.1f} ms/token: "
             f"{100 * overhead['cpu_overhead']:+.1f}%.")
-    lines += ["", "| target | measured | met |", "|---|---:|---|"]
-    for t in check_targets(report):
-        value = "-" if t["value"] is None else (
-            f"{100 * t['value']:+.1f}%" if "overhead" in t["target"] else f"{t['value']:.2f}x")
-        met = "not measured" if t["met"] is None else ("yes" if t["met"] else "NO")
-        lines.append(f"| {t['target']} | {value} | {met} |")
+    lines += forward_markdown(report) + _targets_markdown(report)
     return "\n".join(lines) + "\n"
 
 
@@ -179,7 +297,11 @@ def write_report(report: dict, out: str | Path, plots: bool = True) -> list[Path
     report = {**report, "targets": check_targets(report)} if "summary" in report else report
     paths = [out / "bench.json", out / "bench.md"]
     paths[0].write_text(json.dumps(report, indent=1) + "\n")
-    paths[1].write_text(markdown(report) if "summary" in report else service_markdown(report))
+    if report.get("mode") == "default-path":
+        paths[1].write_text(default_path_markdown(report))
+    else:
+        paths[1].write_text(markdown(report) if "summary" in report
+                            else service_markdown(report))
     if plots and "summary" in report:
         paths += write_plots(report, out)
     return paths

@@ -109,6 +109,10 @@ def _generate_in_process(args: argparse.Namespace) -> int:
     sampling = sampling_from_args(args)
     if args.drafter != "none":
         check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path)
+    if args.target_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.target_threads)
     decoder, tokenizer = load_model(args.model)
     # Built after the model: an EAGLE head shares the target's embedding and LM head.
     drafter = build_drafter(
@@ -161,7 +165,7 @@ def _generate_via_service(args: argparse.Namespace) -> int:
     from drafter_worker.server import check_drafter
 
     from .client import generate_request, result_from_final, stream_generate
-    from .service import Service, ServiceConfig
+    from .service import Service
 
     sampling_from_args(args)  # validates before any service starts
     if args.drafter != "none":
@@ -169,10 +173,7 @@ def _generate_via_service(args: argparse.Namespace) -> int:
     service = None
     address = args.server
     if address is None:
-        service = Service(ServiceConfig(
-            model=args.model, port=0, drafter=args.drafter, ngram_size=args.ngram_size,
-            max_draft_len=args.max_draft_len, adaptive=not args.no_adaptive,
-            drafter_path=args.drafter_path))
+        service = Service(embedded_service_config(args))
         print("[specd] starting an embedded service (Ray + gRPC)...", file=sys.stderr)
         address = service.start()
     try:
@@ -209,6 +210,17 @@ def _generate_via_service(args: argparse.Namespace) -> int:
         if service is not None:
             service.stop()
     return 0
+
+
+def embedded_service_config(args: argparse.Namespace):
+    """The `ServiceConfig` of the service ``specd generate`` embeds (no ``--server``): one
+    replica and one drafter on this machine, API on a free loopback port."""
+    from .service import ServiceConfig
+
+    return ServiceConfig(
+        model=args.model, port=0, drafter=args.drafter, ngram_size=args.ngram_size,
+        max_draft_len=args.max_draft_len, adaptive=not args.no_adaptive,
+        drafter_path=args.drafter_path, target_threads=args.target_threads)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -289,6 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
                      help=_AUTH_HELP.format(what=" for --server"))
     gen.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
+    gen.add_argument("--target-threads", type=_positive_int, default=None, metavar="N",
+                     help="torch threads of the target model (default: the embedded "
+                          "service's target gets the cores less one for the coordinator, "
+                          "drafter and gRPC; --in-process: torch's default, all cores)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.set_defaults(func=cmd_generate)
@@ -305,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests decoding at once, per target replica")
     serve.add_argument("--target-threads", type=int, default=None,
                        help="torch threads per target rank (default: this machine's cores "
-                            "divided among all replicas x tp ranks, at least 1)")
+                            "less one, divided among all replicas x tp ranks, at least 1)")
     _add_scale_flags(serve)
     serve.add_argument("--target-timeout", type=float, default=600.0, metavar="SECONDS",
                        help="a target call (prefill or verify of a batch) slower than this "
@@ -374,6 +390,23 @@ def cmd_scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _ints(flag: str, values: Sequence[str]) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in values)
+    except ValueError:
+        raise ValueError(f"--{flag} must be integers, got {','.join(values)}") from None
+
+
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
@@ -392,7 +425,8 @@ def _add_bench_parser(sub) -> None:
                        help="drafter names for the speculative systems (default prompt-lookup)")
     bench.add_argument("--drafter-path", default=None,
                        help="EAGLE head for the eagle drafters (default: the shipped head)")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--max-new-tokens", type=int, default=None,
+                       help="per generation (default 128; --default-path 160)")
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--draft-len", type=int, default=10,
                        help="fixed draft length (specd fixed and HF prompt_lookup_num_tokens)")
@@ -404,6 +438,22 @@ def _add_bench_parser(sub) -> None:
                        help="skip the bare-forward overhead reference")
     bench.add_argument("--no-plots", action="store_true", help="JSON and Markdown only")
     bench.add_argument("--threads", type=int, default=None, help="torch threads")
+    bench.add_argument("--default-path", action="store_true",
+                       help="time the default user path (the embedded service `specd "
+                            "generate` starts) beside transformers plain and prompt lookup, "
+                            "after the forward timing (default workloads code_edit,"
+                            "open_question)")
+    bench.add_argument("--target-threads", type=_positive_int, default=None, metavar="N",
+                       help="--default-path: `specd generate --target-threads`")
+    bench.add_argument("--forward-ks", type=_csv, default=("1", "2", "4", "8", "32"),
+                       metavar="1,2,4,8,32",
+                       help="forward timing block sizes, specd vs transformers ('' skips it)")
+    bench.add_argument("--forward-cache-lens", type=_csv, default=("300", "2000"),
+                       metavar="300,2000", help="forward timing: cached tokens")
+    bench.add_argument("--forward-repeats", type=int, default=15,
+                       help="forward timing: timed calls per system and size")
+    bench.add_argument("--no-thread-check", action="store_true",
+                       help="--default-path: skip timing 1 vs 2 threads beside a busy process")
     bench.add_argument("--service", default=None, metavar="HOST:PORT",
                        help="benchmark a running `specd serve` instead")
     bench.add_argument("--concurrency", type=_csv, default=("1", "4", "8", "16"),
@@ -434,20 +484,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"--concurrency must be integers, got {args.concurrency}") from None
         report = run_service_bench(ServiceBenchConfig(
-            service=args.service, workloads=args.workloads, max_new_tokens=args.max_new_tokens,
-            repeats=args.repeats, concurrency=levels, auth_token=args.auth_token,
-            tls_ca=args.tls_ca, model=args.model), progress)
+            service=args.service, workloads=args.workloads,
+            max_new_tokens=args.max_new_tokens or 128, repeats=args.repeats,
+            concurrency=levels, auth_token=args.auth_token, tls_ca=args.tls_ca,
+            model=args.model), progress)
         text = service_markdown(report)
     else:
-        from .bench import BenchConfig, run_bench
+        ks, lens = _ints("forward-ks", args.forward_ks), _ints("forward-cache-lens",
+                                                               args.forward_cache_lens)
+        if args.threads is not None:
+            import torch
 
-        report = run_bench(BenchConfig(
-            model=args.model, workloads=args.workloads, drafters=args.drafters,
-            max_new_tokens=args.max_new_tokens, repeats=args.repeats, draft_len=args.draft_len,
-            adaptive_max_draft_len=args.adaptive_max_draft_len, ngram_size=args.ngram_size,
-            hf=not args.no_hf, bare=not args.no_bare, threads=args.threads,
-            drafter_path=args.drafter_path), progress)
-        text = markdown(report)
+            torch.set_num_threads(args.threads)
+        if args.default_path:
+            from .bench_report import default_path_markdown
+            from .bench_service import DefaultPathConfig, run_default_path_bench
+
+            report = run_default_path_bench(DefaultPathConfig(
+                model=args.model, workloads=args.workloads or ("code_edit", "open_question"),
+                max_new_tokens=args.max_new_tokens or 160, repeats=args.repeats,
+                prompt_lookup=args.draft_len, target_threads=args.target_threads,
+                forward_ks=ks, forward_cache_lens=lens,
+                forward_repeats=args.forward_repeats,
+                thread_check=not args.no_thread_check), progress)
+            text = default_path_markdown(report)
+        else:
+            from .bench import BenchConfig, run_bench
+
+            report = run_bench(BenchConfig(
+                model=args.model, workloads=args.workloads, drafters=args.drafters,
+                max_new_tokens=args.max_new_tokens or 128, repeats=args.repeats,
+                draft_len=args.draft_len, adaptive_max_draft_len=args.adaptive_max_draft_len,
+                ngram_size=args.ngram_size, hf=not args.no_hf, bare=not args.no_bare,
+                threads=args.threads, drafter_path=args.drafter_path, forward_ks=ks,
+                forward_cache_lens=lens, forward_repeats=args.forward_repeats), progress)
+            text = markdown(report)
     paths = write_report(report, args.out, plots=not args.no_plots)
     print(text)
     progress("wrote " + ", ".join(str(p) for p in paths))

@@ -117,10 +117,11 @@ def fast_linear(
     Computed as ``(weight @ x.T).T``: with MKL on this class of CPU that operand order is ~1.5-2x
     faster than ``F.linear`` for the small n of speculative verification, and n == 1 is padded
     to 2 rows because MKL's matrix-vector path is slower than its 2-column matrix path.
-    The result may be a non-contiguous (transposed) view.
+    The result may be a non-contiguous (transposed) view. Off the CPU (a GPU shard) it is
+    plain ``F.linear``: cuBLAS needs no such help.
     """
     n = x.shape[0]
-    if n > 64:  # prefill-sized: the usual operand order is as fast or faster
+    if n > 64 or x.device.type != "cpu":  # prefill-sized: the usual order is as fast
         return F.linear(x, weight, bias)
     x = x.contiguous()  # a row-major x makes x.T the operand layout MKL handles fast
     y = (weight @ (torch.cat((x, x)) if n == 1 else x).T)[:, :n].T
@@ -227,6 +228,14 @@ class _Segment:
     mask: torch.Tensor | None
 
 
+def _use_sdpa(x: torch.Tensor) -> bool:
+    """Whether attention runs as ``scaled_dot_product_attention``: off the CPU (fused GPU
+    kernels, grouped-query heads native). On the CPU the bmm + softmax path measured faster
+    (SmolLM2 shapes, 30 layers, 2000 cached tokens, k=8: 13.1 vs 14.3 ms with 2 threads,
+    17.7 vs 20.5 ms with 1, against SDPA with enable_gqa)."""
+    return x.device.type != "cpu"
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE and a fused QKV projection.
 
@@ -270,6 +279,14 @@ class Attention(nn.Module):
             cache.v[layer, :, seg.start : end] = qkv[lo:hi, h + kvh :].transpose(0, 1)
             keys = cache.k[layer, :, :end]  # [kvh, end, d]
             values = cache.v[layer, :, :end]
+            if _use_sdpa(x):
+                # The mask's first m rows are the untiled [m, end] causal mask.
+                o = F.scaled_dot_product_attention(
+                    qk[lo:hi, :h].transpose(0, 1)[None], keys[None], values[None],
+                    attn_mask=None if seg.mask is None else seg.mask[:m], scale=self.scale,
+                    enable_gqa=True)  # [1, h, m, d]
+                outs.append(o[0].transpose(0, 1).reshape(m, h * d))
+                continue
             # Fold each KV group's query heads into the query-length axis so K/V are never
             # repeated.
             q = qk[lo:hi, :h].reshape(m, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * m, d)

@@ -34,11 +34,12 @@ class LocalService:
                  auth_token: str | None = None, drafter_timeout_s: float = 2.0,
                  replicas: int = 1, drafters: int = 1, adaptive: bool = False,
                  cost_model=None, target_timeout_s: float | None = None,
-                 restart_delay_s: float = 1.0):
+                 restart_delay_s: float = 1.0, model: str = MODEL):
         # Fixed draft lengths by default: adaptive choices depend on measured time, and
         # tests asserting that drafts were verified need them not to. Adaptive has its own
         # tests (test_adaptive_service.py).
-        self.decoder, self.tokenizer = load_model(MODEL)
+        self.model = model
+        self.decoder, self.tokenizer = load_model(model)
         self.drafter_impl = PromptLookupSpeculator(ngram_size, max_draft_len)
         self.max_active = max_active
         self.auth_token = auth_token
@@ -87,7 +88,7 @@ class LocalService:
         servicer = GenerationServicer(
             self.router, self.tokenizer, vocab_size=self.decoder.config.vocab_size,
             max_seq_len=self.decoder.config.max_seq_len, drafter_name="prompt-lookup",
-            model_name=MODEL)
+            model_name=self.model)
         self.server, port = await start_generation_server(
             servicer, "127.0.0.1", 0, auth_token=self.auth_token)
         self.address = f"127.0.0.1:{port}"

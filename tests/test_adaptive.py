@@ -353,3 +353,19 @@ def test_calibration_points_never_decrease_with_size():
 
     assert _monotone({1: [3.0, 2.0, 2.5], 4: [1.0], 8: [4.0], 16: []}) == {1: 2.5, 4: 2.5,
                                                                           8: 4.0}
+
+
+def test_a_stalled_step_does_not_price_drafting_out_for_good():
+    # SmolLM2-135M, one thread, 300 cached tokens: seconds per forward by tokens fed.
+    points = {1: 0.027, 2: 0.028, 4: 0.031, 8: 0.062, 16: 0.09, 32: 0.133}
+    model = ForwardCostModel(points)
+    assert AdaptiveDraftLength(model).next_len(10, 10) > 0
+    most = 1 + model.alpha * (ForwardCostModel.OUTLIER_FACTOR - 1)
+    for n in (4, 2):  # the sizes a fresh request drafts, each stalled 2.6 s by another process
+        model.observe(n, 2.6)
+        assert model.points()[n] <= points[n] * most + 1e-12
+        # Fresh requests still draft (sizes no longer chosen would never be re-measured).
+        assert AdaptiveDraftLength(model).next_len(10, 10) > 0
+    for _ in range(40):  # a lasting slowdown still comes through
+        model.observe(1, 0.27)
+    assert model.cost(1) == pytest.approx(0.27, rel=1e-3)
