@@ -18,9 +18,9 @@ import grpc
 
 from coordinator import SpeculativeOptions, speculative_decode_with
 from coordinator.service import Service, ServiceConfig
-from coordinator.text import encode_prompt
 from drafter_worker import PromptLookupSpeculator
 from specd.v1 import generation_pb2, generation_pb2_grpc
+from specd_core.text import encode_prompt
 from target_worker import load_model
 
 PROMPTS = Path(__file__).resolve().parent / "prompts"

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
-    from coordinator.sampling import SamplingParams
+    from specd_core.sampling import SamplingParams
     from target_worker.engine import PrefillItem, VerifyItem
     from target_worker.loader import ensure_weights_cache, load_model, model_path
     from target_worker.testing import is_tiny_random_spec

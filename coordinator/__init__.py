@@ -1,8 +1,15 @@
-"""The coordinator: sampling transforms, the lossless accept/reject rule, per-request decode
-state and the speculative decoding loop (pure core; the Ray/gRPC service wraps it)."""
+"""The service layer: the scheduler, router, drafter pool, supervision, the Ray service and the
+gRPC front end. Re-exports the seed's core API (the rule, sampling, the decode loop) from
+`specd_core` and `coordinator.speculative` so ``from coordinator import ...`` keeps working."""
 
-from .rule import GreedyRows, ProbRows, TargetRows, accept_or_resample, target_rows
-from .sampling import Sampler, SamplingParams, sampling_distribution, sampling_distributions
+from specd_core.rule import GreedyRows, ProbRows, TargetRows, accept_or_resample, target_rows
+from specd_core.sampling import (
+    Sampler,
+    SamplingParams,
+    sampling_distribution,
+    sampling_distributions,
+)
+
 from .speculative import (
     DecodeRequest,
     SpeculativeDecodeResult,

@@ -197,9 +197,8 @@ async def calibrate_target(
     the result is a flat model (every size one second), which drafts whenever acceptance
     is positive until real steps correct it.
     """
+    from specd_core.sampling import SamplingParams
     from target_worker.engine import PrefillItem, VerifyItem
-
-    from .sampling import SamplingParams
 
     greedy = SamplingParams()
     times: dict[int, list[float]] = {int(n): [] for n in sorted(set(sizes))}

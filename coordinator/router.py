@@ -37,10 +37,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from specd_core.request import SpeculativeOptions
+
 from .drafter_pool import DrafterPool
 from .errors import ReplicaUnavailable
 from .scheduler import Scheduler, ServiceRequest, Target
-from .speculative import SpeculativeOptions
 
 log = logging.getLogger(__name__)
 

@@ -33,10 +33,10 @@ from typing import Protocol
 import torch
 
 from drafter_worker import DraftBlock
+from specd_core.request import DecodeRequest, SpeculativeOptions
 
 from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target
 from .errors import ReplicaUnavailable, RequestError, RequestFailed, ServiceStopping
-from .speculative import DecodeRequest, SpeculativeOptions
 
 log = logging.getLogger(__name__)
 

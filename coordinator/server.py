@@ -22,12 +22,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specd.v1 import generation_pb2, generation_pb2_grpc
+from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
+from specd_core.sampling import SamplingParams
+from specd_core.text import TextStream, encode_chat, encode_prompt
 
 from .errors import client_status
-from .sampling import SamplingParams
 from .scheduler import REQUEST_FAILED, Scheduler, ServiceRequest
-from .speculative import SpeculativeDecodeResult, SpeculativeOptions
-from .text import TextStream, encode_chat, encode_prompt
 
 log = logging.getLogger(__name__)
 

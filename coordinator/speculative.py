@@ -1,371 +1,37 @@
-"""Speculative decoding: per-request state, the verification step, and the in-process loop.
+"""The in-process speculative decoding loop (the seed's entry points).
 
-Draft a block with any `Drafter`, verify the anchor plus the whole block in one batched
-target forward, apply the rejection rule (`coordinator.rule`) position by position, commit
-the accepted prefix plus one more token (the residual resample on rejection, or the bonus
-token when every draft was accepted), and roll the target's KV cache back to the committed
-length at absolute positions.
-
-`DecodeRequest` is the one implementation of that bookkeeping: the in-process
-`speculative_decode_with` below and the distributed service both drive it, so a fix lands
-once and the losslessness tests cover both.
+`speculative_decode_with` drives one `specd_core.request.DecodeRequest` against a
+`target_worker.Decoder` and any `Drafter` in this process; the service's scheduler drives the
+same `DecodeRequest` per request.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
 
-import torch
-
-from drafter_worker import DraftBlock, Drafter, PromptLookupSpeculator
+from drafter_worker import PromptLookupSpeculator
+from specd_core.draft import DraftBlock, Drafter
+from specd_core.request import (
+    DecodeRequest,
+    FinishReason,
+    SpeculativeDecodeResult,
+    SpeculativeOptions,
+    check_context,
+)
+from specd_core.sampling import draft_sampling
 
 from .adaptive import AdaptiveDraftLength
-from .rule import TargetRows, target_rows
-from .sampling import Sampler, SamplingParams
 
-FinishReason = Literal["length", "stop"]
-
-
-@dataclass(frozen=True)
-class SpeculativeOptions:
-    """Everything a decode needs beyond the model, the prompt and the drafter.
-
-    Attributes:
-        max_new_tokens: the most tokens to generate (>= 0).
-        start_pos: absolute position of the first prompt token in the KV cache: 0 for a fresh
-            cache, ``cache.seq_len`` when resuming a warm one. Every position and rollback
-            length inside the loop is absolute.
-        sampling: how the target would sample without speculation; the output is distributed
-            exactly as that.
-        seed: seed of the request's own generator; ``None`` for fresh entropy.
-        stop_token_ids: tokens (EOS among them) that end the output; the stop token is
-            emitted.
-        stop_strings: strings that end the output at the end of the token completing them.
-        detokenize: ids -> text, required when ``stop_strings`` is set.
-
-    Raises:
-        ValueError: naming the bad field.
-    """
-
-    max_new_tokens: int
-    start_pos: int = 0
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    seed: int | None = 0
-    stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()
-    detokenize: Callable[[Sequence[int]], str] | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise ValueError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.start_pos < 0:
-            raise ValueError(f"start_pos must be >= 0, got {self.start_pos}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
-        if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
-        if self.stop_strings and self.detokenize is None:
-            raise ValueError("stop_strings need a detokenize function to match against text")
-
-
-@dataclass
-class SpeculativeDecodeResult:
-    """The output and the counters that make the saving observable (names follow vLLM's
-    ``spec_decode_*`` metrics; acceptance length = tokens per verification step)."""
-
-    generated_tokens: list[int] = field(default_factory=list)
-    #: Target forward calls: the prefill counts one, each verification step one more.
-    forward_calls: int = 0
-    #: Always ``len(generated_tokens)``; kept so ``tokens_generated / forward_calls`` reads off.
-    tokens_generated: int = 0
-    #: Verification steps: forward calls after the prefill.
-    verification_steps: int = 0
-    #: Draft tokens the target evaluated; positions after a rejection (or a stop) are not.
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    #: Per draft position (0 = first after the anchor): times reached, times accepted.
-    evaluated_at_position: list[int] = field(default_factory=list)
-    accepted_at_position: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-
-    def tokens_per_call(self) -> float:
-        """Tokens per forward call, prefill included; 0.0 for an empty run."""
-        return self.tokens_generated / self.forward_calls if self.forward_calls else 0.0
-
-    def acceptance_length(self) -> float | None:
-        """Tokens per verification step (the published metric); ``None`` when nothing was
-        verified, since 0 would read as "speculation hurt" rather than "did not run"."""
-        if self.verification_steps == 0:
-            return None
-        return self.tokens_generated / self.verification_steps
-
-    def accept_rate(self) -> float | None:
-        """Accepted / evaluated draft tokens over all positions; ``None`` when none drafted."""
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
-
-    def accept_rate_per_position(self) -> list[float]:
-        """Accept rate at each draft position, conditional on reaching it (0.0 if never)."""
-        return [
-            ok / seen if seen else 0.0
-            for seen, ok in zip(self.evaluated_at_position, self.accepted_at_position,
-                                strict=True)
-        ]
-
-    def record_position(self, position: int, accepted: bool) -> None:
-        """Counts one evaluated draft position."""
-        if len(self.evaluated_at_position) <= position:
-            grow = position + 1 - len(self.evaluated_at_position)
-            self.evaluated_at_position.extend([0] * grow)
-            self.accepted_at_position.extend([0] * grow)
-        self.evaluated_at_position[position] += 1
-        self.drafted_tokens += 1
-        if accepted:
-            self.accepted_at_position[position] += 1
-            self.accepted_tokens += 1
-
-    def to_dict(self) -> dict:
-        """Every field and derived metric, JSON-ready."""
-        return {
-            "generated_tokens": list(self.generated_tokens),
-            "finish_reason": self.finish_reason,
-            "tokens_generated": self.tokens_generated,
-            "forward_calls": self.forward_calls,
-            "verification_steps": self.verification_steps,
-            "drafted_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "evaluated_at_position": list(self.evaluated_at_position),
-            "accepted_at_position": list(self.accepted_at_position),
-            "tokens_per_call": self.tokens_per_call(),
-            "acceptance_length": self.acceptance_length(),
-            "accept_rate": self.accept_rate(),
-            "accept_rate_per_position": self.accept_rate_per_position(),
-        }
-
-
-class _StopStrings:
-    """Finds a stop string completed by the newest token, also across step boundaries."""
-
-    def __init__(self, stops: tuple[str, ...], detokenize: Callable[[Sequence[int]], str]):
-        self.stops = stops
-        self.detokenize = detokenize
-        # Every token decodes to >= 1 character in practice; slack covers byte-level pieces.
-        self.window = max(len(s) for s in stops) + 8
-
-    def completed(self, generated: Sequence[int]) -> bool:
-        tail = generated[-self.window:]
-        text = self.detokenize(tail)
-        before = self.detokenize(tail[:-1])
-        new_from = 0
-        for a, b in zip(before, text, strict=False):
-            if a != b:
-                break
-            new_from += 1
-        # An occurrence that ends inside the newest token's characters.
-        return any(s in text[max(0, new_from - len(s) + 1):] for s in self.stops)
-
-
-class DecodeRequest:
-    """One request's decode state and its step function.
-
-    Drive it as: ``prefill_tokens`` -> target forward -> `on_prefill`; then while not
-    `finished`: `draft_budget` -> drafter -> `verify_tokens(draft)` -> target forward at
-    absolute position `cache_len` -> `on_verify` (returns the KV length to keep) -> roll the
-    cache back to it.
-
-    Invariant after every step: the target cache holds ``start_pos`` + prompt + every
-    generated token except the last, which is the pending anchor fed by the next step.
-    """
-
-    def __init__(self, prompt_tokens: Sequence[int], options: SpeculativeOptions,
-                 hidden_dtype: torch.dtype = torch.float32):
-        self.options = options
-        self.history: list[int] = [int(t) for t in prompt_tokens]
-        if not self.history:
-            raise ValueError("prompt must not be empty")
-        self.num_prompt_tokens = len(self.history)
-        self.result = SpeculativeDecodeResult()
-        self.rng = Sampler(options.seed)
-        self.pending: int | None = None
-        #: Absolute KV length committed in the target cache (the pending anchor's position).
-        self.cache_len = options.start_pos
-        # Every committed hidden row, row i = history position i (the pending anchor has
-        # none yet): kept whole so a drafter that lost its state can be sent all of them.
-        self._hidden_log = _RowLog(hidden_dtype)
-        self._hidden_taken = 0
-        self._stop_ids = frozenset(options.stop_token_ids)
-        self._stop_strings = (
-            _StopStrings(options.stop_strings, options.detokenize)
-            if options.stop_strings else None
-        )
-        if options.max_new_tokens == 0:
-            self.result.finish_reason = "length"
-
-    @property
-    def finished(self) -> bool:
-        return self.result.finish_reason is not None
-
-    @property
-    def generated(self) -> list[int]:
-        return self.result.generated_tokens
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return self.options.sampling
-
-    def prefill_tokens(self) -> list[int]:
-        return self.history[: self.num_prompt_tokens]
-
-    def rows(self, logits: torch.Tensor, block: Sequence[int] = ()) -> TargetRows:
-        """What the rule needs from target logits ``[n, vocab]`` following ``history``."""
-        return target_rows(logits, self.sampling, self.history, self.num_prompt_tokens, block)
-
-    def draft_budget(self) -> int:
-        """Most draft tokens worth verifying now. One short of the remaining budget on
-        purpose: the run's last token is always committed as an anchor, so the cache ends in
-        one state whether the budget runs out on an anchor or mid-block."""
-        return max(0, self.options.max_new_tokens - len(self.generated) - 1)
-
-    def take_hidden(self) -> torch.Tensor | None:
-        """Target hidden rows ``[rows, hidden_size]`` committed since the last call (what
-        `Drafter.propose` gets), float32; ``None`` when the target returned none."""
-        log = self._hidden_log.view()
-        if log is None or log.shape[0] == self._hidden_taken:
-            return None
-        rows = log[self._hidden_taken:].float()
-        self._hidden_taken = log.shape[0]
-        return rows
-
-    def hidden_log(self) -> torch.Tensor | None:
-        """Every committed hidden row, ``[len(history) - 1, hidden_size]`` in this request's
-        ``hidden_dtype`` (row i belongs to history position i); a view, valid until the next
-        step. ``None`` when the target returned none."""
-        return self._hidden_log.view()
-
-    def verify_tokens(self, draft: DraftBlock) -> list[int]:
-        """The batch to feed at absolute position `cache_len`: anchor + draft tokens."""
-        if self.finished or self.pending is None:
-            raise RuntimeError("verify_tokens on a request that is not decoding")
-        return [self.pending, *draft.tokens]
-
-    def on_prefill(self, rows: TargetRows, hidden: torch.Tensor | None = None) -> None:
-        """Consumes the prompt's forward: ``rows`` for the last prompt position (1 row),
-        ``hidden`` ``[len(prompt), hidden_size]``. Samples and emits the first token."""
-        self.result.forward_calls += 1
-        self.cache_len = self.options.start_pos + self.num_prompt_tokens
-        if hidden is not None:
-            self._hidden_log.append(hidden)
-        self._commit_anchor(rows.sample(len(rows) - 1, self.rng))
-
-    def on_verify(
-        self, draft: DraftBlock, rows: TargetRows, hidden: torch.Tensor | None = None
-    ) -> int:
-        """Applies the rule to a verified block and commits the result.
-
-        Args:
-            draft: the block fed after the anchor (``len <= draft_budget()``).
-            rows: target output for the ``len(draft) + 1`` fed positions.
-            hidden: float32 ``[len(draft) + 1, hidden_size]`` target hidden rows, or None.
-
-        Returns:
-            The absolute KV length to keep; the caller truncates the target cache to it.
-
-        Raises:
-            ValueError: a draft longer than the budget, or rows of the wrong length.
-        """
-        if len(draft) > self.draft_budget():
-            raise ValueError(f"draft of {len(draft)} exceeds the budget {self.draft_budget()}")
-        if len(rows) != len(draft) + 1:
-            raise ValueError(f"expected {len(draft) + 1} target rows, got {len(rows)}")
-        result = self.result
-        result.forward_calls += 1
-        result.verification_steps += 1
-        anchor_pos = self.cache_len
-        accepted = 0
-        replacement: int | None = None
-        for i, (token, dist) in enumerate(zip(draft.tokens, draft.dists, strict=True)):
-            replacement = rows.judge(i, token, dist, self.rng)
-            result.record_position(i, replacement is None)
-            if replacement is not None:
-                break
-            accepted += 1
-            if self._emit(token):
-                # A stop inside the block: nothing after it is emitted or counted, and the
-                # cache keeps everything but this last emitted token.
-                self.cache_len = anchor_pos + accepted
-                return self.cache_len
-        self.cache_len = anchor_pos + 1 + accepted
-        if hidden is not None:
-            self._hidden_log.append(hidden[: accepted + 1])
-        if replacement is None:  # every draft accepted: the last row's bonus token
-            replacement = rows.sample(accepted, self.rng)
-        self._commit_anchor(replacement)
-        return self.cache_len
-
-    def _emit(self, token: int) -> bool:
-        """Appends an output token; returns True when it ends the request."""
-        self.generated.append(token)
-        self.history.append(token)
-        self.result.tokens_generated = len(self.generated)
-        if token in self._stop_ids or (
-            self._stop_strings is not None and self._stop_strings.completed(self.generated)
-        ):
-            self.result.finish_reason = "stop"
-        elif len(self.generated) >= self.options.max_new_tokens:
-            self.result.finish_reason = "length"
-        return self.finished
-
-    def _commit_anchor(self, token: int) -> None:
-        self.pending = token
-        if self._emit(token):
-            self.pending = None
-
-
-class _RowLog:
-    """An append-only ``[rows, width]`` tensor with amortised O(1) appends (capacity
-    doubles), so keeping every hidden row of a long request costs no quadratic copying."""
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-        self._buf: torch.Tensor | None = None
-        self._len = 0
-
-    def append(self, rows: torch.Tensor) -> None:
-        n = rows.shape[0]
-        if self._buf is None:
-            self._buf = torch.empty((max(2 * n, 64), rows.shape[1]), dtype=self.dtype)
-        elif self._len + n > self._buf.shape[0]:
-            grown = torch.empty((max(2 * self._buf.shape[0], self._len + n),
-                                 self._buf.shape[1]), dtype=self.dtype)
-            grown[: self._len] = self._buf[: self._len]
-            self._buf = grown
-        self._buf[self._len: self._len + n] = rows
-        self._len += n
-
-    def view(self) -> torch.Tensor | None:
-        return None if self._buf is None else self._buf[: self._len]
-
-
-def draft_sampling(params: SamplingParams):
-    """The part of ``params`` a sampling drafter applies (`DraftSamplingParams`)."""
-    from drafter_worker.eagle import DraftSamplingParams
-
-    return DraftSamplingParams(temperature=params.temperature, top_k=params.top_k,
-                               top_p=params.top_p)
-
-
-def check_context(decoder_max_seq_len: int, options: SpeculativeOptions, prompt_len: int) -> None:
-    """Raises ValueError when prompt + max_new_tokens cannot fit the model's context."""
-    needed = options.start_pos + prompt_len + max(options.max_new_tokens - 1, 0)
-    if needed > decoder_max_seq_len:
-        raise ValueError(
-            f"start_pos {options.start_pos} + prompt {prompt_len} + max_new_tokens "
-            f"{options.max_new_tokens} exceeds the model's context of {decoder_max_seq_len}"
-        )
+__all__ = [
+    "DecodeRequest",
+    "FinishReason",
+    "SpeculativeDecodeResult",
+    "SpeculativeOptions",
+    "check_context",
+    "speculative_decode",
+    "speculative_decode_with",
+]
 
 
 def speculative_decode_with(
@@ -394,7 +60,7 @@ def speculative_decode_with(
             ``adaptive.next_len(...)`` tokens (0: the drafter is not called) and reports
             what was accepted; each forward's time updates ``adaptive.cost_model``. Output
             stays lossless; with a point-mass drafter (prompt lookup) seeded output is
-            token-identical with and without it (`coordinator.rule`), with a sampling
+            token-identical with and without it (`specd_core.rule`), with a sampling
             drafter it is identically distributed.
 
     Raises:

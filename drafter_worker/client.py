@@ -18,13 +18,13 @@ import grpc
 import torch
 
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
+from specd_core.draft import DraftBlock
 
 from . import wire
-from .draft import DraftBlock
 from .server import SECRET_METADATA_KEY, grpc_options
 
 if TYPE_CHECKING:  # annotation only: importing coordinator here would load the target model code
-    from coordinator.sampling import SamplingParams
+    from specd_core.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

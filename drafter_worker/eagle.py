@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draft import DraftBlock, DraftDist
+from specd_core.draft import DraftBlock, DraftDist
+from specd_core.sampling import DraftSamplingParams
 
 #: Most support entries one sampled draft position reports (an own top-k applied before
 #: sampling, so ``q`` stays exact while blocks stay small on the wire).
@@ -384,27 +385,6 @@ class EagleHead(nn.Module):
         y = self.ffn_norm(x)
         gate, up = fast_linear(y, self.w_gate_up.weight).split(c.ffn_dim, -1)
         return x + fast_linear(F.silu(gate) * up, self.w_down.weight)
-
-
-@dataclass(frozen=True)
-class DraftSamplingParams:
-    """The request transforms a sampling drafter applies before sampling (0 / 1.0 = off).
-
-    Raises:
-        ValueError: negative temperature or top_k, or top_p outside (0, 1].
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0 or not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 def draft_distribution(logits: torch.Tensor, sampling: DraftSamplingParams

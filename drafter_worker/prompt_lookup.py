@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from .draft import DraftBlock
+from specd_core.draft import DraftBlock
 
 
 class PromptLookupSpeculator:

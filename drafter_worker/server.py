@@ -31,10 +31,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
+from specd_core.draft import DraftBlock, Drafter
+from specd_core.sampling import DraftSamplingParams
 
 from . import wire
-from .draft import DraftBlock, Drafter
-from .eagle import DraftSamplingParams, NeedsResync
+from .eagle import NeedsResync
 from .prompt_lookup import PromptLookupSpeculator
 
 log = logging.getLogger(__name__)

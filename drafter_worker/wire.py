@@ -11,8 +11,7 @@ import numpy as np
 import torch
 
 from specd.v1 import drafter_pb2
-
-from .draft import DraftBlock, DraftDist
+from specd_core.draft import DraftBlock, DraftDist
 
 #: Wire dtypes and their little-endian numpy storage types. bfloat16 has no numpy type, so
 #: it travels as its raw 16-bit patterns.

@@ -1,7 +1,7 @@
 """The target side of the speculative decoding service: slots, KV caches, packed verification.
 
 A `TargetEngine` owns one `KvCache` per *slot* (one running request) and turns target logits
-into the compact rows the coordinator's accept/reject rule consumes (`coordinator.rule`), so
+into the compact rows the coordinator's accept/reject rule consumes (`specd_core.rule`), so
 only argmax ints or sparse probability rows cross the process boundary, never ``[n, vocab]``
 logits. Each slot also keeps the token ids its cache holds and its prompt length, which is all
 the penalties need: the coordinator never ships a request's history.
@@ -15,64 +15,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from coordinator.rule import GreedyRows, ProbRows, SparseProbRows, compact_rows, target_rows
-from coordinator.sampling import SamplingParams
+from specd_core.rule import compact_rows, target_rows
+from specd_core.step import PrefillItem, StepOutput, VerifyItem
 
 from .config import ModelConfig
 from .model import Decoder, KvCache
 
 __all__ = ["PrefillItem", "StepOutput", "TargetEngine", "VerifyItem"]
-
-
-@dataclass(frozen=True)
-class PrefillItem:
-    """Start a request in ``slot``: feed ``tokens`` (the prompt, non-empty) from position 0.
-
-    ``want_hidden`` asks for the target's final hidden rows of every prompt position (for a
-    drafter that conditions on them).
-    """
-
-    slot: int
-    tokens: list[int]
-    sampling: SamplingParams
-    want_hidden: bool = False
-
-
-@dataclass(frozen=True)
-class VerifyItem:
-    """One verification step of the request in ``slot``.
-
-    ``tokens`` is ``[anchor, *draft]`` (`DecodeRequest.verify_tokens`); ``start_pos`` is the
-    request's committed KV length (`DecodeRequest.cache_len`), where the anchor is fed. The
-    slot is rolled back to ``start_pos`` first, which discards the rejected positions of the
-    previous step.
-    """
-
-    slot: int
-    start_pos: int
-    tokens: list[int]
-    sampling: SamplingParams
-    want_hidden: bool = False
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """The target's answer for one item.
-
-    Attributes:
-        rows: what the rule needs per fed position (`coordinator.rule.target_rows`, compacted
-            by `compact_rows`): 1 row for a prefill (its last prompt position), ``len(tokens)``
-            rows for a verification.
-        hidden: float32 ``[n, hidden_size]`` final hidden rows of every fed position (all
-            prompt rows for a prefill), or None unless the item asked for them.
-    """
-
-    rows: GreedyRows | ProbRows | SparseProbRows
-    hidden: torch.Tensor | None
 
 
 class _Slot:

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from coordinator.rule import GreedyRows
-from coordinator.sampling import SamplingParams
+from specd_core.rule import GreedyRows
+from specd_core.sampling import SamplingParams
 from target_worker.engine import PrefillItem, TargetEngine, VerifyItem
 from target_worker.sharded import (
     SafetensorsSource,

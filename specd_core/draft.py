@@ -1,0 +1,202 @@
+"""Draft blocks and the `Drafter` interface.
+
+A drafter proposes candidate continuation tokens together with, per position, the
+distribution each token was drawn from. The verifier (`specd_core.rule`) needs that
+distribution `q` to apply the speculative-sampling rejection rule (Leviathan et al. 2023,
+arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318), which is lossless at every
+temperature only when `q` is honest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+# Tolerance on sum(q) == 1: a float32 softmax renormalised over a top-k is within ~1e-6.
+_SUM_TOLERANCE = 1e-3
+
+
+class DraftDist:
+    """The distribution one drafted position was sampled from, as its complete support.
+
+    Sparse rather than a dense vocabulary-length vector because drafters' distributions are
+    sparse: prompt lookup's support is one token, a model drafter's a top-k.
+
+    Contract: the support must be the distribution the draft token was *actually* sampled
+    from. A drafter that truncates its softmax to a top-k before sampling must report the
+    truncated, renormalised distribution.
+
+    Raises:
+        ValueError: a negative, non-finite or duplicate entry, or probabilities that do not
+            sum to 1 (within 1e-3).
+    """
+
+    __slots__ = ("_support", "_index", "_arrays")
+
+    def __init__(self, support: Iterable[tuple[int, float]]):
+        pairs = [(int(t), float(p)) for t, p in support]
+        index: dict[int, float] = {}
+        for token, prob in pairs:
+            if token < 0:
+                raise ValueError(f"DraftDist: token id {token} is negative")
+            if not math.isfinite(prob) or prob < 0.0:
+                raise ValueError(f"DraftDist: probability {prob} of token {token} is invalid")
+            if token in index:
+                raise ValueError(f"DraftDist: token {token} appears twice in the support")
+            index[token] = prob
+        total = sum(index.values())
+        if abs(total - 1.0) > _SUM_TOLERANCE:
+            raise ValueError(f"DraftDist: probabilities sum to {total}, not 1")
+        self._support = tuple(pairs)
+        self._index = index
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def deterministic(cls, token: int) -> DraftDist:
+        """All probability on one token: what a lookup drafter honestly reports."""
+        return cls([(token, 1.0)])
+
+    @classmethod
+    def from_dense(cls, probs: Sequence[float] | torch.Tensor) -> DraftDist:
+        """The nonzero entries of a dense probability vector ``[vocab]``."""
+        dense = torch.as_tensor(probs, dtype=torch.float64).reshape(-1)
+        nonzero = torch.nonzero(dense > 0).reshape(-1)
+        return cls(zip(nonzero.tolist(), dense[nonzero].tolist(), strict=True))
+
+    @classmethod
+    def from_support(cls, support: Iterable[tuple[int, float]]) -> DraftDist:
+        """Builds from explicit ``(token, probability)`` pairs."""
+        return cls(support)
+
+    def support(self) -> tuple[tuple[int, float], ...]:
+        """The ``(token, probability)`` pairs, in construction order."""
+        return self._support
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The support as (int64 token ids ``[s]``, float64 probabilities ``[s]``), cached."""
+        if self._arrays is None:
+            self._arrays = (
+                np.fromiter(self._index.keys(), dtype=np.int64, count=len(self._index)),
+                np.fromiter(self._index.values(), dtype=np.float64, count=len(self._index)),
+            )
+        return self._arrays
+
+    def prob(self, token: int) -> float:
+        """``q(token)``, or 0.0 for a token outside the support."""
+        return self._index.get(int(token), 0.0)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DraftDist) and self._support == other._support
+
+    def __repr__(self) -> str:
+        return f"DraftDist({list(self._support)!r})"
+
+
+class DraftBlock:
+    """Drafted tokens plus, per position, the distribution that position was drawn from.
+
+    ``tokens`` and ``dists`` always have the same length: the rule needs ``q`` for every
+    token it might have to reject, so a block without one could not be verified losslessly.
+
+    Raises:
+        ValueError: the lengths differ, or a token has zero probability under its own
+            distribution (it could not have been sampled from it).
+    """
+
+    __slots__ = ("_tokens", "_dists")
+
+    def __init__(self, tokens: Sequence[int], dists: Sequence[DraftDist]):
+        tokens = [int(t) for t in tokens]
+        dists = list(dists)
+        if len(tokens) != len(dists):
+            raise ValueError(
+                f"a draft block needs one draft distribution per drafted token "
+                f"(got {len(tokens)} tokens and {len(dists)} distributions)"
+            )
+        for i, (token, dist) in enumerate(zip(tokens, dists, strict=True)):
+            if dist.prob(token) <= 0.0:
+                raise ValueError(
+                    f"draft position {i}: token {token} has probability 0 under its own "
+                    "draft distribution, so it cannot have been sampled from it"
+                )
+        self._tokens = tokens
+        self._dists = dists
+
+    @classmethod
+    def empty(cls) -> DraftBlock:
+        return cls([], [])
+
+    @classmethod
+    def deterministic(cls, tokens: Sequence[int]) -> DraftBlock:
+        """A block whose every position is certain: honest for a lookup drafter, wrong for a
+        model-based one, which must report its real softmax."""
+        return cls(tokens, [DraftDist.deterministic(t) for t in tokens])
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(self._tokens)
+
+    @property
+    def dists(self) -> tuple[DraftDist, ...]:
+        return tuple(self._dists)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def len(self) -> int:
+        """Number of drafted positions (same as ``len(block)``)."""
+        return len(self._tokens)
+
+    def is_empty(self) -> bool:
+        return not self._tokens
+
+    def truncate(self, length: int) -> DraftBlock:
+        """Drops everything past ``length`` positions in place, tokens and dists together.
+
+        Returns ``self`` for chaining. Raises ValueError for a negative length.
+        """
+        if length < 0:
+            raise ValueError(f"truncate length must be >= 0, got {length}")
+        del self._tokens[length:]
+        del self._dists[length:]
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, DraftBlock)
+            and self._tokens == other._tokens
+            and self._dists == other._dists
+        )
+
+    def __repr__(self) -> str:
+        return f"DraftBlock(tokens={self._tokens!r})"
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes a block of candidate continuation tokens.
+
+    ``propose(history, target_hidden, max_len)``:
+
+    - ``history``: committed token ids, prompt first; its last entry is the pending anchor
+      token, decided but not yet in the target's KV cache; the first drafted token lands
+      right after it.
+    - ``target_hidden``: float32 ``[rows, hidden_size]``, the target's final-norm hidden
+      states (the input of its LM head) for every position committed since this request's
+      previous ``propose`` call (all prompt positions on the first call). The last row is the
+      state whose logits chose the anchor. ``None`` when the caller has none; a drafter that
+      needs it must then propose nothing. Drafters that do not need it ignore it.
+    - ``max_len``: the most tokens the caller will verify; proposing more is allowed (the
+      caller truncates) but wasted.
+
+    A drafter may set ``wants_hidden = False`` (prompt lookup does) so callers skip keeping
+    and shipping hidden rows for it; it then always receives ``None``.
+    """
+
+    def propose(
+        self, history: Sequence[int], target_hidden: torch.Tensor | None, max_len: int
+    ) -> DraftBlock: ...

@@ -1,0 +1,636 @@
+"""``specd`` command line.
+
+``specd generate "PROMPT"`` runs one request through the service (an embedded one unless
+``--server``; ``--in-process`` skips Ray and gRPC); ``specd serve`` runs the service;
+``specd scale`` changes a running service's replica and drafter counts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from coordinator.speculative import SpeculativeOptions, speculative_decode_with
+from specd_core.sampling import SamplingParams
+from specd_core.text import TextStream, encode_prompt
+
+DRAFTERS = ("prompt-lookup", "eagle", "eagle+lookup", "none")
+
+#: `specd serve --shutdown-grace` default, seconds: long enough for a typical answer
+#: (128 tokens at ~10 tok/s on a 2-core CPU take ~13 s).
+SHUTDOWN_GRACE_S = 30.0
+
+
+def build_drafter(name: str, ngram_size: int, max_draft_len: int | None, **kwargs):
+    """The drafter named on the command line (``None`` for plain decoding).
+
+    ``kwargs`` go to `drafter_worker.server.build_drafter` (``target``, ``model``,
+    ``drafter_path``, ``stop_token_ids`` for the EAGLE drafters).
+
+    Raises:
+        ValueError: an unknown name or invalid sizes.
+    """
+    from drafter_worker.server import build_drafter as build_named
+
+    return None if name == "none" else build_named(name, ngram_size, max_draft_len, **kwargs)
+
+
+def metrics_line(result, seconds: float) -> str:
+    """One human-readable line of counters for stderr."""
+    rate = result.tokens_generated / seconds if seconds > 0 else 0.0
+    length = result.acceptance_length()
+    accept = result.accept_rate()
+    per_pos = " ".join(f"{r:.2f}" for r in result.accept_rate_per_position()) or "-"
+    return (
+        f"[specd] new_tokens={result.tokens_generated} forward_calls={result.forward_calls} "
+        f"acceptance_length={'-' if length is None else f'{length:.2f}'} "
+        f"accept_rate={'-' if accept is None else f'{accept:.2f}'} "
+        f"accept_rate_per_position=[{per_pos}] "
+        f"tok/s={rate:.1f} finish={result.finish_reason}"
+    )
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the request's generator (default: fresh entropy)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable)")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The validated sampling flags.
+
+    Raises:
+        ValueError: naming the bad flag (seed, max-new-tokens, prompt, or a sampling field).
+    """
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
+    if args.max_new_tokens <= 0:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise ValueError("the prompt must not be empty")
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+    )
+
+
+def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None:
+    """Prints the JSON object (``--json``) and the metrics line to stderr."""
+    if args.json:
+        print(json.dumps({
+            "text": text,
+            "prompt_tokens": prompt_tokens,
+            "seconds": seconds,
+            "tokens_per_second": result.tokens_generated / seconds if seconds else 0.0,
+            "drafter": args.drafter,
+            **result.to_dict(),
+        }))
+    print(metrics_line(result, seconds), file=sys.stderr)
+
+
+def _generate_in_process(args: argparse.Namespace) -> int:
+    from drafter_worker.server import check_drafter
+    from target_worker import load_model
+
+    sampling = sampling_from_args(args)
+    if args.drafter != "none":
+        check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path)
+    if args.target_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.target_threads)
+    decoder, tokenizer = load_model(args.model)
+    # Built after the model: an EAGLE head shares the target's embedding and LM head.
+    drafter = build_drafter(
+        args.drafter, args.ngram_size, args.max_draft_len, target=decoder,
+        drafter_path=args.drafter_path,
+        stop_token_ids=[t for t in (tokenizer.eos_token_id,) if t is not None],
+    ) if args.drafter.startswith("eagle") else build_drafter(
+        args.drafter, args.ngram_size, args.max_draft_len)
+    prompt = encode_prompt(tokenizer, args.prompt, args.raw)
+    stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+    options = SpeculativeOptions(
+        max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+        stop_token_ids=stops, stop_strings=tuple(args.stop),
+        detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    )
+    stream = TextStream(tokenizer)
+
+    def on_tokens(tokens: list[int]) -> None:
+        delta = stream.push(tokens)
+        if not args.json:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
+    adaptive = None
+    if drafter is not None and not args.no_adaptive:
+        from coordinator.adaptive import AdaptiveDraftLength, calibrate
+
+        # A short calibration (~1 s on SmolLM2, 2 cores); the run then keeps it current.
+        context = decoder.config.max_seq_len
+        cache_len = min(256, context // 2)
+        sizes = tuple(n for n in (1, 2, 4, 8, 16, 32) if cache_len + n <= context)
+        adaptive = AdaptiveDraftLength(calibrate(decoder, cache_len=cache_len, sizes=sizes,
+                                                 repeats=1))
+    start = time.perf_counter()
+    result = speculative_decode_with(decoder, prompt, decoder.new_cache(), drafter, options,
+                                     on_tokens=on_tokens, adaptive=adaptive)
+    seconds = time.perf_counter() - start
+    tail = stream.flush()
+    if not args.json:
+        print(tail)
+    _report(args, stream.text(), result, len(prompt), seconds)
+    return 0
+
+
+def _generate_via_service(args: argparse.Namespace) -> int:
+    import signal
+
+    import grpc
+
+    from coordinator.service import Service
+    from drafter_worker.server import check_drafter
+
+    from .client import generate_request, result_from_final, stream_generate
+
+    sampling_from_args(args)  # validates before any service starts
+    if args.drafter != "none":
+        check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path)
+    service = None
+    address = args.server
+    if address is None:
+        service = Service(embedded_service_config(args))
+        print("[specd] starting an embedded service (Ray + gRPC)...", file=sys.stderr)
+        address = service.start()
+    try:
+        request = generate_request(args, sampling_from_args(args))
+        start = time.perf_counter()
+        tokens: list[int] = []
+        text_parts: list[str] = []
+        final = None
+        call = stream_generate(address, request, auth_token=args.auth_token,
+                               tls_ca=args.tls_ca)
+        # gRPC's blocking iteration does not return to Python for signals: Ctrl-C cancels
+        # the call instead, which ends the iteration with CANCELLED.
+        signal.signal(signal.SIGINT, lambda *_: call.cancel())
+        try:
+            for chunk in call:
+                tokens.extend(chunk.token_ids)
+                text_parts.append(chunk.text)
+                if not args.json:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                if chunk.finish_reason:
+                    final = chunk
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                print(file=sys.stderr)
+                raise KeyboardInterrupt from None
+            raise
+        seconds = time.perf_counter() - start
+        if not args.json:
+            print()
+        result = result_from_final(final, tokens)
+        _report(args, "".join(text_parts), result, final.usage.prompt_tokens, seconds)
+    finally:
+        if service is not None:
+            service.stop()
+    return 0
+
+
+def embedded_service_config(args: argparse.Namespace):
+    """The `ServiceConfig` of the service ``specd generate`` embeds (no ``--server``): one
+    replica and one drafter on this machine, API on a free loopback port."""
+    from coordinator.service import ServiceConfig
+
+    return ServiceConfig(
+        model=args.model, port=0, drafter=args.drafter, ngram_size=args.ngram_size,
+        max_draft_len=args.max_draft_len, adaptive=not args.no_adaptive,
+        drafter_path=args.drafter_path, target_threads=args.target_threads)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.in_process:
+        return _generate_in_process(args)
+    return _generate_via_service(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from coordinator.service import Service, ServiceConfig
+
+    service = Service(ServiceConfig(
+        model=args.model, host=args.host, port=args.port, address=args.address,
+        drafter=args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len,
+        drafter_path=args.drafter_path,
+        max_active=args.max_active, target_threads=args.target_threads,
+        tp=args.tp, target_replicas=args.target_replicas, drafters=args.drafters,
+        metrics_port=args.metrics_port, adaptive=not args.no_adaptive,
+        target_timeout_s=args.target_timeout,
+        tls_cert=args.tls_cert, tls_key=args.tls_key,
+        auth_token=args.auth_token or None,
+        max_prompt_bytes=args.max_prompt_bytes,
+    ))
+    if not args.shutdown_grace >= 0:
+        raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    stop = threading.Event()
+    try:
+        address = service.start()
+        # Installed after Ray starts: ray.init replaces the process's SIGTERM handler.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"[specd] serving specd.v1.Generation on {address} (Ctrl-C to stop)", flush=True)
+        if args.metrics_port is not None:
+            print(f"[specd] Prometheus metrics on http://{service.metrics_address}/metrics",
+                  flush=True)
+        # The coordinator is not replicated: if it dies, exit non-zero so a process
+        # supervisor restarts the service, rather than serve a dead address forever.
+        while not stop.wait(COORDINATOR_CHECK_S):
+            if not service.coordinator_alive():
+                print("[specd] error: the coordinator actor died; the service has stopped",
+                      file=sys.stderr, flush=True)
+                return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print(f"[specd] shutting down: in-flight streams get up to {args.shutdown_grace:g} s",
+              file=sys.stderr, flush=True)
+        service.stop(grace_s=args.shutdown_grace)
+    return 0
+
+
+#: How often `specd serve` checks that its coordinator actor is alive, seconds.
+COORDINATOR_CHECK_S = 5.0
+
+#: The --auth-token help: a flag's value is visible to every local user in `ps`.
+_AUTH_HELP = ("bearer token{what} (default $SPECD_AUTH_TOKEN); a value given here is visible "
+              "to every local user in `ps` and /proc: prefer the environment variable")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion (embedded service, a running "
+                                          "server, or --in-process)")
+    gen.add_argument("prompt")
+    _add_sampling_flags(gen)
+    _add_drafter_flags(gen)
+    gen.add_argument("--model", default=None,
+                     help="path to a Llama-family .gguf (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--server", default=None, metavar="HOST:PORT",
+                     help="use a running `specd serve` instead of starting one")
+    gen.add_argument("--in-process", action="store_true",
+                     help="run the core loop in this process (no Ray, no gRPC)")
+    gen.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
+                     help=_AUTH_HELP.format(what=" for --server"))
+    gen.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
+    gen.add_argument("--target-threads", type=_positive_int, default=None, metavar="N",
+                     help="torch threads of the target model (default: the embedded "
+                          "service's target gets the cores less one for the coordinator, "
+                          "drafter and gRPC; --in-process: torch's default, all cores)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead")
+    gen.add_argument("--raw", action="store_true", help="no chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="run the service: Ray actors + the gRPC API")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="API listen address (default loopback only)")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--address", default=None, metavar="auto|HOST:PORT",
+                       help="join this Ray cluster (default: an embedded local Ray)")
+    serve.add_argument("--model", default=None)
+    _add_drafter_flags(serve)
+    serve.add_argument("--max-active", type=int, default=32,
+                       help="requests decoding at once, per target replica")
+    serve.add_argument("--target-threads", type=int, default=None,
+                       help="torch threads per target rank (default: this machine's cores "
+                            "less one, divided among all replicas x tp ranks, at least 1)")
+    _add_scale_flags(serve)
+    serve.add_argument("--target-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="a target call (prefill or verify of a batch) slower than this "
+                            "counts as a dead replica: its requests fail, it is re-created "
+                            "(default 600; a replica whose process dies is found at once)")
+    serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                       help="serve Prometheus /metrics on --host:PORT (0 picks one)")
+    serve.add_argument("--max-prompt-bytes", type=int, default=None, metavar="BYTES",
+                       help="refuse prompts (text, or all chat contents) over BYTES of UTF-8 "
+                            "before tokenizing (default: the context length x the longest "
+                            "token's bytes, which keeps the whole context reachable)")
+    serve.add_argument("--tls-cert", default=None)
+    serve.add_argument("--tls-key", default=None)
+    serve.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
+                       help=_AUTH_HELP.format(what=" every call must carry"))
+    serve.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
+                       metavar="SECONDS",
+                       help="on SIGTERM or Ctrl-C, refuse new calls (UNAVAILABLE) and let "
+                            "in-flight streams finish for up to this long before cancelling "
+                            "them (default %(default)g)")
+    serve.set_defaults(func=cmd_serve)
+
+    scale = sub.add_parser("scale", help="change a running service's target replicas and "
+                                         "drafter workers (removed replicas drain first)")
+    scale.add_argument("--target-replicas", type=int, default=None, metavar="M")
+    scale.add_argument("--drafters", type=int, default=None, metavar="N")
+    scale.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
+    scale.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
+                       help=_AUTH_HELP.format(what=""))
+    scale.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
+    scale.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                       help="give up waiting after this long (the scale still completes)")
+    scale.set_defaults(func=cmd_scale)
+    _add_bench_parser(sub)
+    _add_train_drafter_parser(sub)
+    return parser
+
+
+def _add_scale_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per target replica")
+    p.add_argument("--target-replicas", type=int, default=1, metavar="M",
+                   help="target replicas (data parallel)")
+    p.add_argument("--drafters", type=int, default=1, metavar="N",
+                   help="drafter workers (ignored with --drafter none)")
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    """Calls the Scale RPC and prints the counts now serving and what changed."""
+    from specd.v1 import generation_pb2, generation_pb2_grpc
+
+    from .client import open_channel
+
+    if args.target_replicas is None and args.drafters is None:
+        raise ValueError("give --target-replicas and/or --drafters")
+    request = generation_pb2.ScaleRequest()
+    if args.target_replicas is not None:
+        request.target_replicas = args.target_replicas
+    if args.drafters is not None:
+        request.drafters = args.drafters
+    metadata = [("authorization", f"Bearer {args.auth_token}")] if args.auth_token else None
+    with open_channel(args.server, args.tls_ca) as channel:
+        reply = generation_pb2_grpc.GenerationStub(channel).Scale(
+            request, metadata=metadata, timeout=args.timeout)
+    print(f"[specd] target_replicas={reply.target_replicas} drafters={reply.drafters} "
+          f"added=[{' '.join(reply.added)}] removed=[{' '.join(reply.removed)}]")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _ints(flag: str, values: Sequence[str]) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in values)
+    except ValueError:
+        raise ValueError(f"--{flag} must be integers, got {','.join(values)}") from None
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _add_bench_parser(sub) -> None:
+    bench = sub.add_parser(
+        "bench", help="benchmark specd (plain, fixed, adaptive) against HF transformers, or a "
+                      "running service (--service)")
+    bench.add_argument("--out", default="bench-out", help="report directory (default bench-out)")
+    bench.add_argument("--model", default=None,
+                       help="a Llama-family .gguf or a tiny-random spec (default SmolLM2)")
+    bench.add_argument("--workloads", type=_csv, default=None, metavar="A,B",
+                       help="comma-separated (default all: code_edit,summarise,chat,"
+                            "open_question)")
+    bench.add_argument("--drafters", type=_csv, default=("prompt-lookup",), metavar="A,B",
+                       help="drafter names for the speculative systems (default prompt-lookup)")
+    bench.add_argument("--drafter-path", default=None,
+                       help="EAGLE head for the eagle drafters (default: the shipped head)")
+    bench.add_argument("--max-new-tokens", type=int, default=None,
+                       help="per generation (default 128; --default-path 160)")
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--draft-len", type=int, default=10,
+                       help="fixed draft length (specd fixed and HF prompt_lookup_num_tokens)")
+    bench.add_argument("--adaptive-max-draft-len", type=int, default=32,
+                       help="the most drafts the adaptive systems may choose")
+    bench.add_argument("--ngram-size", type=int, default=3)
+    bench.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    bench.add_argument("--no-bare", action="store_true",
+                       help="skip the bare-forward overhead reference")
+    bench.add_argument("--no-plots", action="store_true", help="JSON and Markdown only")
+    bench.add_argument("--threads", type=int, default=None, help="torch threads")
+    bench.add_argument("--default-path", action="store_true",
+                       help="time the default user path (the embedded service `specd "
+                            "generate` starts) beside transformers plain and prompt lookup, "
+                            "after the forward timing (default workloads code_edit,"
+                            "open_question)")
+    bench.add_argument("--target-threads", type=_positive_int, default=None, metavar="N",
+                       help="--default-path: `specd generate --target-threads`")
+    bench.add_argument("--forward-ks", type=_csv, default=("1", "2", "4", "8", "32"),
+                       metavar="1,2,4,8,32",
+                       help="forward timing block sizes, specd vs transformers ('' skips it)")
+    bench.add_argument("--forward-cache-lens", type=_csv, default=("300", "2000"),
+                       metavar="300,2000", help="forward timing: cached tokens")
+    bench.add_argument("--forward-repeats", type=int, default=15,
+                       help="forward timing: timed calls per system and size")
+    bench.add_argument("--no-thread-check", action="store_true",
+                       help="--default-path: skip timing 1 vs 2 threads beside a busy process")
+    bench.add_argument("--service", default=None, metavar="HOST:PORT",
+                       help="benchmark a running `specd serve` instead")
+    bench.add_argument("--concurrency", type=_csv, default=("1", "4", "8", "16"),
+                       metavar="1,4,8,16", help="--service: concurrent streams per level")
+    bench.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
+                       help=_AUTH_HELP.format(what=" for --service"))
+    bench.add_argument("--tls-ca", default=None)
+    bench.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench_report import markdown, service_markdown, write_report
+
+    def progress(line: str) -> None:
+        print(f"[bench] {line}", file=sys.stderr, flush=True)
+
+    import importlib.util
+
+    # Fail before a long run, not after it.
+    if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("the plots need matplotlib: pip install 'specd[bench]' (or --no-plots)")
+
+    if args.service is not None:
+        from .bench_service import ServiceBenchConfig, run_service_bench
+
+        try:
+            levels = tuple(int(c) for c in args.concurrency)
+        except ValueError:
+            raise ValueError(f"--concurrency must be integers, got {args.concurrency}") from None
+        report = run_service_bench(ServiceBenchConfig(
+            service=args.service, workloads=args.workloads,
+            max_new_tokens=args.max_new_tokens or 128, repeats=args.repeats,
+            concurrency=levels, auth_token=args.auth_token, tls_ca=args.tls_ca,
+            model=args.model), progress)
+        text = service_markdown(report)
+    else:
+        ks, lens = _ints("forward-ks", args.forward_ks), _ints("forward-cache-lens",
+                                                               args.forward_cache_lens)
+        if args.threads is not None:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        if args.default_path:
+            from .bench_report import default_path_markdown
+            from .bench_service import DefaultPathConfig, run_default_path_bench
+
+            report = run_default_path_bench(DefaultPathConfig(
+                model=args.model, workloads=args.workloads or ("code_edit", "open_question"),
+                max_new_tokens=args.max_new_tokens or 160, repeats=args.repeats,
+                prompt_lookup=args.draft_len, target_threads=args.target_threads,
+                forward_ks=ks, forward_cache_lens=lens,
+                forward_repeats=args.forward_repeats,
+                thread_check=not args.no_thread_check), progress)
+            text = default_path_markdown(report)
+        else:
+            from .bench import BenchConfig, run_bench
+
+            report = run_bench(BenchConfig(
+                model=args.model, workloads=args.workloads, drafters=args.drafters,
+                max_new_tokens=args.max_new_tokens or 128, repeats=args.repeats,
+                draft_len=args.draft_len, adaptive_max_draft_len=args.adaptive_max_draft_len,
+                ngram_size=args.ngram_size, hf=not args.no_hf, bare=not args.no_bare,
+                threads=args.threads, drafter_path=args.drafter_path, forward_ks=ks,
+                forward_cache_lens=lens, forward_repeats=args.forward_repeats), progress)
+            text = markdown(report)
+    paths = write_report(report, args.out, plots=not args.no_plots)
+    print(text)
+    progress("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+
+def _add_train_drafter_parser(sub) -> None:
+    from specd_tools.train_eagle import TrainConfig
+
+    d = TrainConfig(out="")
+    tr = sub.add_parser("train-drafter", help="train an EAGLE drafter head for a target, "
+                                              "offline on this machine")
+    tr.add_argument("--out", required=True, help="head file to write (.safetensors); a .json "
+                                                 "recipe and a .png of the curves go next to it")
+    tr.add_argument("--model", default=None, help="target .gguf (default: SmolLM2-135M-Instruct)")
+    tr.add_argument("--data-dir", default=d.data_dir,
+                    help="cache of the target's hidden states (reused when the recipe matches)")
+    tr.add_argument("--max-prompts", type=int, default=d.max_prompts,
+                    help="self-distillation prompts to use (0: all)")
+    tr.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                    help="longest self-distilled answer")
+    tr.add_argument("--gen-batch", type=int, default=d.gen_batch,
+                    help="answers generated together in one packed forward")
+    tr.add_argument("--stdlib-tokens", type=int, default=d.stdlib_tokens,
+                    help="tokens of Python standard-library prose to add (reference topics, "
+                         "then docstrings, then source; 0: none)")
+    tr.add_argument("--seq-len", type=int, default=d.seq_len)
+    tr.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                    help="rows of the head's restricted LM head (most frequent tokens)")
+    tr.add_argument("--ffn-dim", type=int, default=d.ffn_dim, help="0: the target's")
+    tr.add_argument("--epochs", type=int, default=d.epochs)
+    tr.add_argument("--batch-size", type=int, default=d.batch_size)
+    tr.add_argument("--chat-repeat", type=int, default=d.chat_repeat,
+                    help="times each self-distilled answer is seen per epoch (prose: once)")
+    tr.add_argument("--unroll", type=int, default=d.unroll,
+                    help="drafting steps replayed per position in training (EAGLE-3's "
+                         "training-time test; 1: plain teacher forcing)")
+    tr.add_argument("--lr", type=float, default=d.lr)
+    tr.add_argument("--ce-weight", type=float, default=d.ce_weight,
+                    help="weight of the cross-entropy against the target's distribution "
+                         "(the feature regression has weight 1)")
+    tr.add_argument("--noise", type=float, default=d.noise,
+                    help="width of the uniform noise added to input features")
+    tr.add_argument("--time-budget-min", type=float, default=0.0,
+                    help="stop training after this many minutes (0: no limit)")
+    tr.add_argument("--threads", type=int, default=d.threads, help="torch threads")
+    tr.add_argument("--seed", type=int, default=d.seed)
+    tr.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib)")
+    tr.set_defaults(func=cmd_train_drafter)
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from specd_tools.train_eagle import TrainConfig, train
+
+    cfg = TrainConfig(
+        out=args.out, model=args.model, data_dir=args.data_dir, max_prompts=args.max_prompts,
+        max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
+        stdlib_tokens=args.stdlib_tokens,
+        seq_len=args.seq_len, draft_vocab=args.draft_vocab, ffn_dim=args.ffn_dim,
+        epochs=args.epochs, batch_size=args.batch_size, chat_repeat=args.chat_repeat,
+        unroll=args.unroll, lr=args.lr, ce_weight=args.ce_weight, noise=args.noise,
+        time_budget_s=args.time_budget_min * 60, threads=args.threads, seed=args.seed,
+        plot=not args.no_plot,
+        extra={"command": "specd " + " ".join(sys.argv[1:])},
+    )
+    summary = train(cfg)
+    last = summary["epochs"][-1] if summary["epochs"] else {}
+    print(json.dumps({"out": args.out, "timings_s": summary["timings_s"],
+                      "data": summary["data"], "final_epoch": last}, indent=2))
+    return 0
+
+
+def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
+    p.add_argument("--ngram-size", type=int, default=3)
+    p.add_argument("--max-draft-len", type=int, default=None,
+                   help="most drafts per step (default: the cap adaptive chooses under, 32 for "
+                        "prompt lookup; with --no-adaptive 10 for prompt lookup; 3 for EAGLE)")
+    p.add_argument("--no-adaptive", "--fixed-draft-len", dest="no_adaptive",
+                   action="store_true",
+                   help="draft --max-draft-len every step instead of choosing the length "
+                        "(0 included) from measured step cost and running acceptance")
+    p.add_argument("--drafter-path", default=None, metavar="FILE",
+                   help="EAGLE head for --drafter eagle / eagle+lookup (default: the head "
+                        "shipped for SmolLM2; train one with `specd train-drafter`)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "max_draft_len", 0) is None and not args.drafter.startswith("eagle"):
+        # Adaptive drafting picks its own length, so give prompt lookup room for long copies;
+        # the EAGLE drafters keep their own default (None: 3 tokens a proposal).
+        args.max_draft_len = 10 if args.no_adaptive else 32
+    # Keep stderr to specd's own lines: Ray's start-up notices are not for this terminal.
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as exc:  # bad flags, a missing or unreadable model file
+        parser.exit(2, f"specd: error: {exc}\n")
+    except RuntimeError as exc:  # e.g. the model fetch failed its checksum
+        parser.exit(1, f"specd: error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        import grpc
+
+        if isinstance(exc, grpc.RpcError):
+            parser.exit(1, f"specd: error: {exc.code().name}: {exc.details()}\n")
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

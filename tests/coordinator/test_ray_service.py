@@ -1,0 +1,116 @@
+"""The service on an embedded local Ray: the same code path `specd serve` runs (target actor,
+drafter actor serving gRPC, coordinator actor fronting the Generation API)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+import pytest
+from service_harness import MODEL
+
+from coordinator import SpeculativeOptions, speculative_decode_with
+from coordinator.service import Service, ServiceConfig
+from drafter_worker import PromptLookupSpeculator
+from specd.v1 import generation_pb2, generation_pb2_grpc
+from target_worker import load_model
+
+
+@pytest.fixture(scope="module")
+def ray_service():
+    # adaptive=False: the assertions below need drafts verified, which a timed choice may skip.
+    svc = Service(ServiceConfig(model=MODEL, port=0, ngram_size=2, max_draft_len=6,
+                                target_threads=1, drafter_timeout_s=2.0, adaptive=False))
+    svc.start()
+    yield svc
+    svc.stop()
+
+
+def greedy_request(prompt, max_new):
+    req = generation_pb2.GenerateRequest(max_new_tokens=max_new, ignore_eos=True)
+    req.token_ids.ids.extend(prompt)
+    return req
+
+
+def test_greedy_through_ray_and_grpc_equals_the_core(ray_service):
+    decoder, _ = load_model(MODEL)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+    expected = speculative_decode_with(decoder, prompt, decoder.new_cache(),
+                                       PromptLookupSpeculator(2, 6),
+                                       SpeculativeOptions(max_new_tokens=30)).generated_tokens
+    with grpc.insecure_channel(ray_service.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        tokens, final = [], None
+        for chunk in stub.Generate(greedy_request(prompt, 30), timeout=120):
+            tokens.extend(chunk.token_ids)
+            final = chunk
+        assert tokens == expected
+        assert final.speculation.accepted_tokens > 0
+        status = stub.Status(generation_pb2.StatusRequest(), timeout=10)
+        assert status.used_slots == 0 and status.drafter == "prompt-lookup"
+
+
+def test_killing_the_drafter_actor_mid_stream_keeps_the_tokens(ray_service):
+    import ray
+
+    decoder, _ = load_model(MODEL)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    expected = speculative_decode_with(decoder, prompt, decoder.new_cache(), None,
+                                       SpeculativeOptions(max_new_tokens=40)).generated_tokens
+    drafter = ray_service.drafter_actor
+    with grpc.insecure_channel(ray_service.address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        call = stub.Generate(greedy_request(prompt, 40), timeout=120)
+        tokens = list(next(call).token_ids)
+        ray.kill(drafter)
+        final = None
+        for chunk in call:
+            tokens.extend(chunk.token_ids)
+            final = chunk
+    assert tokens == expected
+    assert final.finish_reason == "length"
+
+
+def test_specd_serve_stops_cleanly_on_sigterm():
+    # A separate process with its own embedded Ray: SIGTERM must leave no Ray processes of its
+    # session behind.
+    # A short private temp dir: Ray's socket paths must stay under the Unix 107-byte limit.
+    tmp_path = tempfile.mkdtemp(prefix="specd-rt-")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specd_tools.cli", "serve", "--model", MODEL, "--port", "0",
+         "--target-threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "RAY_TMPDIR": tmp_path},
+    )
+    try:
+        line = ""
+        for line in proc.stdout:
+            if "serving specd.v1.Generation on" in line:
+                break
+        assert "serving" in line, "the server never came up"
+        address = line.rsplit(" on ", 1)[1].split()[0]
+        with grpc.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            reply = stub.GenerateUnary(greedy_request([1, 2, 3], 3), timeout=60)
+            assert len(reply.token_ids) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # Ray's processes of that session ran out of tmp_path; none may survive it.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        leftover = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True,
+                                  text=True).stdout.split()
+        if not leftover:
+            break
+        time.sleep(0.5)
+    assert not leftover, f"stray Ray processes: {leftover}"
+    shutil.rmtree(tmp_path, ignore_errors=True)

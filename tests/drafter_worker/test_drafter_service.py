@@ -1,0 +1,554 @@
+"""The drafter worker as a service: wire format, the stateful servicer, the async client over
+a real loopback port, health/reflection, and the ``python -m drafter_worker`` entry point."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from drafter_worker import DraftBlock, DraftDist, PromptLookupSpeculator
+from drafter_worker.client import DrafterClient, DrafterUnavailable, ProposeJob
+from drafter_worker.server import (
+    SERVICE_NAME,
+    DrafterServicer,
+    build_drafter,
+    grpc_options,
+    start_drafter_server,
+)
+from drafter_worker.wire import block_from_proto, block_to_proto, tensor_from_proto, tensor_to_proto
+from specd.v1 import drafter_pb2, drafter_pb2_grpc
+from specd_core.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Guards against a hung RPC stalling the suite; never reached by a passing test.
+_SAFETY_S = 60
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, _SAFETY_S))
+
+
+def lookup(ngram_size: int = 2, max_draft_len: int = 6) -> PromptLookupSpeculator:
+    return PromptLookupSpeculator(ngram_size=ngram_size, max_draft_len=max_draft_len)
+
+
+def repetitive(rng: random.Random, n: int, vocab: int = 4) -> list[int]:
+    """A small-vocabulary history: n-gram matches, hence non-empty proposals, are common."""
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+class RecordingDrafter:
+    """Records the hidden rows it is given; proposes the last token once."""
+
+    wants_hidden = True
+
+    def __init__(self):
+        self.seen_hidden: list[torch.Tensor | None] = []
+
+    def propose(self, history, target_hidden, max_len):
+        self.seen_hidden.append(target_hidden)
+        return DraftBlock.deterministic([history[-1]])
+
+
+class RecordingServicer(DrafterServicer):
+    """Keeps every ProposeRequest it receives, to inspect what travelled on the wire."""
+
+    def __init__(self, drafter):
+        super().__init__(drafter)
+        self.requests: list[drafter_pb2.ProposeRequest] = []
+
+    def propose_batch(self, request):
+        self.requests.append(drafter_pb2.ProposeRequest.FromString(request.SerializeToString()))
+        return super().propose_batch(request)
+
+
+async def serve(servicer: DrafterServicer) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server(options=grpc_options())
+    drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def item(rid: str, known: int, append, max_len: int = 6) -> drafter_pb2.ProposeItem:
+    return drafter_pb2.ProposeItem(request_id=rid, known=known, append=list(append),
+                                   max_len=max_len)
+
+
+# --- wire -----------------------------------------------------------------------------------
+
+
+def test_float32_tensor_round_trip_is_exact_and_little_endian_row_major():
+    t = torch.randn(3, 5, 7)
+    t[0, 0, 0] = float("inf")
+    msg = tensor_to_proto(t)
+    assert msg.dtype == "float32" and list(msg.shape) == [3, 5, 7]
+    back = tensor_from_proto(msg)
+    assert back.dtype == torch.float32 and back.shape == t.shape
+    assert torch.equal(back, t)
+    one = tensor_to_proto(torch.tensor([[1.0, 2.0]]))
+    assert one.data == b"\x00\x00\x80\x3f" + b"\x00\x00\x00\x40"
+    empty = tensor_from_proto(tensor_to_proto(torch.zeros(0, 4)))
+    assert empty.shape == (0, 4)
+
+
+@pytest.mark.parametrize("dtype, torch_dtype, rel", [
+    ("float16", torch.float16, 2.0 ** -11), ("bfloat16", torch.bfloat16, 2.0 ** -8),
+])
+def test_half_precision_round_trip_loses_only_the_cast(dtype, torch_dtype, rel):
+    t = torch.randn(4, 64) * 10
+    msg = tensor_to_proto(t, dtype)
+    assert len(msg.data) == t.numel() * 2
+    back = tensor_from_proto(msg)
+    assert back.dtype == torch.float32
+    assert torch.equal(back, t.to(torch_dtype).float())
+    assert torch.allclose(back, t, rtol=rel, atol=0)
+
+
+def test_bad_dtype_and_size_mismatch_raise_value_error_naming_them():
+    with pytest.raises(ValueError, match="float64"):
+        tensor_to_proto(torch.zeros(2), "float64")
+    with pytest.raises(ValueError, match="int8"):
+        tensor_from_proto(drafter_pb2.Tensor(dtype="int8", shape=[1], data=b"\x00"))
+    with pytest.raises(ValueError, match="size mismatch"):
+        tensor_from_proto(drafter_pb2.Tensor(dtype="float32", shape=[2, 3], data=bytes(20)))
+
+
+def test_block_round_trip_keeps_tokens_and_sparse_dists():
+    block = DraftBlock(
+        [5, 2], [DraftDist([(5, 0.7), (1, 0.2), (9, 0.1)]), DraftDist.deterministic(2)]
+    )
+    back = block_from_proto(block_to_proto(block))
+    assert back.tokens == (5, 2)
+    for got, want in zip(back.dists, block.dists, strict=True):
+        assert [t for t, _ in got.support()] == [t for t, _ in want.support()]
+        for (_, p), (_, q) in zip(got.support(), want.support(), strict=True):
+            assert p == pytest.approx(q, rel=1e-7)
+    assert block_from_proto(block_to_proto(DraftBlock.empty())).is_empty()
+    bad = drafter_pb2.DraftBlock(tokens=[1], dists=[drafter_pb2.DraftDist(tokens=[1, 2],
+                                                                          probs=[1.0])])
+    with pytest.raises(ValueError, match="2 tokens but 1 probs"):
+        block_from_proto(bad)
+
+
+# --- servicer -------------------------------------------------------------------------------
+
+
+def test_servicer_proposals_equal_from_scratch_under_random_appends_resyncs_and_reuse():
+    rng = random.Random(0)
+    drafter = lookup()
+    servicer = DrafterServicer(drafter)
+    truth: dict[str, list[int]] = {}  # what the servicer should hold per id
+    non_empty = resyncs = 0
+    for _ in range(400):
+        rid = f"r{rng.randrange(4)}"
+        max_len = rng.randrange(0, 8)
+        action = rng.random()
+        if rid not in truth or action < 0.1:  # new or reused id: known = 0, whole history
+            history = repetitive(rng, rng.randrange(1, 30))
+            req_item, expect_resync = item(rid, 0, history, max_len), False
+        elif action < 0.2:  # a caller whose `known` is wrong
+            wrong = rng.choice([k for k in range(1, len(truth[rid]) + 3) if k != len(truth[rid])])
+            history = truth[rid] + repetitive(rng, 2)
+            req_item, expect_resync = item(rid, wrong, history[wrong:], max_len), True
+        elif action < 0.25:
+            servicer.release_ids([rid])
+            truth.pop(rid)
+            continue
+        else:  # the normal step: the delta since the last call
+            history = truth[rid] + repetitive(rng, rng.randrange(0, 4))
+            req_item = item(rid, len(truth[rid]), history[len(truth[rid]):], max_len)
+            expect_resync = False
+        (result,) = servicer.propose_batch(drafter_pb2.ProposeRequest(items=[req_item])).results
+        assert result.resync == expect_resync
+        if expect_resync:
+            assert not result.block.tokens
+            assert servicer.history(rid) is None
+            truth.pop(rid)
+            resyncs += 1
+            continue
+        truth[rid] = history
+        assert servicer.history(rid) == history
+        got = block_from_proto(result.block)
+        assert got == lookup().propose(history, None, max_len)
+        non_empty += not got.is_empty()
+    # Unknown ids with known > 0 also resync.
+    (result,) = servicer.propose_batch(
+        drafter_pb2.ProposeRequest(items=[item("never-seen", 3, [1])])).results
+    assert result.resync
+    assert non_empty > 50 and resyncs > 10  # the walk exercised both paths
+
+
+class FlakyDrafter:
+    """Prompt lookup, except that it raises when the anchor is 99."""
+
+    def propose(self, history, target_hidden, max_len):
+        if history[-1] == 99:
+            raise RuntimeError("boom")
+        return lookup().propose(history, target_hidden, max_len)
+
+
+def test_item_level_problems_get_empty_blocks_without_failing_the_others():
+    servicer = DrafterServicer(FlakyDrafter())
+    good = [1, 2, 3, 1, 2]
+    bad_hidden = item("h", 0, good)
+    bad_hidden.hidden.CopyFrom(drafter_pb2.Tensor(dtype="float32", shape=[2], data=b"x"))
+    request = drafter_pb2.ProposeRequest(items=[
+        item("a", 0, good),
+        item("empty", 0, []),
+        item("raises", 0, [1, 99]),
+        bad_hidden,
+        item("zero", 0, good, max_len=0),
+        item("b", 0, good),
+    ])
+    results = servicer.propose_batch(request).results
+    want = list(lookup().propose(good, None, 6).tokens)
+    assert want  # the good items have something to propose
+    assert [list(r.block.tokens) for r in results] == [want, [], [], [], [], want]
+    assert not any(r.resync for r in results)
+    # A drafter failure does not lose the committed history; a bad item drops its state.
+    assert servicer.history("raises") == [1, 99]
+    assert servicer.history("h") is None and servicer.history("empty") is None
+
+
+class GreedyFixed:
+    """Ignores max_len: proposes five tokens always."""
+
+    def propose(self, history, target_hidden, max_len):
+        return DraftBlock.deterministic([7, 7, 7, 7, 7])
+
+
+def test_servicer_truncates_to_max_len_and_info_defaults():
+    servicer = DrafterServicer(GreedyFixed())
+    results = servicer.propose_batch(drafter_pb2.ProposeRequest(
+        items=[item("a", 0, [1], max_len=2), item("b", 0, [1], max_len=0)])).results
+    assert [list(r.block.tokens) for r in results] == [[7, 7], []]
+    info = run(servicer.Info(drafter_pb2.InfoRequest(), None))
+    assert (info.name, info.wants_hidden, info.max_draft_len) == ("GreedyFixed", True, 0)
+
+
+def test_build_drafter():
+    d = build_drafter("prompt-lookup", ngram_size=4, max_draft_len=7)
+    assert isinstance(d, PromptLookupSpeculator)
+    assert (d.ngram_size, d.max_draft_len) == (4, 7)
+    with pytest.raises(ValueError, match="'nope'.*prompt-lookup"):
+        build_drafter("nope")
+
+
+# --- client + server over loopback ----------------------------------------------------------
+
+
+def test_client_sends_deltas_and_proposals_equal_from_scratch():
+    rng = random.Random(1)
+
+    async def main():
+        servicer = RecordingServicer(lookup())
+        server, address = await serve(servicer)
+        histories = {f"r{i}": repetitive(rng, 10) for i in range(3)}
+        try:
+            async with DrafterClient(address, timeout_s=5) as client:
+                for step in range(6):
+                    jobs = [ProposeJob(rid, list(h), max_len=step % 5) for rid, h in
+                            histories.items()]
+                    sent_before = {rid: client.known(rid) for rid in histories}
+                    blocks = await client.propose(jobs)
+                    for job, block in zip(jobs, blocks, strict=True):
+                        assert block == lookup().propose(job.history, None, job.max_len)
+                        assert client.known(job.request_id) == len(job.history)
+                    wire_items = servicer.requests[-1].items
+                    for w in wire_items:
+                        assert w.known == sent_before[w.request_id]
+                        assert list(w.append) == histories[w.request_id][w.known:]
+                        assert not w.HasField("hidden") and not w.HasField("sampling")
+                    for h in histories.values():
+                        h.extend(repetitive(rng, rng.randrange(1, 4)))
+                # After the first step only deltas travel.
+                assert all(w.known > 0 for req in servicer.requests[1:] for w in req.items)
+                # forget: the next call resends everything (known = 0).
+                client.forget("r0")
+                await client.propose([ProposeJob("r0", histories["r0"], 3)])
+                assert servicer.requests[-1].items[0].known == 0
+                await client.release(["r0", "r1"])
+                assert servicer.history("r0") is None and servicer.history("r1") is None
+                assert servicer.history("r2") is not None
+                assert client.stats["calls"] == 7 and client.stats["errors"] == 0
+                assert client.stats["latency_s"] > 0
+        finally:
+            await server.stop(None)
+
+    run(main())
+
+
+def test_client_sends_sampling_and_validates_jobs():
+    async def main():
+        servicer = RecordingServicer(lookup())
+        server, address = await serve(servicer)
+        try:
+            async with DrafterClient(address, timeout_s=5) as client:
+                params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9)
+                await client.propose([ProposeJob("a", [1, 2], 3, sampling=params, seed=-1)])
+                s = servicer.requests[-1].items[0].sampling
+                assert (s.top_k, s.seed) == (20, 2 ** 64 - 1)
+                assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9)
+                with pytest.raises(ValueError, match="twice"):
+                    await client.propose([ProposeJob("b", [1], 1), ProposeJob("b", [1], 1)])
+                with pytest.raises(ValueError, match="max_len"):
+                    await client.propose([ProposeJob("b", [1], -1)])
+                assert client.known("b") == 0 and len(servicer.requests) == 1
+                assert await client.propose([]) == []
+        finally:
+            await server.stop(None)
+
+    run(main())
+
+
+class LongBlockServicer(DrafterServicer):
+    """A misbehaving worker: answers five tokens whatever max_len was asked."""
+
+    def propose_batch(self, request):
+        response = drafter_pb2.ProposeResponse()
+        for _ in request.items:
+            response.results.add().block.CopyFrom(
+                block_to_proto(DraftBlock.deterministic([4, 4, 4, 4, 4])))
+        return response
+
+
+def test_client_never_returns_more_than_max_len():
+    async def main():
+        server, address = await serve(LongBlockServicer(lookup()))
+        try:
+            async with DrafterClient(address, timeout_s=5) as client:
+                blocks = await client.propose(
+                    [ProposeJob("a", [1], 2), ProposeJob("b", [1], 0), ProposeJob("c", [1], 9)])
+                assert [len(b) for b in blocks] == [2, 0, 5]
+        finally:
+            await server.stop(None)
+
+    run(main())
+
+
+def test_client_recovers_via_resync_after_server_restart():
+    rng = random.Random(2)
+    history = repetitive(rng, 12)
+
+    async def main():
+        server, port = await start_drafter_server(lookup(), port=0)
+        address = f"127.0.0.1:{port}"
+        async with DrafterClient(address, timeout_s=5) as client:
+            for _ in range(3):
+                (block,) = await client.propose([ProposeJob("r", history, 4)])
+                assert block == lookup().propose(history, None, 4)
+                history.extend(repetitive(rng, 2))
+            await server.stop(None)
+            # A new worker on the same port, holding a different view of "r" (2 tokens).
+            server, _ = await start_drafter_server(lookup(), port=port)
+            try:
+                async with DrafterClient(address, timeout_s=5) as other:
+                    await other.propose([ProposeJob("r", [3, 3], 4)])
+                fresh = repetitive(rng, 9)
+                blocks = await client.propose(
+                    [ProposeJob("r", history, 4), ProposeJob("new", fresh, 4)])
+                assert blocks[0].is_empty() and client.known("r") == 0
+                assert blocks[1] == lookup().propose(fresh, None, 4)
+                history.extend(repetitive(rng, 2))
+                (block,) = await client.propose([ProposeJob("r", history, 4)])
+                assert block == lookup().propose(history, None, 4)
+                assert client.known("r") == len(history)
+            finally:
+                await server.stop(None)
+
+    run(main())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_dead_server_raises_drafter_unavailable_and_forgets_ids():
+    history = [1, 2, 3, 1, 2, 3, 1]
+
+    async def main():
+        server, port = await start_drafter_server(lookup())
+        # A generous deadline: a refused connection fails at once, well before it.
+        async with DrafterClient(f"127.0.0.1:{port}", timeout_s=5) as client:
+            await client.propose([ProposeJob("r", history, 3)])
+            assert client.known("r") == len(history)
+            await server.stop(None)
+            with pytest.raises(DrafterUnavailable, match="UNAVAILABLE"):
+                await client.propose([ProposeJob("r", history + [2], 3)])
+            assert client.known("r") == 0
+            await client.release(["r"])  # best effort: must not raise
+            assert (client.stats["calls"], client.stats["errors"]) == (2, 1)
+        # A port nobody ever listened on.
+        async with DrafterClient(f"127.0.0.1:{free_port()}", timeout_s=5) as client:
+            with pytest.raises(DrafterUnavailable):
+                await client.info()
+
+    run(main())
+
+
+class GatedDrafter:
+    """Prompt lookup that answers only while `gate` is set (it waits otherwise)."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def propose(self, history, target_hidden, max_len):
+        self.gate.wait(_SAFETY_S)
+        return lookup().propose(history, target_hidden, max_len)
+
+
+def test_deadline_raises_drafter_unavailable_then_the_next_call_resends_everything():
+    drafter = GatedDrafter()
+    history = [1, 2, 3, 1, 2, 3, 1, 2, 3]
+
+    async def main():
+        servicer = RecordingServicer(drafter)
+        server, address = await serve(servicer)
+        try:
+            async with DrafterClient(address, timeout_s=0.2) as client:
+                await client.propose([ProposeJob("r", history[:5], 3)])
+                assert client.known("r") == 5
+                drafter.gate.clear()
+                with pytest.raises(DrafterUnavailable, match="DEADLINE_EXCEEDED"):
+                    await client.propose([ProposeJob("r", history[:7], 3)])
+                # The worker applies the timed-out call later; the client cannot know that.
+                assert client.known("r") == 0
+                drafter.gate.set()
+                client.timeout_s = 5.0
+                (block,) = await client.propose([ProposeJob("r", history, 3)])
+                assert block == lookup().propose(history, None, 3) and not block.is_empty()
+                assert servicer.requests[-1].items[0].known == 0
+        finally:
+            drafter.gate.set()
+            await server.stop(None)
+
+    run(main())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_hidden_rows_arrive_intact(dtype):
+    drafter = RecordingDrafter()
+    rows = [torch.randn(5, 16), None, torch.randn(1, 16)]
+
+    async def main():
+        server, port = await start_drafter_server(drafter)
+        try:
+            async with DrafterClient(f"127.0.0.1:{port}", timeout_s=5,
+                                     hidden_dtype=dtype) as client:
+                info = await client.info()
+                assert info.wants_hidden and info.name == "RecordingDrafter"
+                history = [1, 2, 3, 4, 5]
+                for hidden in rows:
+                    await client.propose([ProposeJob("r", list(history), 2, hidden=hidden)])
+                    history.append(6)
+        finally:
+            await server.stop(None)
+
+    run(main())
+    assert len(drafter.seen_hidden) == len(rows)
+    for sent, got in zip(rows, drafter.seen_hidden, strict=True):
+        if sent is None:
+            assert got is None
+        elif dtype == "float32":
+            assert torch.equal(got, sent)
+        else:
+            assert got.dtype == torch.float32
+            assert torch.equal(got, sent.to(getattr(torch, dtype)).float())
+            assert torch.allclose(got, sent, rtol=2.0 ** -7, atol=0)
+
+
+def test_health_and_reflection():
+    async def main():
+        server, port = await start_drafter_server(lookup())
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                for service in ("", SERVICE_NAME):
+                    reply = await health.Check(health_pb2.HealthCheckRequest(service=service),
+                                               timeout=5)
+                    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+                assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+                stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+                call = stub.ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+                replies = [r async for r in call]
+                names = {s.name for s in replies[0].list_services_response.service}
+                assert {"specd.v1.Drafter", "grpc.health.v1.Health"} <= names
+        finally:
+            await server.stop(None)
+
+    run(main())
+
+
+def test_actor_class_serves_without_ray():
+    from drafter_worker.actor import DrafterActor, _DrafterActor
+
+    assert hasattr(DrafterActor, "remote")
+
+    async def main():
+        actor = _DrafterActor("prompt-lookup", ngram_size=2, max_draft_len=4)
+        address = await actor.start()
+        assert await actor.start() == address == actor.address()
+        async with DrafterClient(address, timeout_s=5) as client:
+            info = await client.info()
+            assert (info.name, info.wants_hidden, info.max_draft_len) == (
+                "PromptLookupSpeculator", False, 4)
+        await actor.stop()
+        assert actor.address() is None
+
+    run(main())
+
+
+# --- python -m drafter_worker ---------------------------------------------------------------
+
+
+def test_module_entry_point_serves_and_stops_cleanly_on_sigterm():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "drafter_worker", "--port", "0", "--max-draft-len", "5"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], _SAFETY_S)
+        assert ready, "no listening line"
+        line = proc.stdout.readline()
+        match = re.fullmatch(r"drafter listening on 127\.0\.0\.1:(\d+)\n", line)
+        assert match, (line, proc.stderr.read() if proc.poll() is not None else "")
+
+        async def ask():
+            async with DrafterClient(f"127.0.0.1:{match.group(1)}", timeout_s=10) as client:
+                return await client.info()
+
+        info = run(ask())
+        assert (info.name, info.max_draft_len) == ("PromptLookupSpeculator", 5)
+        proc.send_signal(signal.SIGTERM)
+        # The handler stops the server gracefully and returns normally: status 0 (not the
+        # -15 an unhandled SIGTERM would give).
+        assert proc.wait(timeout=_SAFETY_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
