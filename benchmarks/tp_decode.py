@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     use_gpu = {"auto": None, "yes": True, "no": False}[args.gpu]
     greedy = SamplingParams()
 
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    from coordinator.service import init_embedded_ray
+
+    init_embedded_ray()  # loopback only, as the embedded service
     names = [f"tp={tp} threads={th}" + (" replicated-vocab" if rep else "")
              for tp, th, rep in args.configs]
     replicas = [create_target_replica(args.model, tp=tp, max_slots=2, num_threads=th,

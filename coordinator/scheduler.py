@@ -34,6 +34,7 @@ import torch
 
 from drafter_worker import DraftBlock
 from specd_core.request import DecodeRequest, SpeculativeOptions
+from target_worker.engine import SlotsExhausted
 
 from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target
 from .errors import ReplicaUnavailable, RequestError, RequestFailed, ServiceStopping
@@ -250,14 +251,23 @@ class Scheduler:
                 self.waiting.clear()
                 await self._on_target_failure(exc, waiting)
                 return
-        self._drop_cancelled()
+        await self._drop_cancelled()
         while self.waiting and len(self.active) + len(self._admitting) < self.max_active:
             req = self.waiting.popleft()
             if req.cancelled:
-                self._finish_cancelled(req)
+                await self._finish_cancelled(req)
                 continue
             try:
                 slot = await self.target.allocate()
+            except SlotsExhausted as exc:
+                if not (self.active or self._admitting):  # none will ever free: say so
+                    await self._fail(req, exc)
+                    continue
+                # The target holds slots this loop does not count (a free still in flight):
+                # the request waits for a later admission; nothing failed.
+                log.warning("target has no free slot; request %s waits", req.id)
+                self.waiting.appendleft(req)
+                break
             except Exception as exc:
                 await self._on_target_failure(exc, [req])
                 continue
@@ -294,7 +304,7 @@ class Scheduler:
     async def _step(self) -> None:
         from target_worker.engine import VerifyItem
 
-        self._drop_cancelled()
+        await self._drop_cancelled()
         if not self.active:
             return
         active = list(self.active)
@@ -505,12 +515,13 @@ class Scheduler:
         if self.drafter is not None:
             asyncio.get_running_loop().create_task(self.drafter.release([req.id]))
 
-    def _drop_cancelled(self) -> None:
+    async def _drop_cancelled(self) -> None:
         for req in [r for r in self.active if r.cancelled]:
             self.active.remove(req)
-            self._finish_cancelled(req)
+            await self._finish_cancelled(req)
 
-    def _finish_cancelled(self, req: ServiceRequest) -> None:
+    async def _finish_cancelled(self, req: ServiceRequest) -> None:
         self.stats.cancelled += 1
         req.events.put_nowait(asyncio.CancelledError("cancelled by the client"))
-        asyncio.get_running_loop().create_task(self._release(req, count=False))
+        # Awaited, not left to a task: the slot must be free before admission reuses it.
+        await self._release(req, count=False)

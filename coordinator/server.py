@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -70,15 +71,45 @@ class InvalidRequest(ValueError):
     """A request field is invalid; the message names it."""
 
 
+#: Most stop strings per request, and UTF-8 bytes per stop string: each step checks every
+#: string against the output's tail, so an unbounded list slows the whole batch down.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_BYTES = 1024
+#: Most stop token ids per request.
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _check_stops(request: generation_pb2.GenerateRequest) -> None:
+    """Raises `InvalidRequest` naming ``stop`` / ``stop_token_ids`` when over their caps or
+    a stop string is empty."""
+    if len(request.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop: {len(request.stop)} stop strings, at most "
+                             f"{MAX_STOP_STRINGS} are allowed")
+    for i, stop in enumerate(request.stop):
+        if not stop:
+            raise InvalidRequest("stop: stop strings must be non-empty")
+        if _text_bytes([stop], MAX_STOP_STRING_BYTES) > MAX_STOP_STRING_BYTES:
+            raise InvalidRequest(f"stop[{i}]: longer than {MAX_STOP_STRING_BYTES} bytes")
+    if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"stop_token_ids: {len(request.stop_token_ids)} ids, at most "
+                             f"{MAX_STOP_TOKEN_IDS} are allowed")
+
+
 def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
     """`SamplingParams` from the proto, unset fields taking their defaults.
 
     Raises:
         InvalidRequest: naming the out-of-range field.
     """
-    fields = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-              "presence_penalty", "frequency_penalty")
-    kwargs = {f: getattr(msg, f) for f in fields if msg.HasField(f)}
+    fields = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty")
+    # The proto's float32 back to the shortest decimal that round-trips it (0.01 arrives as
+    # 0.0099999998): the value the client wrote, so a request means the same here as in
+    # process, and documented bounds such as repetition_penalty >= 0.01 hold as written.
+    kwargs = {f: float(np.format_float_positional(np.float32(getattr(msg, f)), unique=True))
+              for f in fields if msg.HasField(f)}
+    if msg.HasField("top_k"):
+        kwargs["top_k"] = msg.top_k
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:  # "SamplingParams.top_p=..." -> "sampling.top_p=..."
@@ -168,7 +199,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             if not messages or not any(m["content"] for m in messages):
                 raise InvalidRequest("chat: at least one message with content is required")
-            self._check_size("chat", [m["content"] for m in messages])
+            self._check_size("chat", [t for m in messages for t in (m["role"], m["content"])])
             ids = encode_chat(self.tokenizer, messages)
         if not ids:
             raise InvalidRequest(f"prompt: the {kind} prompt is empty")
@@ -185,6 +216,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
               ) -> tuple[list[int], SpeculativeOptions, bool, int | None]:
         """(prompt ids, options, speculate, max_draft_len) or `InvalidRequest`. Tokenizes:
         blocking (the server calls it in a worker thread)."""
+        _check_stops(request)  # cheap, before tokenizing
         prompt = self._prompt_tokens(request)
         sampling = sampling_from_proto(request.sampling)
         if request.max_new_tokens <= 0:
@@ -199,8 +231,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         bad = [t for t in request.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequest(f"stop_token_ids: id {bad[0]} is outside the vocabulary")
-        if any(not s for s in request.stop):
-            raise InvalidRequest("stop: stop strings must be non-empty")
+
         spec = request.speculation
         drafter = spec.drafter
         if drafter not in ("", "none", self.drafter_name):
@@ -332,7 +363,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"scaling failed: {exc}")
+            log.error("scaling failed: %s", exc)  # may name pids, actor ids, addresses
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                "scaling failed: a new worker did not start (the server log "
+                                "has the details)")
         return generation_pb2.ScaleResponse(**result)
 
 

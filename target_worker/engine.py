@@ -24,7 +24,11 @@ from specd_core.step import PrefillItem, StepOutput, VerifyItem
 from .config import ModelConfig
 from .model import Decoder, KvCache
 
-__all__ = ["PrefillItem", "StepOutput", "TargetEngine", "VerifyItem"]
+__all__ = ["PrefillItem", "SlotsExhausted", "StepOutput", "TargetEngine", "VerifyItem"]
+
+
+class SlotsExhausted(RuntimeError):
+    """Every slot of the engine is in use (the caller admits the request later)."""
 
 
 class _Slot:
@@ -81,14 +85,14 @@ class TargetEngine:
         """Reserves the lowest free slot id in ``[0, max_slots)`` with an empty cache.
 
         Raises:
-            RuntimeError: every slot is in use.
+            SlotsExhausted: every slot is in use.
         """
         for slot in range(self.max_slots):
             if slot not in self._slots:
                 # Cache memory is allocated lazily by the OS as positions are written.
                 self._slots[slot] = _Slot(self.decoder.new_cache())
                 return slot
-        raise RuntimeError(f"all {self.max_slots} target slots are in use")
+        raise SlotsExhausted(f"all {self.max_slots} target slots are in use")
 
     def free(self, slot: int) -> None:
         """Releases ``slot`` and its cache.

@@ -12,7 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_harness import LocalService, run_in_thread
 
-from coordinator import SamplingParams, SpeculativeOptions, speculative_decode_with
+from coordinator import SpeculativeOptions, speculative_decode_with
+from coordinator.server import sampling_from_proto
 from drafter_worker import PromptLookupSpeculator
 from specd.v1 import generation_pb2
 
@@ -40,7 +41,7 @@ def request(prompt, max_new=24, seed=None, max_draft_len=None, speculate=True, *
 
 def solo(service, req) -> list[int]:
     """The same request run alone in-process with the core loop and the same drafts."""
-    params = SamplingParams(**{f.name: v for f, v in req.sampling.ListFields()})
+    params = sampling_from_proto(req.sampling)
     k = service.drafter_impl.max_draft_len
     if req.speculation.HasField("max_draft_len"):
         k = min(k, req.speculation.max_draft_len)
