@@ -12,6 +12,7 @@ from drafters import OracleDrafter, TopKSamplingDrafter, plain_decode, tiny_deco
 
 from coordinator import DecodeRequest, SamplingParams, SpeculativeOptions, speculative_decode_with
 from drafter_worker import DraftBlock, DraftDist, PromptLookupSpeculator
+from specd_core.draft import drafter_capabilities
 from specd_core.rule import GreedyRows, ProbRows, SparseProbRows
 from target_worker import (
     Decoder,
@@ -105,7 +106,7 @@ def _drive(engine: TargetEngine, cases: list[Case], drafters: list) -> list[Deco
     requests = [DecodeRequest(c.prompt, c.options) for c in cases]
     waiting = list(range(len(cases)))
     active: dict[int, int] = {}  # request index -> slot
-    wants = [d is not None and getattr(d, "wants_hidden", True) for d in drafters]
+    wants = [d is not None and drafter_capabilities(d).wants_hidden for d in drafters]
     step = 0
     while waiting or active:
         admitted = []
