@@ -83,6 +83,21 @@ class ProposeJob:
         return known, self.history[known:], rows
 
 
+def check_jobs(jobs: Sequence[ProposeJob]) -> list[str]:
+    """The jobs' request ids, after checking one call may carry them.
+
+    Raises:
+        ValueError: a request id twice, or a negative ``max_len``.
+    """
+    ids = [job.request_id for job in jobs]
+    if len(set(ids)) != len(ids):
+        raise ValueError("propose: a request id appears twice in one call")
+    for job in jobs:
+        if job.max_len < 0:
+            raise ValueError(f"request {job.request_id!r}: max_len {job.max_len} < 0")
+    return ids
+
+
 @dataclass(frozen=True)
 class DrafterInfo:
     """What the worker serves: its drafter's type name, whether it uses hidden rows, and its
@@ -214,12 +229,7 @@ class DrafterClient:
         """
         if not jobs:
             return []
-        ids = [job.request_id for job in jobs]
-        if len(set(ids)) != len(ids):
-            raise ValueError("propose: a request id appears twice in one call")
-        for job in jobs:
-            if job.max_len < 0:
-                raise ValueError(f"request {job.request_id!r}: max_len {job.max_len} < 0")
+        ids = check_jobs(jobs)
         request = drafter_pb2.ProposeRequest(items=[self._item(job) for job in jobs])
         # Forget first: a call that fails or is cancelled anywhere below leaves the ids
         # unknown, so their next call resends everything.

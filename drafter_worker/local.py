@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from specd_core.draft import DraftBlock, Drafter
 from specd_core.sampling import draft_sampling
 
-from .client import DrafterInfo, ProposeJob
+from .client import DrafterInfo, ProposeJob, check_jobs
 from .sessions import DrafterSessions, SessionLimits
 
 
@@ -44,12 +44,7 @@ class LocalDrafter:
         Raises:
             ValueError: a repeated request id or a negative ``max_len`` (nothing applied).
         """
-        ids = [job.request_id for job in jobs]
-        if len(set(ids)) != len(ids):
-            raise ValueError("propose: a request id appears twice in one call")
-        for job in jobs:
-            if job.max_len < 0:
-                raise ValueError(f"request {job.request_id!r}: max_len {job.max_len} < 0")
+        check_jobs(jobs)
         blocks = []
         for job in jobs:
             known, append, rows = job.delta(self.sessions.known(job.request_id))
