@@ -339,3 +339,27 @@ def test_actor_body_serves_a_request_without_ray():
         assert actor.status()["used_slots"] == 0
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_adopted_warm_cache_continues_at_its_length_and_refuses_positions_before_it():
+    decoder = tiny_decoder(VOCAB)
+    context, prompt, greedy = [3, 1, 4, 1, 5], [9, 2, 6], SamplingParams()
+    cache = decoder.new_cache()
+    decoder.forward_batch(context, 0, cache)
+    engine = TargetEngine(decoder, max_slots=2)
+    slot = engine.adopt(cache)
+    with pytest.raises(ValueError, match="beyond its length"):
+        engine.prefill([PrefillItem(slot, prompt, greedy, start_pos=len(context) + 1)])
+    assert cache.seq_len == len(context)  # a refused item changes nothing
+    (out,) = engine.prefill([PrefillItem(slot, prompt, greedy, start_pos=len(context))])
+    ref = decoder.new_cache()
+    decoder.forward_batch(context, 0, ref)
+    logits = decoder.forward_batch(prompt, len(context), ref)
+    assert out.rows.argmax == (int(logits[-1].argmax()),)
+    assert cache.seq_len == len(context) + len(prompt)
+    with pytest.raises(ValueError, match="before its prompt"):
+        engine.verify([VerifyItem(slot, len(context) - 1, [1], greedy)])
+    (step,) = engine.verify([VerifyItem(slot, len(context) + len(prompt), [7, 8], greedy)])
+    assert len(step.rows) == 2 and cache.seq_len == len(context) + len(prompt) + 2
+    engine.free(slot)
+    assert cache.seq_len == len(context) + len(prompt) + 2  # the cache stays its owner's
