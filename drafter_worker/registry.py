@@ -105,14 +105,15 @@ def check_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
 
     Raises:
         ValueError: an unknown name, invalid sizes, or a head path for a drafter that has no
-            head. FileNotFoundError: a missing head file.
+            head ("none" accepts and ignores everything). FileNotFoundError: a missing head
+            file.
     """
     spec = drafter_spec(name)
+    if spec.draft_len is None:  # "none": nothing to build, the other arguments are unused
+        return
     if drafter_path is not None and not spec.has_head:
         raise ValueError(f"drafter_path={drafter_path!r} is for the EAGLE drafters; "
                          f"drafter {name!r} has no head")
-    if spec.draft_len is None:
-        return
     PromptLookupSpeculator(ngram_size=ngram_size,
                            max_draft_len=LOOKUP_DRAFT_LEN if max_draft_len is None
                            else max_draft_len)
