@@ -396,6 +396,8 @@ class Router:
         self._probe_task: asyncio.Task | None = None
         self.replicas: dict[str, Replica] = {}
         self.wants_hidden = False
+        #: The drafter's own cap on one proposal (its `DrafterInfo`), None until known.
+        self.drafter_max_len: int | None = None
         self._ids = itertools.count()
         self._replica_names = itertools.count()
         self._drafter_names = itertools.count()
@@ -561,10 +563,13 @@ class Router:
                 self.pool.add(name, client, stop)
                 added.append(name)
             if not self._hidden_known and self.pool.serving():
-                self.wants_hidden = (await self.pool.info()).wants_hidden
+                info = await self.pool.info()
+                self.wants_hidden = info.wants_hidden
+                self.drafter_max_len = info.max_draft_len or None
                 self._hidden_known = True
                 for replica in self.replicas.values():
                     replica.scheduler.wants_hidden = self.wants_hidden
+                    replica.scheduler.drafter_max_len = self.drafter_max_len
         elif want < len(have):
             leaving = sorted(have, key=lambda m: (m.state == "serving", len(m.assigned),
                                                   m.in_flight))[:len(have) - want]
@@ -612,6 +617,7 @@ class Router:
                                      max_active=self.max_active, wants_hidden=self.wants_hidden,
                                      adaptive=self.adaptive, cost_model=self.cost_model,
                                      on_failure=self._on_replica_failure)
+        scheduler.drafter_max_len = self.drafter_max_len
         return metered, scheduler
 
     def _add_replica(self, name: str, target: Target, stop, info: dict) -> Replica:

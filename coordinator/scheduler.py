@@ -26,7 +26,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -76,6 +76,19 @@ class LocalTarget:
         return self.engine.verify(items)
 
 
+class CacheTarget(LocalTarget):
+    """A `TargetEngine` whose one request runs in a caller's `KvCache` (`TargetEngine.adopt`):
+    the in-process path, where the cache may be warm (a prefill at its length continues it).
+    Freeing the slot leaves the cache to its owner."""
+
+    def __init__(self, engine, cache):
+        super().__init__(engine)
+        self.cache = cache
+
+    async def allocate(self) -> int:
+        return self.engine.adopt(self.cache)
+
+
 class RayTarget:
     """A `target_worker.actor.TargetActor` Ray actor handle behind the `Target` interface."""
 
@@ -114,6 +127,8 @@ class ServiceRequest:
     submitted_at: float = field(default_factory=time.monotonic)
     #: This request's draft-length policy when the scheduler is adaptive (made lazily).
     adaptive: AdaptiveDraftLength | None = None
+    #: What failed it, when the scheduler failed it (``events`` gets a `RequestError`).
+    cause: BaseException | None = None
 
     def push_new_tokens(self) -> None:
         generated = self.decode.generated
@@ -149,15 +164,24 @@ class Scheduler:
         cost_model: the target's forward cost by tokens per step; None measures it through
             the target before the first admission (`calibrate_target`). Every verify step
             then updates it with its own wall time (the whole step, all requests' tokens).
+        drafter_max_len: the drafter's own cap on one proposal
+            (`specd_core.draft.DrafterCapabilities.max_draft_len`, `DrafterInfo`), or None;
+            the adaptive choice never asks for more.
+        hidden_dtype: the dtype requests keep hidden rows in (float16: what the wire
+            carries; the in-process path keeps float32, what the target computes).
     """
 
     def __init__(self, target: Target, drafter=None, max_active: int = 32,
                  wants_hidden: bool = False, adaptive: bool = True,
-                 cost_model: ForwardCostModel | None = None):
+                 cost_model: ForwardCostModel | None = None,
+                 drafter_max_len: int | None = None,
+                 hidden_dtype: torch.dtype = torch.float16):
         self.target = target
         self.drafter = drafter
         self.max_active = max_active
         self.wants_hidden = wants_hidden and drafter is not None
+        self.drafter_max_len = drafter_max_len
+        self.hidden_dtype = hidden_dtype
         self.adaptive = adaptive and drafter is not None
         self.cost_model = cost_model
         self.waiting: deque[ServiceRequest] = deque()
@@ -192,16 +216,20 @@ class Scheduler:
             req.events.put_nowait(ServiceStopping("the service is shutting down"))
 
     def submit(self, prompt_tokens: Sequence[int], options: SpeculativeOptions,
-               speculate: bool = True, max_draft_len: int | None = None) -> ServiceRequest:
+               speculate: bool = True, max_draft_len: int | None = None,
+               adaptive: AdaptiveDraftLength | None = None) -> ServiceRequest:
         """Queues a request; its tokens arrive on ``request.events``.
+
+        ``adaptive``: this request's own draft-length policy (an adaptive scheduler makes
+        one over its cost model otherwise), e.g. to read the lengths it chose.
 
         Raises:
             ValueError: an empty prompt or invalid options (from `DecodeRequest`).
         """
-        # Hidden rows are kept whole (float16, what the wire carries) for resends.
-        decode = DecodeRequest(prompt_tokens, options, hidden_dtype=torch.float16)
+        # Hidden rows are kept whole for resends.
+        decode = DecodeRequest(prompt_tokens, options, hidden_dtype=self.hidden_dtype)
         req = ServiceRequest(id=f"req-{next(self._ids)}", decode=decode, speculate=speculate,
-                             max_draft_len=max_draft_len)
+                             max_draft_len=max_draft_len, adaptive=adaptive)
         self.waiting.append(req)
         self._wakeup.set()
         return req
@@ -220,6 +248,20 @@ class Scheduler:
             "total_slots": self.max_active,
             **vars(self.stats),
         }
+
+    async def run_until_idle(self, after_step: Callable[[], None] | None = None) -> None:
+        """Steps until no request is waiting or decoding, on the caller's task (the
+        in-process path: no background loop), calling ``after_step()`` after each admission
+        and each step (to hand on what they put on the requests' queues). Failures stay with
+        their requests, as in the service's loop."""
+        while self.waiting or self._admitting or self.active:
+            await self._admit()
+            if after_step is not None:
+                after_step()
+            if self.active:
+                await self._step()
+                if after_step is not None:
+                    after_step()
 
     # ---- the loop ----
 
@@ -283,7 +325,8 @@ class Scheduler:
             try:
                 items.append(PrefillItem(slot=r.slot, tokens=r.decode.prefill_tokens(),
                                          sampling=r.decode.sampling,
-                                         want_hidden=self._hidden_for(r)))
+                                         want_hidden=self._hidden_for(r),
+                                         start_pos=r.decode.options.start_pos))
                 admitted.append(r)
             except Exception as exc:
                 await self._fail(r, exc)
@@ -408,6 +451,7 @@ class Scheduler:
         if error is None:
             error = exc if isinstance(exc, RequestError) else RequestFailed(REQUEST_FAILED)
         log.error("request %s failed: %r", req.id, exc, exc_info=exc)
+        req.cause = exc
         self.stats.failed += 1
         if req in self.active:
             self.active.remove(req)
@@ -475,7 +519,8 @@ class Scheduler:
         if self.adaptive and self.cost_model is not None:
             if req.adaptive is None:
                 req.adaptive = AdaptiveDraftLength(self.cost_model)
-            budget = req.adaptive.next_len(budget, batch_tokens=step_tokens - 1)
+            budget = req.adaptive.next_len(budget, self.drafter_max_len,
+                                           batch_tokens=step_tokens - 1)
             if budget <= 0:
                 return None
         return job_type(

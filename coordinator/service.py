@@ -21,6 +21,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from drafter_worker.registry import DEFAULT_NGRAM_SIZE, LOOKUP_DRAFT_LEN, check_drafter
+
 log = logging.getLogger(__name__)
 
 
@@ -61,8 +63,8 @@ class ServiceConfig:
     port: int = 50051
     address: str | None = None
     drafter: str = "prompt-lookup"
-    ngram_size: int = 3
-    max_draft_len: int | None = 10
+    ngram_size: int = DEFAULT_NGRAM_SIZE
+    max_draft_len: int | None = LOOKUP_DRAFT_LEN
     drafter_path: str | None = None
     max_active: int = 32
     adaptive: bool = True
@@ -335,13 +337,10 @@ class Service:
     """
 
     def __init__(self, config: ServiceConfig):
-        from drafter_worker.server import check_drafter
-
         if (config.tls_cert is None) != (config.tls_key is None):
             raise ValueError("--tls-cert and --tls-key must be given together")
-        if config.drafter != "none":
-            check_drafter(config.drafter, config.ngram_size, config.max_draft_len,
-                          config.drafter_path)
+        check_drafter(config.drafter, config.ngram_size, config.max_draft_len,
+                      config.drafter_path)
         from .router import check_count
 
         check_count("target_replicas", config.target_replicas, 1)

@@ -1,17 +1,26 @@
-"""The in-process speculative decoding loop (the seed's entry points).
+"""The in-process entry points (the seed's API) over the service's scheduler.
 
-`speculative_decode_with` drives one `specd_core.request.DecodeRequest` against a
-`target_worker.Decoder` and any `Drafter` in this process; the service's scheduler drives the
-same `DecodeRequest` per request.
+`speculative_decode_with` runs one request through `coordinator.scheduler.Scheduler`, the
+loop the service runs, with in-process adapters: the caller's decoder and `KvCache` behind
+the `Target` interface (`CacheTarget` over a `target_worker.engine.TargetEngine`) and the
+caller's `Drafter` behind the drafter interface (`drafter_worker.local.LocalDrafter`, the
+drafter worker's per-request sessions without gRPC). Rollback, target rows, the adaptive
+chooser's inputs and the drafter's capabilities are therefore decided in one place for the
+service and for this path.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+import asyncio
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from drafter_worker import PromptLookupSpeculator
-from specd_core.draft import DraftBlock, Drafter
+from drafter_worker.local import LocalDrafter
+from drafter_worker.registry import DEFAULT_NGRAM_SIZE, LOOKUP_DRAFT_LEN
+from specd_core.draft import Drafter
 from specd_core.request import (
     DecodeRequest,
     FinishReason,
@@ -19,9 +28,9 @@ from specd_core.request import (
     SpeculativeOptions,
     check_context,
 )
-from specd_core.sampling import draft_sampling
 
 from .adaptive import AdaptiveDraftLength
+from .scheduler import CacheTarget, Scheduler
 
 __all__ = [
     "DecodeRequest",
@@ -45,78 +54,87 @@ def speculative_decode_with(
 ) -> SpeculativeDecodeResult:
     """Generates up to ``options.max_new_tokens`` tokens with speculative decoding.
 
-    The prompt is one prefill forward; each step verifies anchor + draft in one
-    ``decoder.forward_batch_with_hidden`` call. Output is distributed exactly as plain
-    token-at-a-time sampling with ``options.sampling`` (token-identical when greedy).
+    The prompt is one prefill forward; each step verifies anchor + draft in one target
+    forward. Output is distributed exactly as plain token-at-a-time sampling with
+    ``options.sampling`` (token-identical when greedy), and equals what the service returns
+    for the same request and drafter.
 
     Args:
         decoder: a `target_worker.Decoder`.
         prompt_tokens: non-empty token ids to append at ``options.start_pos``.
         cache: the decoder's `KvCache`, holding exactly the context before the prompt. On
             return it holds that context + prompt + every generated token except the last.
-        drafter: any `Drafter`; ``None`` decodes plainly (one token per forward).
+        drafter: any `Drafter` (its `DrafterCapabilities` say whether it gets hidden rows,
+            its own cap and whether it keeps per-request sessions; a drafter that declares
+            nothing gets the defaults); ``None`` decodes plainly (one token per forward).
         on_tokens: called with each step's newly committed tokens, in order (streaming).
         adaptive: this request's `AdaptiveDraftLength`; when given, each step drafts at most
-            ``adaptive.next_len(...)`` tokens (0: the drafter is not called) and reports
-            what was accepted; each forward's time updates ``adaptive.cost_model``. Output
-            stays lossless; with a point-mass drafter (prompt lookup) seeded output is
-            token-identical with and without it (`specd_core.rule`), with a sampling
-            drafter it is identically distributed.
+            what it chooses (0: the drafter is not called) and reports what was accepted;
+            each step's time updates ``adaptive.cost_model``. Output stays lossless; with a
+            point-mass drafter (prompt lookup) seeded output is token-identical with and
+            without it (`specd_core.rule`), with a sampling drafter it is identically
+            distributed.
 
     Raises:
         ValueError: empty prompt, ``start_pos != cache.seq_len``, or prompt +
-            ``max_new_tokens`` beyond the model's context.
+            ``max_new_tokens`` beyond the model's context. Any error that fails the request
+            inside the loop is raised as it was raised there.
     """
     if options.start_pos != cache.seq_len:
         raise ValueError(
             f"start_pos must be the cache's current length: start_pos={options.start_pos}, "
             f"cache.seq_len={cache.seq_len}"
         )
-    request = DecodeRequest(prompt_tokens, options)
-    check_context(decoder.config.max_seq_len, options, request.num_prompt_tokens)
-    if request.finished:
-        return request.result
-    logits, hidden = decoder.forward_batch_with_hidden(
-        request.prefill_tokens(), options.start_pos, cache, last_logits_only=True
-    )
-    # Hidden rows are kept only for a drafter that conditions on them.
-    wants_hidden = drafter is not None and getattr(drafter, "wants_hidden", True)
-    if drafter is not None and hasattr(drafter, "session"):
-        # A drafter with per-request state (its own KV cache) drafts through a fresh session
-        # that samples with this request's transforms (honest q at any temperature).
-        drafter = drafter.session(draft_sampling(options.sampling),
-                                  0 if options.seed is None else options.seed)
-    request.on_prefill(request.rows(logits), hidden if wants_hidden else None)
-    # The drafter's own cap, where it declares one (prompt lookup's max_draft_len).
-    drafter_max = getattr(drafter, "max_draft_len", None) or None
-    emitted = 0
-    while True:
-        if on_tokens is not None and len(request.generated) > emitted:
-            on_tokens(request.generated[emitted:])
-            emitted = len(request.generated)
-        if request.finished:
-            break
-        budget = request.draft_budget()
-        consulted = adaptive is not None and budget > 0 and drafter is not None
-        if consulted:
-            budget = min(budget, adaptive.next_len(budget, drafter_max))
-        draft = DraftBlock.empty()
-        if budget > 0 and drafter is not None:
-            draft = drafter.propose(tuple(request.history), request.take_hidden(), budget)
-            draft.truncate(budget)
-        accepted_before = request.result.accepted_tokens
-        batch = request.verify_tokens(draft)
-        began = time.perf_counter()
-        logits, hidden = decoder.forward_batch_with_hidden(batch, request.cache_len, cache)
-        if consulted:
-            adaptive.cost_model.observe(len(batch), time.perf_counter() - began)
-        keep = request.on_verify(draft, request.rows(logits, draft.tokens),
-                                 hidden if wants_hidden else None)
-        if cache.seq_len > keep:
-            cache.truncate(keep)
-        if consulted:
-            adaptive.update(len(draft), request.result.accepted_tokens - accepted_before)
-    return request.result
+    check = DecodeRequest(prompt_tokens, options)  # validates the prompt
+    check_context(decoder.config.max_seq_len, options, check.num_prompt_tokens)
+    if check.finished:
+        return check.result
+    from target_worker.engine import TargetEngine
+
+    local = None if drafter is None else LocalDrafter(drafter)
+    caps = None if local is None else local.capabilities
+    scheduler = Scheduler(
+        CacheTarget(TargetEngine(decoder, max_slots=1), cache), local, max_active=1,
+        wants_hidden=caps is not None and caps.wants_hidden,
+        adaptive=adaptive is not None,
+        cost_model=None if adaptive is None else adaptive.cost_model,
+        drafter_max_len=None if caps is None else caps.max_draft_len,
+        hidden_dtype=torch.float32)
+    req = scheduler.submit(prompt_tokens, options, adaptive=adaptive)
+    result: list[SpeculativeDecodeResult] = []
+
+    def deliver() -> None:
+        while not req.events.empty():
+            event = req.events.get_nowait()
+            if isinstance(event, list):
+                if on_tokens is not None:
+                    on_tokens(event)
+            elif isinstance(event, SpeculativeDecodeResult):
+                result.append(event)
+            else:
+                raise req.cause if req.cause is not None else event
+
+    async def drive() -> None:
+        await scheduler.run_until_idle(after_step=deliver)
+        await asyncio.sleep(0)  # lets the drafter's release task run before the loop closes
+
+    _run(drive())
+    keep = req.decode.cache_len  # the committed length: drop the last step's rejected rows
+    if cache.seq_len > keep:
+        cache.truncate(keep)
+    return result[0]
+
+
+def _run(coro: Coroutine) -> None:
+    """Runs ``coro`` to completion from synchronous code, also when this thread already runs
+    an event loop (then on a worker thread)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(coro)
+        return
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(asyncio.run, coro).result()
 
 
 def speculative_decode(
@@ -126,11 +144,13 @@ def speculative_decode(
     cache,
     drafter: Drafter | None = None,
 ) -> SpeculativeDecodeResult:
-    """Greedy speculative decode from a fresh cache (prompt lookup, n=3, k=10, by default)."""
+    """Greedy speculative decode from a fresh cache (prompt lookup by default: n-gram
+    `DEFAULT_NGRAM_SIZE`, `LOOKUP_DRAFT_LEN` tokens)."""
     return speculative_decode_with(
         decoder,
         prompt_tokens,
         cache,
-        drafter if drafter is not None else PromptLookupSpeculator(3, 10),
+        drafter if drafter is not None else PromptLookupSpeculator(DEFAULT_NGRAM_SIZE,
+                                                                   LOOKUP_DRAFT_LEN),
         SpeculativeOptions(max_new_tokens=max_new_tokens),
     )

@@ -17,13 +17,14 @@ import os
 import signal
 import sys
 
-from .server import (
-    DRAFTERS,
-    SECRET_ENV,
-    SessionLimits,
+from .registry import (
+    DEFAULT_NGRAM_SIZE,
+    EAGLE_MAX_DRAFT_LEN,
+    LOOKUP_DRAFT_LEN,
+    SERVED_DRAFTERS,
     build_drafter,
-    start_drafter_server,
 )
+from .server import SECRET_ENV, SessionLimits, start_drafter_server
 
 #: Seconds in-flight calls get to finish after a stop signal.
 _GRACE_S = 2.0
@@ -46,10 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         metavar="SECONDS",
                         help="forget a request id this long after its last call "
                              "(default %(default)s)")
-    parser.add_argument("--drafter", default="prompt-lookup", choices=DRAFTERS)
-    parser.add_argument("--ngram-size", type=int, default=3)
+    parser.add_argument("--drafter", default="prompt-lookup", choices=SERVED_DRAFTERS)
+    parser.add_argument("--ngram-size", type=int, default=DEFAULT_NGRAM_SIZE)
     parser.add_argument("--max-draft-len", type=int, default=None,
-                        help="default: 10 for prompt lookup, 3 for EAGLE")
+                        help=f"default: {LOOKUP_DRAFT_LEN} for prompt lookup, "
+                             f"{EAGLE_MAX_DRAFT_LEN} for EAGLE")
     parser.add_argument("--model", default=None,
                         help="EAGLE: the target .gguf whose embeddings it uses (default SmolLM2)")
     parser.add_argument("--drafter-path", default=None,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import grpc
 import ray
 
-from .server import SessionLimits, build_drafter, start_drafter_server
+from .registry import DEFAULT_NGRAM_SIZE, build_drafter
+from .server import SessionLimits, start_drafter_server
 
 #: Hosts that bind every interface: the actor then advertises its node's IP.
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")
@@ -27,8 +28,8 @@ class _DrafterActor:
         ValueError: from `build_drafter` (unknown name or bad sizes), at construction.
     """
 
-    def __init__(self, drafter: str = "prompt-lookup", ngram_size: int = 3,
-                 max_draft_len: int | None = 10, model: str | None = None,
+    def __init__(self, drafter: str = "prompt-lookup", ngram_size: int = DEFAULT_NGRAM_SIZE,
+                 max_draft_len: int | None = None, model: str | None = None,
                  drafter_path: str | None = None):
         # model / drafter_path: for the EAGLE drafters (the target's embeddings, the head).
         self.drafter = build_drafter(drafter, ngram_size=ngram_size, max_draft_len=max_draft_len,

@@ -61,6 +61,42 @@ class ProposeJob:
     seed: int = 0
     hidden_log: torch.Tensor | None = None
 
+    def delta(self, known: int) -> tuple[int, Sequence[int], torch.Tensor | None]:
+        """What to send a worker that holds ``known`` history tokens of this id:
+        ``(known, tokens to append, hidden rows)``; ``known`` drops to 0 (a full resend) when
+        it exceeds the history (the id was reused for a shorter one).
+
+        Raises:
+            ValueError: a ``hidden_log`` without one row per history position but the last.
+        """
+        if known > len(self.history):
+            known = 0
+        rows = self.hidden
+        if self.hidden_log is not None:
+            if self.hidden_log.shape[0] != len(self.history) - 1:
+                raise ValueError(
+                    f"request {self.request_id!r}: hidden_log has {self.hidden_log.shape[0]} "
+                    f"rows for a {len(self.history)}-token history (expected one per "
+                    "position but the last)")
+            # Rows for the positions from the worker's anchor (known - 1) on.
+            rows = self.hidden_log[max(known - 1, 0):]
+        return known, self.history[known:], rows
+
+
+def check_jobs(jobs: Sequence[ProposeJob]) -> list[str]:
+    """The jobs' request ids, after checking one call may carry them.
+
+    Raises:
+        ValueError: a request id twice, or a negative ``max_len``.
+    """
+    ids = [job.request_id for job in jobs]
+    if len(set(ids)) != len(ids):
+        raise ValueError("propose: a request id appears twice in one call")
+    for job in jobs:
+        if job.max_len < 0:
+            raise ValueError(f"request {job.request_id!r}: max_len {job.max_len} < 0")
+    return ids
+
 
 @dataclass(frozen=True)
 class DrafterInfo:
@@ -158,26 +194,15 @@ class DrafterClient:
         return DrafterInfo(reply.name, reply.wants_hidden, reply.max_draft_len)
 
     def _item(self, job: ProposeJob) -> drafter_pb2.ProposeItem:
-        known = self._known.get(job.request_id, 0)
-        if known > len(job.history):  # the caller reused the id for a shorter history
-            known = 0
+        known, append, rows = job.delta(self._known.get(job.request_id, 0))
         item = drafter_pb2.ProposeItem(
             request_id=job.request_id,
             known=known,
-            append=[int(t) for t in job.history[known:]],
+            append=[int(t) for t in append],
             max_len=job.max_len,
         )
-        if job.hidden_log is not None:
-            if job.hidden_log.shape[0] != len(job.history) - 1:
-                raise ValueError(
-                    f"request {job.request_id!r}: hidden_log has {job.hidden_log.shape[0]} "
-                    f"rows for a {len(job.history)}-token history (expected one per "
-                    "position but the last)")
-            # Rows for the positions from the worker's anchor (known - 1) on.
-            rows = job.hidden_log[max(known - 1, 0):]
+        if rows is not None:
             item.hidden.CopyFrom(wire.tensor_to_proto(rows, self.hidden_dtype))
-        elif job.hidden is not None:
-            item.hidden.CopyFrom(wire.tensor_to_proto(job.hidden, self.hidden_dtype))
         if job.sampling is not None:
             item.sampling.CopyFrom(
                 drafter_pb2.DraftSampling(
@@ -204,12 +229,7 @@ class DrafterClient:
         """
         if not jobs:
             return []
-        ids = [job.request_id for job in jobs]
-        if len(set(ids)) != len(ids):
-            raise ValueError("propose: a request id appears twice in one call")
-        for job in jobs:
-            if job.max_len < 0:
-                raise ValueError(f"request {job.request_id!r}: max_len {job.max_len} < 0")
+        ids = check_jobs(jobs)
         request = drafter_pb2.ProposeRequest(items=[self._item(job) for job in jobs])
         # Forget first: a call that fails or is cancelled anywhere below leaves the ids
         # unknown, so their next call resends everything.

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd_core.draft import DraftBlock, DraftDist
+from specd_core.draft import DraftBlock, DraftDist, DrafterCapabilities
 from specd_core.sampling import DraftSamplingParams
 
 #: Most support entries one sampled draft position reports (an own top-k applied before
@@ -605,6 +605,12 @@ class EagleDrafter:
 
         return fast_linear(features, self.lm_sub)
 
+    @property
+    def capabilities(self) -> DrafterCapabilities:
+        """Conditions on hidden rows, samples its drafts, one session per request."""
+        return DrafterCapabilities(wants_hidden=True, max_draft_len=self.max_draft_len,
+                                   sessions=True, samples=True)
+
     def session(self, sampling: DraftSamplingParams | None = None, seed: int = 0
                 ) -> EagleSession:
         """A fresh per-request session (own KV cache, own seeded generator)."""
@@ -668,6 +674,12 @@ class LookupThenEagle:
         self.max_draft_len = max(getattr(lookup, "max_draft_len", 0) or 0,
                                  getattr(eagle, "max_draft_len", 0) or 0)
         self._eagle = _session if _session is not None else eagle
+
+    @property
+    def capabilities(self) -> DrafterCapabilities:
+        """As EAGLE's, with the longer of the two caps."""
+        return DrafterCapabilities(wants_hidden=True, max_draft_len=self.max_draft_len or None,
+                                   sessions=True, samples=True)
 
     def session(self, sampling: DraftSamplingParams | None = None, seed: int = 0
                 ) -> LookupThenEagle:

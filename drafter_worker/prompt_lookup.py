@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from specd_core.draft import DraftBlock
+from specd_core.draft import DraftBlock, DrafterCapabilities
 
 
 class PromptLookupSpeculator:
@@ -32,9 +32,6 @@ class PromptLookupSpeculator:
         ValueError: ``ngram_size`` or ``max_draft_len`` below 1.
     """
 
-    #: Prompt lookup never looks at the target's hidden state: callers need not send it.
-    wants_hidden = False
-
     def __init__(self, ngram_size: int = 3, max_draft_len: int = 10):
         if int(ngram_size) < 1:
             raise ValueError(f"ngram_size must be at least 1, got {ngram_size}")
@@ -42,6 +39,13 @@ class PromptLookupSpeculator:
             raise ValueError(f"max_draft_len must be at least 1, got {max_draft_len}")
         self.ngram_size = int(ngram_size)
         self.max_draft_len = int(max_draft_len)
+
+    @property
+    def capabilities(self) -> DrafterCapabilities:
+        """Never looks at hidden rows (callers need not send them), drafts point masses, one
+        instance serves every request."""
+        return DrafterCapabilities(wants_hidden=False, max_draft_len=self.max_draft_len,
+                                   samples=False)
 
     def propose_tokens(self, history: Sequence[int] | np.ndarray) -> list[int]:
         """The continuation after the most recent earlier match, ``<= max_draft_len`` ids."""

@@ -19,12 +19,9 @@ import asyncio
 import hmac
 import ipaddress
 import logging
-import os
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -35,8 +32,13 @@ from specd_core.draft import DraftBlock, Drafter
 from specd_core.sampling import DraftSamplingParams
 
 from . import wire
-from .eagle import NeedsResync
-from .prompt_lookup import PromptLookupSpeculator
+
+# Re-exported: where these lived before the registry and the sessions had their own modules.
+from .registry import build_drafter as build_drafter
+from .registry import check_drafter as check_drafter
+from .sessions import DrafterSessions
+from .sessions import ProposeRefused as ProposeRefused
+from .sessions import SessionLimits as SessionLimits
 
 log = logging.getLogger(__name__)
 
@@ -53,41 +55,6 @@ SECRET_METADATA_KEY = "x-specd-drafter-secret"
 
 #: Environment variable `python -m drafter_worker` reads its secret from.
 SECRET_ENV = "SPECD_DRAFTER_SECRET"
-
-
-class ProposeRefused(ValueError):
-    """A Propose call the worker refuses as a whole (``INVALID_ARGUMENT``); the message names
-    the field. Nothing in the call was applied."""
-
-
-@dataclass(frozen=True)
-class SessionLimits:
-    """Bounds on what a drafter worker holds for its callers.
-
-    Attributes:
-        max_history: the most tokens one request's history may reach (the service passes the
-            model's context length; the default is SmolLM2's); a Propose item beyond it
-            refuses the whole call.
-        max_sessions: the most request ids held; past it the least recently used id is
-            forgotten (its next call resyncs, which costs a resend, never an output).
-        idle_timeout_s: seconds after its last Propose an id is forgotten (checked on every
-            call; memory is bounded by the other two limits meanwhile).
-
-    Raises:
-        ValueError: a limit that is not positive.
-    """
-
-    max_history: int = 8192
-    max_sessions: int = 1024
-    idle_timeout_s: float = 600.0
-
-    def __post_init__(self):
-        for name in ("max_history", "max_sessions"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not self.idle_timeout_s > 0:
-            raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s!r}")
 
 
 def is_loopback(host: str) -> bool:
@@ -158,7 +125,9 @@ def grpc_options() -> list[tuple[str, int]]:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    """Serves ``specd.v1.Drafter`` from one `Drafter`, with per-request history state.
+    """Serves ``specd.v1.Drafter`` from one `Drafter`, with per-request history state
+    (`drafter_worker.sessions.DrafterSessions`, the same bookkeeping the in-process adapter
+    uses).
 
     Every drafter call and every state change runs on one dedicated worker thread, in
     arrival order: the event loop stays free for health checks while a drafter computes,
@@ -175,15 +144,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, drafter: Drafter, limits: SessionLimits | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.drafter = drafter
-        self.limits = limits or SessionLimits()
-        self._clock = clock
-        # request id -> the committed history the drafter has seen (prompt first).
-        self._histories: dict[str, list[int]] = {}
-        # request id -> time of its last Propose, least recently used first.
-        self._last_used: OrderedDict[str, float] = OrderedDict()
-        # request id -> its own drafter, for drafters with per-request state (a KV cache):
-        # those expose ``session(sampling, seed)`` (see `drafter_worker.eagle`).
-        self._sessions: dict[str, Drafter] = {}
+        self.sessions = DrafterSessions(drafter, limits, clock)
+        self.limits = self.sessions.limits
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
 
     # --- gRPC handlers ---------------------------------------------------------------------
@@ -199,10 +161,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.ReleaseResponse()
 
     async def Info(self, request, context):  # noqa: N802
+        caps = self.sessions.capabilities
         return drafter_pb2.InfoResponse(
             name=type(self.drafter).__name__,
-            wants_hidden=bool(getattr(self.drafter, "wants_hidden", True)),
-            max_draft_len=int(getattr(self.drafter, "max_draft_len", 0)),
+            wants_hidden=caps.wants_hidden,
+            max_draft_len=caps.max_draft_len or 0,
         )
 
     async def _run(self, fn: Callable, *args):
@@ -219,13 +182,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             ProposeRefused: an item whose history would exceed ``limits.max_history``
                 (checked before anything is applied).
         """
-        cap = self.limits.max_history
         for i, item in enumerate(request.items):
-            total = item.known + len(item.append)
-            if total > cap:
-                raise ProposeRefused(
-                    f"items[{i}].append: a history of {total} tokens (known {item.known} + "
-                    f"{len(item.append)} appended) exceeds max_history {cap}")
+            self.sessions.check_length(i, item.known, len(item.append))
         self.expire_idle()
         response = drafter_pb2.ProposeResponse()
         for item in request.items:
@@ -245,116 +203,36 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return response
 
     def _propose_item(self, item: drafter_pb2.ProposeItem) -> tuple[bool, DraftBlock]:
-        rid = item.request_id
-        stored = self._histories.get(rid)
-        if item.known == 0:
-            base: list[int] = []  # a fresh history: replaces any state of a reused id
-            self._sessions.pop(rid, None)
-        elif stored is None or len(stored) != item.known:
-            self._forget(rid)
-            return True, DraftBlock.empty()
-        else:
-            base = stored
-        try:
-            hidden = wire.tensor_from_proto(item.hidden) if item.HasField("hidden") else None
-        except ValueError:
-            # The drafter never sees this step, so the id's view is dropped; the caller's
-            # next `known` then mismatches and it resyncs.
-            log.exception("request %r: bad hidden tensor", rid)
-            self._forget(rid)
-            return False, DraftBlock.empty()
-        history = base + list(item.append)  # a new list: `stored` may be shared
-        if not history:
-            self._forget(rid)
-            log.warning("request %r: empty history, nothing to draft from", rid)
-            return False, DraftBlock.empty()
-        # Committed before drafting: a drafter failure does not change what was committed.
-        self._histories[rid] = history
-        self._touch(rid)
-        max_len = int(item.max_len)
-        drafter = self._drafter_for(rid, item)
-        try:
-            block = drafter.propose(history, hidden, max_len)
-        except NeedsResync as e:
-            # The drafter's state and the rows sent do not line up (e.g. rows lost with a
-            # failed call): start over with the whole history and every row.
-            log.warning("request %r: %s; asking for a resync", rid, e)
-            self._forget(rid)
-            return True, DraftBlock.empty()
-        except Exception:
-            log.exception("drafter %s failed for request %r", type(self.drafter).__name__, rid)
-            return False, DraftBlock.empty()
-        if not isinstance(block, DraftBlock):
-            log.error("drafter returned %s, not a DraftBlock", type(block).__name__)
-            return False, DraftBlock.empty()
-        if len(block) > max_len:
-            # A new block: truncating in place would alter an object the drafter may keep.
-            block = DraftBlock(block.tokens[:max_len], block.dists[:max_len])
-        return False, block
+        sampling, seed = None, 0
+        if item.HasField("sampling"):
+            s = item.sampling
+            sampling = DraftSamplingParams(temperature=max(0.0, s.temperature),
+                                           top_k=max(0, s.top_k),
+                                           top_p=s.top_p if 0 < s.top_p <= 1 else 1.0)
+            seed = s.seed
 
-    def _drafter_for(self, rid: str, item: drafter_pb2.ProposeItem) -> Drafter:
-        """The shared drafter, or the id's own session of it (created on first use with the
-        item's sampling transforms and seed)."""
-        make = getattr(self.drafter, "session", None)
-        if make is None:
-            return self.drafter
-        session = self._sessions.get(rid)
-        if session is None:
-            sampling, seed = None, 0
-            if item.HasField("sampling"):
-                s = item.sampling
-                sampling = DraftSamplingParams(temperature=max(0.0, s.temperature),
-                                               top_k=max(0, s.top_k),
-                                               top_p=s.top_p if 0 < s.top_p <= 1 else 1.0)
-                seed = s.seed
-            session = self._sessions[rid] = make(sampling, seed)
-        return session
+        def load_hidden():
+            return wire.tensor_from_proto(item.hidden) if item.HasField("hidden") else None
 
-    def _forget(self, rid: str) -> None:
-        self._histories.pop(rid, None)
-        self._sessions.pop(rid, None)
-        self._last_used.pop(rid, None)
-
-    def _touch(self, rid: str) -> None:
-        """Marks ``rid`` used now; forgets the least recently used ids past the session cap."""
-        self._last_used[rid] = self._clock()
-        self._last_used.move_to_end(rid)
-        while len(self._last_used) > self.limits.max_sessions:
-            oldest = next(iter(self._last_used))
-            log.warning("holding %d request ids (max_sessions): forgetting %r, the least "
-                        "recently used", len(self._last_used), oldest)
-            self._forget(oldest)
+        return self.sessions.propose(item.request_id, item.known, item.append, item.max_len,
+                                     load_hidden, sampling, seed)
 
     def expire_idle(self) -> list[str]:
         """Forgets every id whose last Propose is more than ``limits.idle_timeout_s`` ago;
         returns them (oldest first). Runs at the start of every Propose and Release."""
-        deadline = self._clock() - self.limits.idle_timeout_s
-        expired = []
-        while self._last_used:
-            rid, used = next(iter(self._last_used.items()))
-            if used >= deadline:
-                break
-            expired.append(rid)
-            self._forget(rid)
-        if expired:
-            log.info("forgot %d request ids idle for over %.0f s", len(expired),
-                     self.limits.idle_timeout_s)
-        return expired
+        return self.sessions.expire_idle()
 
     def release_ids(self, request_ids: list[str]) -> None:
         """Forgets the given ids; unknown ids are ignored."""
-        self.expire_idle()
-        for rid in request_ids:
-            self._forget(rid)
+        self.sessions.release(request_ids)
 
     def history(self, request_id: str) -> list[int] | None:
         """A copy of the drafter's view of ``request_id``, or None if it holds none."""
-        stored = self._histories.get(request_id)
-        return None if stored is None else list(stored)
+        return self.sessions.history(request_id)
 
     def __len__(self) -> int:
         """Number of request ids with state."""
-        return len(self._histories)
+        return len(self.sessions)
 
 
 async def start_drafter_server(
@@ -407,88 +285,3 @@ async def start_drafter_server(
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     return server, bound
-
-
-#: Drafter names accepted by `build_drafter`.
-DRAFTERS: tuple[str, ...] = ("prompt-lookup", "eagle", "eagle+lookup")
-
-#: Default draft length of the EAGLE drafters (each drafted token costs a head forward).
-EAGLE_MAX_DRAFT_LEN = 3
-
-#: Default `EagleDrafter` ``min_confidence``: a drafted position is verified only while the
-#: head's own estimate that the whole block so far is accepted stays above this. Its value is
-#: the break-even of one more verified token on the 2-core CPU (a verify over 2 tokens costs
-#: ~1.1x one over 1 token, and a head step ~3% of a target forward); see README (EAGLE).
-EAGLE_MIN_CONFIDENCE = 0.15
-
-
-def check_drafter(name: str, ngram_size: int = 3, max_draft_len: int | None = None,
-                  drafter_path: str | None = None) -> None:
-    """Validates `build_drafter`'s arguments without loading any weights (what a service
-    checks before starting workers).
-
-    Raises:
-        ValueError: an unknown name, invalid sizes, or a head path for a drafter that has no
-            head. FileNotFoundError: a missing head file.
-    """
-    if name not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}; choices: {', '.join(DRAFTERS)}")
-    if drafter_path is not None and not name.startswith("eagle"):
-        raise ValueError(f"drafter_path={drafter_path!r} is for the EAGLE drafters; "
-                         f"drafter {name!r} has no head")
-    PromptLookupSpeculator(ngram_size=ngram_size,
-                           max_draft_len=10 if max_draft_len is None else max_draft_len)
-    if name.startswith("eagle"):
-        from .eagle import DEFAULT_HEAD
-
-        path = DEFAULT_HEAD if drafter_path is None else drafter_path
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"EAGLE head not found: {path}")
-
-
-def build_drafter(name: str, ngram_size: int = 3, max_draft_len: int | None = None, *,
-                  model: str | None = None, target=None, drafter_path: str | None = None,
-                  stop_token_ids=(), min_confidence: float | None = None) -> Drafter:
-    """Builds a drafter by name.
-
-    Args:
-        name: one of `DRAFTERS`: "prompt-lookup" (`PromptLookupSpeculator`), "eagle"
-            (`drafter_worker.eagle.EagleDrafter`) or "eagle+lookup" (prompt lookup when
-            it matches, EAGLE otherwise: `drafter_worker.eagle.LookupThenEagle`).
-        ngram_size: the n-gram length prompt lookup matches.
-        max_draft_len: the most tokens one proposal drafts (default 10 for prompt lookup,
-            `EAGLE_MAX_DRAFT_LEN` for the EAGLE head).
-        model: the target the EAGLE head drafts for (a ``.gguf`` path or None for the
-            default model); only its embedding table and LM head are used.
-        target: an already loaded `target_worker.Decoder` to share those weights with
-            (instead of loading ``model``).
-        drafter_path: an EAGLE head file (default: the head shipped for SmolLM2).
-        stop_token_ids: a drafted stop token ends an EAGLE block.
-        min_confidence: EAGLE's dynamic draft length threshold (`EagleDrafter`; default
-            `EAGLE_MIN_CONFIDENCE`, 0 turns it off).
-
-    Raises:
-        ValueError: an unknown name (the message lists the choices), or sizes the drafter
-            rejects, or a head that does not fit the target.
-        FileNotFoundError: a missing head or model file.
-    """
-    if name == "prompt-lookup":
-        return PromptLookupSpeculator(ngram_size=ngram_size,
-                                      max_draft_len=10 if max_draft_len is None
-                                      else max_draft_len)
-    if name in ("eagle", "eagle+lookup"):
-        from .eagle import EagleDrafter, LookupThenEagle
-
-        k = EAGLE_MAX_DRAFT_LEN if max_draft_len is None else max_draft_len
-        conf = EAGLE_MIN_CONFIDENCE if min_confidence is None else min_confidence
-        if target is None:
-            eagle = EagleDrafter.for_model(model, drafter_path, max_draft_len=k,
-                                           stop_token_ids=stop_token_ids, min_confidence=conf)
-        else:
-            eagle = EagleDrafter.for_target(target, drafter_path, max_draft_len=k,
-                                            stop_token_ids=stop_token_ids, min_confidence=conf)
-        if name == "eagle":
-            return eagle
-        lookup_len = 10 if max_draft_len is None else max_draft_len
-        return LookupThenEagle(PromptLookupSpeculator(ngram_size, lookup_len), eagle)
-    raise ValueError(f"unknown drafter {name!r}; choices: {', '.join(DRAFTERS)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -176,6 +177,52 @@ class DraftBlock:
         return f"DraftBlock(tokens={self._tokens!r})"
 
 
+@dataclass(frozen=True)
+class DrafterCapabilities:
+    """What a `Drafter` declares about itself, so callers need not probe it.
+
+    Attributes:
+        wants_hidden: it conditions on the target's hidden rows (callers then keep and ship
+            them); False: it always receives ``None``.
+        max_draft_len: the most tokens one proposal drafts (None: no cap of its own); the
+            adaptive chooser never asks for more.
+        sessions: it keeps per-request state: ``drafter.session(sampling, seed)`` (sampling a
+            `specd_core.sampling.DraftSamplingParams` or None, seed an int) returns a fresh
+            per-request `Drafter` that samples with the request's transforms and seed.
+        samples: its drafts are sampled (an honest ``q`` wider than a point mass), not looked
+            up; with a point-mass drafter, seeded output does not depend on the draft length.
+
+    The defaults are what a drafter that declares nothing gets: hidden rows are passed (it
+    may ignore them), no cap, one shared instance, treated as sampling.
+    """
+
+    wants_hidden: bool = True
+    max_draft_len: int | None = None
+    sessions: bool = False
+    samples: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_draft_len is not None and (
+                isinstance(self.max_draft_len, bool) or int(self.max_draft_len) < 1):
+            raise ValueError(f"max_draft_len must be None or >= 1, got {self.max_draft_len!r}")
+
+
+def drafter_capabilities(drafter: object) -> DrafterCapabilities:
+    """The `DrafterCapabilities` of ``drafter``: its ``capabilities`` attribute, or, for a
+    drafter that declares none, the defaults with the seed's attribute declarations honoured
+    (``wants_hidden``, ``max_draft_len``, a ``session`` method). The one place that reads
+    a drafter's capabilities."""
+    caps = getattr(drafter, "capabilities", None)
+    if isinstance(caps, DrafterCapabilities):
+        return caps
+    limit = getattr(drafter, "max_draft_len", None)
+    return DrafterCapabilities(
+        wants_hidden=bool(getattr(drafter, "wants_hidden", True)),
+        max_draft_len=int(limit) if isinstance(limit, int) and limit >= 1 else None,
+        sessions=callable(getattr(drafter, "session", None)),
+    )
+
+
 @runtime_checkable
 class Drafter(Protocol):
     """Proposes a block of candidate continuation tokens.
@@ -193,8 +240,8 @@ class Drafter(Protocol):
     - ``max_len``: the most tokens the caller will verify; proposing more is allowed (the
       caller truncates) but wasted.
 
-    A drafter may set ``wants_hidden = False`` (prompt lookup does) so callers skip keeping
-    and shipping hidden rows for it; it then always receives ``None``.
+    A drafter declares what it is through a ``capabilities`` attribute (`DrafterCapabilities`;
+    read it with `drafter_capabilities`); one that declares nothing gets the defaults.
     """
 
     def propose(

@@ -15,7 +15,9 @@ __all__ = ["PrefillItem", "StepOutput", "VerifyItem"]
 
 @dataclass(frozen=True)
 class PrefillItem:
-    """Start a request in ``slot``: feed ``tokens`` (the prompt, non-empty) from position 0.
+    """Start a request in ``slot``: feed ``tokens`` (the prompt, non-empty) at ``start_pos``
+    (0 for a fresh request; the slot's length to continue the context it holds, as
+    `SpeculativeOptions.start_pos`).
 
     ``want_hidden`` asks for the target's final hidden rows of every prompt position (for a
     drafter that conditions on them).
@@ -25,6 +27,7 @@ class PrefillItem:
     tokens: list[int]
     sampling: SamplingParams
     want_hidden: bool = False
+    start_pos: int = 0
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ Beside the generations, `forward_timing` times one target forward of ``k`` token
 cache of ``L`` tokens, specd's ``Decoder.forward_batch`` (the bare forward) against the
 transformers model's forward on the same weights (hf-plain's forward), call by call.
 
-Drafters come from `drafter_worker.server.build_drafter` by name (``--drafters``), so a new
+Drafters come from `drafter_worker.registry.build_drafter` by name (``--drafters``), so a new
 drafter is one more name. Greedy outputs must be token-identical across every system and
 repeat; the report says whether they are and lists any mismatch.
 
@@ -39,8 +39,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from coordinator.adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate
+from coordinator.adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_for
 from coordinator.speculative import SpeculativeOptions, speculative_decode_with
+from drafter_worker.registry import LOOKUP_ADAPTIVE_DRAFT_LEN, LOOKUP_DRAFT_LEN
+from specd_core.draft import drafter_capabilities
 
 from .workloads import Workload, encode_prompt, load_workloads
 
@@ -243,7 +245,7 @@ class BenchConfig:
     Attributes:
         model: a ``.gguf`` path, None for the default SmolLM2, or a tiny-random spec.
         workloads: workload names (None: all).
-        drafters: drafter names for `drafter_worker.server.build_drafter`.
+        drafters: drafter names for `drafter_worker.registry.build_drafter`.
         max_new_tokens: per generation, >= 1.
         repeats: timed passes over every prompt, >= 1.
         draft_len: the fixed draft length (specd fixed systems and HF prompt lookup), >= 1.
@@ -265,8 +267,8 @@ class BenchConfig:
     drafters: tuple[str, ...] = ("prompt-lookup",)
     max_new_tokens: int = 128
     repeats: int = 3
-    draft_len: int = 10
-    adaptive_max_draft_len: int = 32
+    draft_len: int = LOOKUP_DRAFT_LEN
+    adaptive_max_draft_len: int = LOOKUP_ADAPTIVE_DRAFT_LEN
     ngram_size: int = 3
     hf: bool = True
     adaptive: bool = True
@@ -508,7 +510,7 @@ def build_systems(config: BenchConfig, decoder, eos: int | None, hf_model=None,
     Raises:
         ValueError: an unknown drafter name.
     """
-    from drafter_worker.server import build_drafter
+    from drafter_worker.registry import build_drafter, drafter_spec
 
     systems: list = []
     if config.bare:
@@ -517,13 +519,13 @@ def build_systems(config: BenchConfig, decoder, eos: int | None, hf_model=None,
     for name in config.drafters:
         # EAGLE heads share the target's embedding and LM head, and draft their own default
         # length (a model drafter's k is its cost, unlike prompt lookup's free copies).
-        eagle = name.startswith("eagle")
+        eagle = drafter_spec(name).has_head
         extra = {"target": decoder, "stop_token_ids": () if eos is None else (eos,),
                  "drafter_path": config.drafter_path} if eagle else {}
         if config.fixed:
             drafter = build_drafter(name, config.ngram_size,
                                     None if eagle else config.draft_len, **extra)
-            k = drafter.max_draft_len if eagle else config.draft_len
+            k = drafter_capabilities(drafter).max_draft_len
             systems.append(SpecdSystem(f"specd-{name}-k{k}", decoder, eos, drafter))
         if config.adaptive:
             if cost_model is None:
@@ -595,9 +597,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = print) -> d
 
     cost_model = None
     if config.adaptive:
-        cache_len = min(300, max(1, context // 2))
-        sizes = tuple(s for s in (1, 2, 4, 8, 16, 32) if cache_len + s <= context)
-        cost_model = calibrate(decoder, cache_len=cache_len, sizes=sizes)
+        cost_model = calibrate_for(decoder, cache_len=300, repeats=3)
         progress("forward cost (ms) by tokens fed: " + ", ".join(
             f"{n}: {s * 1e3:.1f}" for n, s in cost_model.points().items()))
         calibrated = cost_model.points()

@@ -16,6 +16,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
+from drafter_worker.registry import LOOKUP_DRAFT_LEN
+
 from .workloads import Prompt, Workload, load_workloads
 
 __all__ = ["ServiceBenchConfig", "StreamRecord", "run_service_bench"]
@@ -230,7 +232,7 @@ class DefaultPathConfig:
     workloads: tuple[str, ...] | None = ("code_edit", "open_question")
     max_new_tokens: int = 160
     repeats: int = 3
-    prompt_lookup: int = 10
+    prompt_lookup: int = LOOKUP_DRAFT_LEN
     target_threads: int | None = None
     forward_ks: tuple[int, ...] = (1, 2, 4, 8, 32)
     forward_cache_lens: tuple[int, ...] = (300, 2000)

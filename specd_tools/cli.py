@@ -15,28 +15,23 @@ import time
 from collections.abc import Sequence
 
 from coordinator.speculative import SpeculativeOptions, speculative_decode_with
+from drafter_worker.registry import (
+    DEFAULT_NGRAM_SIZE,
+    DRAFTERS,
+    EAGLE_MAX_DRAFT_LEN,
+    LOOKUP_ADAPTIVE_DRAFT_LEN,
+    LOOKUP_DRAFT_LEN,
+    build_drafter,
+    check_drafter,
+    default_draft_len,
+    drafter_spec,
+)
 from specd_core.sampling import SamplingParams
 from specd_core.text import TextStream, encode_prompt
-
-DRAFTERS = ("prompt-lookup", "eagle", "eagle+lookup", "none")
 
 #: `specd serve --shutdown-grace` default, seconds: long enough for a typical answer
 #: (128 tokens at ~10 tok/s on a 2-core CPU take ~13 s).
 SHUTDOWN_GRACE_S = 30.0
-
-
-def build_drafter(name: str, ngram_size: int, max_draft_len: int | None, **kwargs):
-    """The drafter named on the command line (``None`` for plain decoding).
-
-    ``kwargs`` go to `drafter_worker.server.build_drafter` (``target``, ``model``,
-    ``drafter_path``, ``stop_token_ids`` for the EAGLE drafters).
-
-    Raises:
-        ValueError: an unknown name or invalid sizes.
-    """
-    from drafter_worker.server import build_drafter as build_named
-
-    return None if name == "none" else build_named(name, ngram_size, max_draft_len, **kwargs)
 
 
 def metrics_line(result, seconds: float) -> str:
@@ -103,24 +98,22 @@ def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None
 
 
 def _generate_in_process(args: argparse.Namespace) -> int:
-    from drafter_worker.server import check_drafter
     from target_worker import load_model
 
     sampling = sampling_from_args(args)
-    if args.drafter != "none":
-        check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path)
+    check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path)
     if args.target_threads is not None:
         import torch
 
         torch.set_num_threads(args.target_threads)
     decoder, tokenizer = load_model(args.model)
     # Built after the model: an EAGLE head shares the target's embedding and LM head.
+    head = drafter_spec(args.drafter).has_head
     drafter = build_drafter(
         args.drafter, args.ngram_size, args.max_draft_len, target=decoder,
         drafter_path=args.drafter_path,
         stop_token_ids=[t for t in (tokenizer.eos_token_id,) if t is not None],
-    ) if args.drafter.startswith("eagle") else build_drafter(
-        args.drafter, args.ngram_size, args.max_draft_len)
+    ) if head else build_drafter(args.drafter, args.ngram_size, args.max_draft_len)
     prompt = encode_prompt(tokenizer, args.prompt, args.raw)
     stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     options = SpeculativeOptions(
@@ -138,14 +131,9 @@ def _generate_in_process(args: argparse.Namespace) -> int:
 
     adaptive = None
     if drafter is not None and not args.no_adaptive:
-        from coordinator.adaptive import AdaptiveDraftLength, calibrate
+        from coordinator.adaptive import AdaptiveDraftLength, calibrate_for
 
-        # A short calibration (~1 s on SmolLM2, 2 cores); the run then keeps it current.
-        context = decoder.config.max_seq_len
-        cache_len = min(256, context // 2)
-        sizes = tuple(n for n in (1, 2, 4, 8, 16, 32) if cache_len + n <= context)
-        adaptive = AdaptiveDraftLength(calibrate(decoder, cache_len=cache_len, sizes=sizes,
-                                                 repeats=1))
+        adaptive = AdaptiveDraftLength(calibrate_for(decoder))
     start = time.perf_counter()
     result = speculative_decode_with(decoder, prompt, decoder.new_cache(), drafter, options,
                                      on_tokens=on_tokens, adaptive=adaptive)
@@ -163,13 +151,11 @@ def _generate_via_service(args: argparse.Namespace) -> int:
     import grpc
 
     from coordinator.service import Service
-    from drafter_worker.server import check_drafter
 
     from .client import generate_request, result_from_final, stream_generate
 
     sampling_from_args(args)  # validates before any service starts
-    if args.drafter != "none":
-        check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path)
+    check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path)
     service = None
     address = args.server
     if address is None:
@@ -428,11 +414,11 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=None,
                        help="per generation (default 128; --default-path 160)")
     bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--draft-len", type=int, default=10,
+    bench.add_argument("--draft-len", type=int, default=LOOKUP_DRAFT_LEN,
                        help="fixed draft length (specd fixed and HF prompt_lookup_num_tokens)")
-    bench.add_argument("--adaptive-max-draft-len", type=int, default=32,
+    bench.add_argument("--adaptive-max-draft-len", type=int, default=LOOKUP_ADAPTIVE_DRAFT_LEN,
                        help="the most drafts the adaptive systems may choose")
-    bench.add_argument("--ngram-size", type=int, default=3)
+    bench.add_argument("--ngram-size", type=int, default=DEFAULT_NGRAM_SIZE)
     bench.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     bench.add_argument("--no-bare", action="store_true",
                        help="skip the bare-forward overhead reference")
@@ -594,10 +580,13 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
-    p.add_argument("--ngram-size", type=int, default=3)
+    p.add_argument("--ngram-size", type=int, default=DEFAULT_NGRAM_SIZE)
+    lookup = drafter_spec("prompt-lookup")
     p.add_argument("--max-draft-len", type=int, default=None,
-                   help="most drafts per step (default: the cap adaptive chooses under, 32 for "
-                        "prompt lookup; with --no-adaptive 10 for prompt lookup; 3 for EAGLE)")
+                   help=f"most drafts per step (default: the cap adaptive chooses under, "
+                        f"{lookup.adaptive_draft_len} for prompt lookup; with --no-adaptive "
+                        f"{lookup.draft_len} for prompt lookup; {EAGLE_MAX_DRAFT_LEN} for "
+                        f"EAGLE)")
     p.add_argument("--no-adaptive", "--fixed-draft-len", dest="no_adaptive",
                    action="store_true",
                    help="draft --max-draft-len every step instead of choosing the length "
@@ -610,10 +599,8 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "max_draft_len", 0) is None and not args.drafter.startswith("eagle"):
-        # Adaptive drafting picks its own length, so give prompt lookup room for long copies;
-        # the EAGLE drafters keep their own default (None: 3 tokens a proposal).
-        args.max_draft_len = 10 if args.no_adaptive else 32
+    if getattr(args, "max_draft_len", 0) is None:
+        args.max_draft_len = default_draft_len(args.drafter, adaptive=not args.no_adaptive)
     # Keep stderr to specd's own lines: Ray's start-up notices are not for this terminal.
     logging.getLogger("ray").setLevel(logging.ERROR)
     try:

@@ -32,17 +32,26 @@ class SlotsExhausted(RuntimeError):
 
 
 class _Slot:
-    __slots__ = ("cache", "tokens", "num_prompt_tokens")
+    __slots__ = ("cache", "tokens", "num_prompt_tokens", "offset")
 
     def __init__(self, cache: KvCache) -> None:
         self.cache = cache
-        #: Token ids at cache positions [0, cache.seq_len), kept equal in length to the cache.
+        #: Token ids at cache positions [offset, cache.seq_len), kept equal in length to them;
+        #: positions before ``offset`` are context the slot was given (`TargetEngine.adopt`)
+        #: or that its prefill started after, whose ids it does not know.
         self.tokens: list[int] = []
         self.num_prompt_tokens = 0
+        self.offset = cache.seq_len
+
+    def start(self, start_pos: int) -> None:
+        """Keeps the first ``start_pos`` positions as context and forgets every token id."""
+        self.cache.truncate(start_pos)
+        self.tokens.clear()
+        self.offset = start_pos
 
     def truncate(self, length: int) -> None:
         self.cache.truncate(length)
-        del self.tokens[length:]
+        del self.tokens[length - self.offset:]
 
 
 class TargetEngine:
@@ -94,6 +103,20 @@ class TargetEngine:
                 return slot
         raise SlotsExhausted(f"all {self.max_slots} target slots are in use")
 
+    def adopt(self, cache: KvCache) -> int:
+        """Reserves the lowest free slot over an existing ``cache`` of this decoder (its
+        positions kept as context, e.g. a caller's warm cache); a prefill at ``start_pos ==
+        cache.seq_len`` then continues it. `free` drops the slot, never the cache.
+
+        Raises:
+            RuntimeError: every slot is in use.
+        """
+        for slot in range(self.max_slots):
+            if slot not in self._slots:
+                self._slots[slot] = _Slot(cache)
+                return slot
+        raise RuntimeError(f"all {self.max_slots} target slots are in use")
+
     def free(self, slot: int) -> None:
         """Releases ``slot`` and its cache.
 
@@ -116,8 +139,10 @@ class TargetEngine:
         self._slot(slot).truncate(length)
 
     def prefill(self, items: Sequence[PrefillItem]) -> list[StepOutput]:
-        """Starts a request in each item's slot (discarding what it held) in one packed
-        forward; logits are computed for each prompt's last position only.
+        """Starts a request in each item's slot in one packed forward: the slot keeps its
+        first ``item.start_pos`` positions (0: discards all it held) and the prompt is fed
+        after them; logits are computed for each prompt's last position only. Penalties
+        count the prompt as the request's prompt and the context before it not at all.
 
         Returns:
             Per item, in order: rows for the last prompt position (1 row), hidden rows of
@@ -125,16 +150,18 @@ class TargetEngine:
             logits (a tensor-parallel shard on a rank other than 0, `target_worker.tp`).
 
         Raises:
-            ValueError: an unknown or repeated slot, an empty prompt, a token id outside the
-                vocabulary or a prompt longer than the context. Nothing is changed then.
+            ValueError: an unknown or repeated slot, an empty prompt, a ``start_pos`` beyond
+                the slot's length, a token id outside the vocabulary or a prompt longer than
+                the context. Nothing is changed then.
         """
         if not items:
             return []
-        slots = self._check_items(items, [0] * len(items))
-        for slot in slots:
-            slot.truncate(0)
+        slots = self._check_items(items, [item.start_pos for item in items])
+        for item, slot in zip(items, slots, strict=True):
+            slot.start(item.start_pos)
         results = self._forward(
-            [(list(item.tokens), 0, slot.cache) for item, slot in zip(items, slots, strict=True)],
+            [(list(item.tokens), item.start_pos, slot.cache)
+             for item, slot in zip(items, slots, strict=True)],
             [True] * len(items),
         )
         self.stats["prefill_calls"] += 1
@@ -164,12 +191,16 @@ class TargetEngine:
 
         Raises:
             ValueError: an unknown or repeated slot, empty ``tokens``, ``start_pos`` beyond
-                the slot's length, a token id outside the vocabulary, or the context
-                exceeded. Nothing is changed then.
+                the slot's length or before its prompt, a token id outside the vocabulary,
+                or the context exceeded. Nothing is changed then.
         """
         if not items:
             return []
         slots = self._check_items(items, [item.start_pos for item in items])
+        for item, slot in zip(items, slots, strict=True):
+            if item.start_pos < slot.offset:
+                raise ValueError(f"slot {item.slot}: start_pos {item.start_pos} is before its "
+                                 f"prompt's start {slot.offset}")
         for item, slot in zip(items, slots, strict=True):
             slot.truncate(item.start_pos)
         results = self._forward(

@@ -15,8 +15,11 @@ from coordinator.scheduler import LocalTarget
 from target_worker import load_model
 from target_worker.engine import TargetEngine
 
-#: Drafting never pays: a second token in a step costs ten times the first (frozen).
-STEEP = ForwardCostModel({1: 1.0, 2: 10.0}, alpha=0.0)
+#: Drafting never pays, at any batch size: each token more in a step costs ten times the step
+#: (frozen). Given to 128 tokens, past any step here: beyond its points a model extends
+#: linearly, and under a linear tail cost(b + 1) / cost(b) nears 1 in a batch of b tokens, so
+#: a draft's 1 + a expected tokens would pay there (the old two-point curve did, by timing).
+STEEP = ForwardCostModel({n: 10.0 ** (n - 1) for n in range(1, 129)}, alpha=0.0)
 #: Drafting is free (frozen).
 FLAT = ForwardCostModel({1: 1.0}, alpha=0.0)
 

@@ -314,14 +314,14 @@ def test_servicer_answers_resync_when_rows_are_missing_and_keeps_sessions_per_re
     reply = servicer.propose_batch(drafter_pb2.ProposeRequest(items=[
         item("a", 0, 4, hidden[:3]), item("b", 0, 5, hidden[:4])]))
     assert not any(r.resync for r in reply.results)
-    assert len(servicer._sessions) == 2
+    assert len(servicer.sessions._sessions) == 2
     # "a" sends one row for three new tokens: the worker asks for everything again.
     reply = servicer.propose_batch(drafter_pb2.ProposeRequest(items=[
         item("a", 4, 7, hidden[5:6]), item("b", 5, 6, hidden[4:5])]))
     assert [r.resync for r in reply.results] == [True, False]
-    assert "a" not in servicer._sessions
+    assert "a" not in servicer.sessions._sessions
     servicer.release_ids(["b"])
-    assert not servicer._sessions
+    assert not servicer.sessions._sessions
 
 
 def test_prompt_lookup_is_sent_no_hidden_rows_by_the_scheduler():

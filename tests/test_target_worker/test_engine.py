@@ -12,6 +12,7 @@ from drafters import OracleDrafter, TopKSamplingDrafter, plain_decode, tiny_deco
 
 from coordinator import DecodeRequest, SamplingParams, SpeculativeOptions, speculative_decode_with
 from drafter_worker import DraftBlock, DraftDist, PromptLookupSpeculator
+from specd_core.draft import drafter_capabilities
 from specd_core.rule import GreedyRows, ProbRows, SparseProbRows
 from target_worker import (
     Decoder,
@@ -105,7 +106,7 @@ def _drive(engine: TargetEngine, cases: list[Case], drafters: list) -> list[Deco
     requests = [DecodeRequest(c.prompt, c.options) for c in cases]
     waiting = list(range(len(cases)))
     active: dict[int, int] = {}  # request index -> slot
-    wants = [d is not None and getattr(d, "wants_hidden", True) for d in drafters]
+    wants = [d is not None and drafter_capabilities(d).wants_hidden for d in drafters]
     step = 0
     while waiting or active:
         admitted = []
@@ -338,3 +339,27 @@ def test_actor_body_serves_a_request_without_ray():
         assert actor.status()["used_slots"] == 0
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_adopted_warm_cache_continues_at_its_length_and_refuses_positions_before_it():
+    decoder = tiny_decoder(VOCAB)
+    context, prompt, greedy = [3, 1, 4, 1, 5], [9, 2, 6], SamplingParams()
+    cache = decoder.new_cache()
+    decoder.forward_batch(context, 0, cache)
+    engine = TargetEngine(decoder, max_slots=2)
+    slot = engine.adopt(cache)
+    with pytest.raises(ValueError, match="beyond its length"):
+        engine.prefill([PrefillItem(slot, prompt, greedy, start_pos=len(context) + 1)])
+    assert cache.seq_len == len(context)  # a refused item changes nothing
+    (out,) = engine.prefill([PrefillItem(slot, prompt, greedy, start_pos=len(context))])
+    ref = decoder.new_cache()
+    decoder.forward_batch(context, 0, ref)
+    logits = decoder.forward_batch(prompt, len(context), ref)
+    assert out.rows.argmax == (int(logits[-1].argmax()),)
+    assert cache.seq_len == len(context) + len(prompt)
+    with pytest.raises(ValueError, match="before its prompt"):
+        engine.verify([VerifyItem(slot, len(context) - 1, [1], greedy)])
+    (step,) = engine.verify([VerifyItem(slot, len(context) + len(prompt), [7, 8], greedy)])
+    assert len(step.rows) == 2 and cache.seq_len == len(context) + len(prompt) + 2
+    engine.free(slot)
+    assert cache.seq_len == len(context) + len(prompt) + 2  # the cache stays its owner's

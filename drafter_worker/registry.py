@@ -1,0 +1,174 @@
+"""The drafter registry: every drafter the command line, the service and the benchmarks can
+name, with its defaults and capabilities, and the functions that check and build one.
+
+The one place a drafter name, a default draft length or a drafter's defaults are written:
+`specd_tools.cli`, `coordinator.service`, `specd_tools.bench`, `drafter_worker.actor` and
+``python -m drafter_worker`` all read them from here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from specd_core.draft import Drafter, DrafterCapabilities
+
+from .prompt_lookup import PromptLookupSpeculator
+
+#: The n-gram length prompt lookup matches, by default.
+DEFAULT_NGRAM_SIZE = 3
+
+#: Prompt lookup's default draft length when the length is fixed (``--no-adaptive``): long
+#: enough for a copied line, short enough that a miss costs little.
+LOOKUP_DRAFT_LEN = 10
+
+#: Prompt lookup's default cap under the adaptive chooser, which picks the length each step
+#: (0 included): room for long copies.
+LOOKUP_ADAPTIVE_DRAFT_LEN = 32
+
+#: Default draft length of the EAGLE drafters (each drafted token costs a head forward).
+EAGLE_MAX_DRAFT_LEN = 3
+
+#: Default `EagleDrafter` ``min_confidence``: a drafted position is verified only while the
+#: head's own estimate that the whole block so far is accepted stays above this. Its value is
+#: the break-even of one more verified token on the 2-core CPU (a verify over 2 tokens costs
+#: ~1.1x one over 1 token, and a head step ~3% of a target forward); see README (EAGLE).
+EAGLE_MIN_CONFIDENCE = 0.15
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One registered drafter.
+
+    Attributes:
+        name: what ``--drafter`` and `ServiceConfig.drafter` accept.
+        summary: one line for help texts.
+        draft_len: default most drafts per step with a fixed length (None: no drafter).
+        adaptive_draft_len: default cap when the adaptive chooser picks the length.
+        has_head: it loads an EAGLE head (``drafter_path`` applies).
+        capabilities: what every drafter it builds declares (its ``max_draft_len`` is set
+            per instance).
+    """
+
+    name: str
+    summary: str
+    draft_len: int | None
+    adaptive_draft_len: int | None
+    has_head: bool
+    capabilities: DrafterCapabilities | None
+
+
+_EAGLE_CAPS = DrafterCapabilities(wants_hidden=True, sessions=True, samples=True)
+
+#: Every drafter by name, in help order.
+REGISTRY: dict[str, DrafterSpec] = {spec.name: spec for spec in (
+    DrafterSpec("prompt-lookup", "n-gram match over the context (no model)",
+                LOOKUP_DRAFT_LEN, LOOKUP_ADAPTIVE_DRAFT_LEN, False,
+                DrafterCapabilities(wants_hidden=False, samples=False)),
+    DrafterSpec("eagle", "EAGLE head over the target's hidden states",
+                EAGLE_MAX_DRAFT_LEN, EAGLE_MAX_DRAFT_LEN, True, _EAGLE_CAPS),
+    DrafterSpec("eagle+lookup", "prompt lookup when it matches, EAGLE otherwise",
+                EAGLE_MAX_DRAFT_LEN, EAGLE_MAX_DRAFT_LEN, True, _EAGLE_CAPS),
+    DrafterSpec("none", "plain decoding, one token per forward", None, None, False, None),
+)}
+
+#: Every name `build_drafter` accepts ("none" builds no drafter).
+DRAFTERS: tuple[str, ...] = tuple(REGISTRY)
+
+#: The names a drafter worker can serve (all but "none").
+SERVED_DRAFTERS: tuple[str, ...] = tuple(n for n, s in REGISTRY.items() if s.draft_len)
+
+
+def drafter_spec(name: str) -> DrafterSpec:
+    """The registered `DrafterSpec` of ``name``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the choices).
+    """
+    try:
+        return REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown drafter {name!r}; choices: {', '.join(DRAFTERS)}") from None
+
+
+def default_draft_len(name: str, adaptive: bool = False) -> int | None:
+    """``name``'s default most drafts per step: its adaptive cap when ``adaptive``, else its
+    fixed length; None for "none". Raises ValueError for an unknown name."""
+    spec = drafter_spec(name)
+    return spec.adaptive_draft_len if adaptive else spec.draft_len
+
+
+def check_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
+                  max_draft_len: int | None = None, drafter_path: str | None = None) -> None:
+    """Validates `build_drafter`'s arguments without loading any weights (what a service
+    checks before starting workers).
+
+    Raises:
+        ValueError: an unknown name, invalid sizes, or a head path for a drafter that has no
+            head ("none" accepts and ignores everything). FileNotFoundError: a missing head
+            file.
+    """
+    spec = drafter_spec(name)
+    if spec.draft_len is None:  # "none": nothing to build, the other arguments are unused
+        return
+    if drafter_path is not None and not spec.has_head:
+        raise ValueError(f"drafter_path={drafter_path!r} is for the EAGLE drafters; "
+                         f"drafter {name!r} has no head")
+    PromptLookupSpeculator(ngram_size=ngram_size,
+                           max_draft_len=LOOKUP_DRAFT_LEN if max_draft_len is None
+                           else max_draft_len)
+    if spec.has_head:
+        from .eagle import DEFAULT_HEAD
+
+        path = DEFAULT_HEAD if drafter_path is None else drafter_path
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"EAGLE head not found: {path}")
+
+
+def build_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
+                  max_draft_len: int | None = None, *, model: str | None = None, target=None,
+                  drafter_path: str | None = None, stop_token_ids=(),
+                  min_confidence: float | None = None) -> Drafter | None:
+    """Builds a drafter by name.
+
+    Args:
+        name: one of `DRAFTERS`: "prompt-lookup" (`PromptLookupSpeculator`), "eagle"
+            (`drafter_worker.eagle.EagleDrafter`), "eagle+lookup" (prompt lookup when it
+            matches, EAGLE otherwise: `drafter_worker.eagle.LookupThenEagle`) or "none"
+            (returns None: plain decoding).
+        ngram_size: the n-gram length prompt lookup matches.
+        max_draft_len: the most tokens one proposal drafts (default: the spec's
+            ``draft_len``; eagle+lookup's lookup part defaults to `LOOKUP_DRAFT_LEN`).
+        model: the target the EAGLE head drafts for (a ``.gguf`` path or None for the
+            default model); only its embedding table and LM head are used.
+        target: an already loaded `target_worker.Decoder` to share those weights with
+            (instead of loading ``model``).
+        drafter_path: an EAGLE head file (default: the head shipped for SmolLM2).
+        stop_token_ids: a drafted stop token ends an EAGLE block.
+        min_confidence: EAGLE's dynamic draft length threshold (`EagleDrafter`; default
+            `EAGLE_MIN_CONFIDENCE`, 0 turns it off).
+
+    Raises:
+        ValueError: an unknown name (the message lists the choices), or sizes the drafter
+            rejects, or a head that does not fit the target.
+        FileNotFoundError: a missing head or model file.
+    """
+    spec = drafter_spec(name)
+    if spec.draft_len is None:
+        return None
+    k = spec.draft_len if max_draft_len is None else max_draft_len
+    if not spec.has_head:
+        return PromptLookupSpeculator(ngram_size=ngram_size, max_draft_len=k)
+    from .eagle import EagleDrafter, LookupThenEagle
+
+    conf = EAGLE_MIN_CONFIDENCE if min_confidence is None else min_confidence
+    if target is None:
+        eagle = EagleDrafter.for_model(model, drafter_path, max_draft_len=k,
+                                       stop_token_ids=stop_token_ids, min_confidence=conf)
+    else:
+        eagle = EagleDrafter.for_target(target, drafter_path, max_draft_len=k,
+                                        stop_token_ids=stop_token_ids, min_confidence=conf)
+    if name == "eagle":
+        return eagle
+    lookup_len = LOOKUP_DRAFT_LEN if max_draft_len is None else max_draft_len
+    return LookupThenEagle(PromptLookupSpeculator(ngram_size, lookup_len), eagle)

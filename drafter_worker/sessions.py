@@ -1,0 +1,221 @@
+"""Per-request drafting state over one `Drafter`: what a drafter worker keeps between steps.
+
+`DrafterSessions` holds, per request id, the drafter's view of the committed history (so a
+caller ships only the new tokens) and, for a drafter with per-request state
+(`DrafterCapabilities.sessions`), the request's own session of it. The view is append-only;
+whenever a caller's ``known`` count disagrees with it the id is forgotten and the caller is
+told to resync (resend the whole history), so a proposal always equals ``drafter.propose``
+on the full committed history. The gRPC servicer (`drafter_worker.server.DrafterServicer`)
+and the in-process adapter (`drafter_worker.local.LocalDrafter`) both use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specd_core.draft import DraftBlock, Drafter, drafter_capabilities
+from specd_core.sampling import DraftSamplingParams
+
+from .eagle import NeedsResync
+
+log = logging.getLogger(__name__)
+
+
+class ProposeRefused(ValueError):
+    """A Propose call the worker refuses as a whole (``INVALID_ARGUMENT``); the message names
+    the field. Nothing in the call was applied."""
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Bounds on what a drafter worker holds for its callers.
+
+    Attributes:
+        max_history: the most tokens one request's history may reach (the service passes the
+            model's context length; the default is SmolLM2's); a Propose item beyond it
+            refuses the whole call.
+        max_sessions: the most request ids held; past it the least recently used id is
+            forgotten (its next call resyncs, which costs a resend, never an output).
+        idle_timeout_s: seconds after its last Propose an id is forgotten (checked on every
+            call; memory is bounded by the other two limits meanwhile).
+
+    Raises:
+        ValueError: a limit that is not positive.
+    """
+
+    max_history: int = 8192
+    max_sessions: int = 1024
+    idle_timeout_s: float = 600.0
+
+    def __post_init__(self):
+        for name in ("max_history", "max_sessions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s!r}")
+
+
+def _no_hidden() -> None:
+    return None
+
+
+class DrafterSessions:
+    """Per-request history views and drafter sessions over one `Drafter`. Not thread-safe:
+    one caller at a time.
+
+    Args:
+        drafter: the `Drafter` served.
+        limits: what is held at most (`SessionLimits`; default: its defaults).
+        clock: seconds, monotonic (injectable for tests of idle expiry).
+    """
+
+    def __init__(self, drafter: Drafter, limits: SessionLimits | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.drafter = drafter
+        self.capabilities = drafter_capabilities(drafter)
+        self.limits = limits or SessionLimits()
+        self._clock = clock
+        # request id -> the committed history the drafter has seen (prompt first).
+        self._histories: dict[str, list[int]] = {}
+        # request id -> time of its last Propose, least recently used first.
+        self._last_used: OrderedDict[str, float] = OrderedDict()
+        # request id -> its own session of the drafter (`DrafterCapabilities.sessions`).
+        self._sessions: dict[str, Drafter] = {}
+
+    def check_length(self, index: int, known: int, appended: int) -> None:
+        """Raises `ProposeRefused` when item ``index`` (``known`` held + ``appended`` new
+        tokens) would exceed ``limits.max_history``."""
+        total = known + appended
+        if total > self.limits.max_history:
+            raise ProposeRefused(
+                f"items[{index}].append: a history of {total} tokens (known {known} + "
+                f"{appended} appended) exceeds max_history {self.limits.max_history}")
+
+    def known(self, request_id: str) -> int:
+        """History tokens held for the id (0 when none)."""
+        stored = self._histories.get(request_id)
+        return 0 if stored is None else len(stored)
+
+    def propose(self, request_id: str, known: int, append: Sequence[int], max_len: int,
+                load_hidden: Callable[[], torch.Tensor | None] = _no_hidden,
+                sampling: DraftSamplingParams | None = None, seed: int = 0
+                ) -> tuple[bool, DraftBlock]:
+        """One proposal for ``request_id``, whose caller believes ``known`` tokens are held and
+        sends ``append`` after them. Returns ``(resync, block)``: ``resync`` asks the caller
+        to resend the whole history (the id's view was dropped); ``block`` is at most
+        ``max_len`` long. A drafting problem gives an empty block, logged, never raised.
+
+        ``load_hidden`` returns the hidden rows sent with the item (called once, after the
+        history check; a ValueError from it drops the id's view). ``sampling`` and ``seed``
+        configure a new per-request session.
+        """
+        rid = request_id
+        stored = self._histories.get(rid)
+        if known == 0:
+            base: list[int] = []  # a fresh history: replaces any state of a reused id
+            self._sessions.pop(rid, None)
+        elif stored is None or len(stored) != known:
+            self._forget(rid)
+            return True, DraftBlock.empty()
+        else:
+            base = stored
+        try:
+            hidden = load_hidden()
+        except ValueError:
+            # The drafter never sees this step, so the id's view is dropped; the caller's
+            # next `known` then mismatches and it resyncs.
+            log.exception("request %r: bad hidden tensor", rid)
+            self._forget(rid)
+            return False, DraftBlock.empty()
+        history = base + [int(t) for t in append]  # a new list: `stored` may be shared
+        if not history:
+            self._forget(rid)
+            log.warning("request %r: empty history, nothing to draft from", rid)
+            return False, DraftBlock.empty()
+        # Committed before drafting: a drafter failure does not change what was committed.
+        self._histories[rid] = history
+        self._touch(rid)
+        max_len = int(max_len)
+        drafter = self._drafter_for(rid, sampling, seed)
+        try:
+            block = drafter.propose(history, hidden, max_len)
+        except NeedsResync as e:
+            # The drafter's state and the rows sent do not line up (e.g. rows lost with a
+            # failed call): start over with the whole history and every row.
+            log.warning("request %r: %s; asking for a resync", rid, e)
+            self._forget(rid)
+            return True, DraftBlock.empty()
+        except Exception:
+            log.exception("drafter %s failed for request %r", type(self.drafter).__name__, rid)
+            return False, DraftBlock.empty()
+        if not isinstance(block, DraftBlock):
+            log.error("drafter returned %s, not a DraftBlock", type(block).__name__)
+            return False, DraftBlock.empty()
+        if len(block) > max_len:
+            # A new block: truncating in place would alter an object the drafter may keep.
+            block = DraftBlock(block.tokens[:max_len], block.dists[:max_len])
+        return False, block
+
+    def _drafter_for(self, rid: str, sampling: DraftSamplingParams | None, seed: int
+                     ) -> Drafter:
+        """The shared drafter, or the id's own session of it (created on first use with the
+        request's sampling transforms and seed)."""
+        if not self.capabilities.sessions:
+            return self.drafter
+        session = self._sessions.get(rid)
+        if session is None:
+            session = self._sessions[rid] = self.drafter.session(sampling, seed)
+        return session
+
+    def _forget(self, rid: str) -> None:
+        self._histories.pop(rid, None)
+        self._sessions.pop(rid, None)
+        self._last_used.pop(rid, None)
+
+    def _touch(self, rid: str) -> None:
+        """Marks ``rid`` used now; forgets the least recently used ids past the session cap."""
+        self._last_used[rid] = self._clock()
+        self._last_used.move_to_end(rid)
+        while len(self._last_used) > self.limits.max_sessions:
+            oldest = next(iter(self._last_used))
+            log.warning("holding %d request ids (max_sessions): forgetting %r, the least "
+                        "recently used", len(self._last_used), oldest)
+            self._forget(oldest)
+
+    def expire_idle(self) -> list[str]:
+        """Forgets every id whose last Propose is more than ``limits.idle_timeout_s`` ago;
+        returns them (oldest first)."""
+        deadline = self._clock() - self.limits.idle_timeout_s
+        expired = []
+        while self._last_used:
+            rid, used = next(iter(self._last_used.items()))
+            if used >= deadline:
+                break
+            expired.append(rid)
+            self._forget(rid)
+        if expired:
+            log.info("forgot %d request ids idle for over %.0f s", len(expired),
+                     self.limits.idle_timeout_s)
+        return expired
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        """Forgets the given ids; unknown ids are ignored."""
+        self.expire_idle()
+        for rid in request_ids:
+            self._forget(rid)
+
+    def history(self, request_id: str) -> list[int] | None:
+        """A copy of the drafter's view of ``request_id``, or None if it holds none."""
+        stored = self._histories.get(request_id)
+        return None if stored is None else list(stored)
+
+    def __len__(self) -> int:
+        """Number of request ids with state."""
+        return len(self._histories)
