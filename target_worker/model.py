@@ -74,6 +74,16 @@ class KvCache:
             raise ValueError(f"truncate length must be in [0, seq_len={self._seq_len}], got {n}")
         self._seq_len = n
 
+    def advance(self, n: int) -> None:
+        """Commit the ``n`` positions a forward has just written after ``seq_len``.
+
+        Raises:
+            ValueError: if ``n < 0`` or ``seq_len + n`` exceeds the capacity.
+        """
+        if not 0 <= n <= self.capacity - self._seq_len:
+            raise ValueError(f"advance must be in [0, {self.capacity - self._seq_len}], got {n}")
+        self._seq_len += n
+
     def clone(self) -> KvCache:
         """Independent deep copy (committed positions only are meaningful)."""
         new = KvCache.__new__(KvCache)
