@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from drafter_worker.server import refusing_handler
 from specd.v1 import generation_pb2, generation_pb2_grpc
 from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
 from specd_core.sampling import SamplingParams
@@ -377,7 +378,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), self._expected):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
-        return _refusing(handler, "missing or invalid bearer token")
+        return refusing_handler(handler, "missing or invalid bearer token")
 
 
 def generation_handlers(servicer: generation_pb2_grpc.GenerationServicer
@@ -423,25 +424,6 @@ def _parsing_stream(impl: Callable, request_cls) -> Callable:
             yield response
 
     return handler
-
-
-def _refusing(handler: grpc.RpcMethodHandler | None, details: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that aborts with UNAUTHENTICATED."""
-
-    async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
-
-    async def streaming(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
-        yield  # pragma: no cover - makes this an async generator
-
-    if handler is not None and handler.response_streaming:
-        if handler.request_streaming:
-            return grpc.stream_stream_rpc_method_handler(streaming)
-        return grpc.unary_stream_rpc_method_handler(streaming)
-    if handler is not None and handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary)
-    return grpc.unary_unary_rpc_method_handler(unary)
 
 
 async def start_generation_server(

@@ -125,13 +125,16 @@ class SharedSecretInterceptor(grpc.aio.ServerInterceptor):
                 given = value if isinstance(value, str) else ""
         if hmac.compare_digest(given.encode(), self._expected):
             return await continuation(handler_call_details)
-        return _refusing(await continuation(handler_call_details))
+        return refusing_handler(await continuation(handler_call_details),
+                                "missing or invalid drafter secret")
 
 
-def _refusing(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s shape that aborts with UNAUTHENTICATED (the drafter's RPCs
-    are unary-unary; reflection is stream-stream)."""
-    details = "missing or invalid drafter secret"
+def refusing_handler(handler: grpc.RpcMethodHandler | None, details: str
+                     ) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s shape (unary or streaming request and response; unary-unary
+    when None) that aborts every call with UNAUTHENTICATED and ``details``: what an
+    authenticating interceptor returns instead of the real handler (the drafter secret here,
+    the Generation service's bearer token in `coordinator.server`)."""
 
     async def unary(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
