@@ -45,6 +45,7 @@ from target_worker.model import (
     Block,
     KvCache,
     Linear,
+    Rows,
     Segment,
     apply_rope,
     causal_mask,
@@ -352,7 +353,7 @@ class EagleHead(nn.Module):
         cos, sin = self._rope(start, end)
         c = self.config
         mask = causal_mask(start, end, c.n_heads // c.n_kv_heads, x.dtype) if n > 1 else None
-        out = self.layer(x, 0, cos, sin, [Segment(0, n, start, cache, mask)])
+        out = self.layer(x, 0, Rows(cos, sin, [Segment(0, n, start, cache, mask)]))
         cache.advance(n)
         return out
 

@@ -289,6 +289,17 @@ class Segment:
     mask: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Layout of the activation rows of one (packed) forward, shared by every layer: RoPE
+    ``cos`` and signed ``sin`` ``[N, 1, head_dim]`` per row (`rope_tables`) and the
+    `Segment` each row range belongs to."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    segments: Sequence[Segment]
+
+
 def _use_sdpa(x: torch.Tensor) -> bool:
     """Whether attention runs as ``scaled_dot_product_attention``: off the CPU (fused GPU
     kernels, grouped-query heads native). On the CPU the bmm + softmax path measured faster
@@ -316,22 +327,15 @@ class Attention(nn.Module):
         self.wqkv = _linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
         self.wo = _linear(config.n_heads * config.head_dim, config.hidden_size)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        layer: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        segments: Sequence[Segment],
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer: int, rows: Rows) -> torch.Tensor:
         n = x.shape[0]
         h, kvh, d, g = self.n_heads, self.n_kv_heads, self.head_dim, self.group
         # Projections run once over the rows of every segment; attention runs per segment.
         qkv = self.wqkv(x).reshape(n, h + 2 * kvh, d)
         # RoPE on Q and K heads together; sin carries rotate_half's sign (rope_tables).
-        qk = apply_rope(qkv[:, : h + kvh], cos, sin)
+        qk = apply_rope(qkv[:, : h + kvh], rows.cos, rows.sin)
         outs = []
-        for seg in segments:
+        for seg in rows.segments:
             lo, hi, cache = seg.lo, seg.hi, seg.cache
             m, end = hi - lo, seg.start + hi - lo
             cache.k[layer, :, seg.start : end] = qk[lo:hi, h:].transpose(0, 1)
@@ -379,15 +383,8 @@ class Block(nn.Module):
             else SwiGLU(config.hidden_size, config.ffn_dim // tp)
         )
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        layer: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        segments: Sequence[Segment],
-    ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), layer, cos, sin, segments)
+    def forward(self, x: torch.Tensor, layer: int, rows: Rows) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), layer, rows)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -650,10 +647,10 @@ class Decoder(nn.Module):
             segs.append(Segment(lo, lo + n, start, cache, mask))
             lo += n
         x = self.embed_tokens(ids[0] if single else torch.cat(ids))
-        cos_all = cos[0] if single else torch.cat(cos)
-        sin_all = sin[0] if single else torch.cat(sin)
+        rows = Rows(cos[0] if single else torch.cat(cos), sin[0] if single else torch.cat(sin),
+                    segs)
         for i, layer in enumerate(self.layers):
-            x = layer(x, i, cos_all, sin_all, segs)
+            x = layer(x, i, rows)
         for seg in segs:
             seg.cache._seq_len = seg.start + seg.hi - seg.lo
         hidden = self.norm(x)

@@ -230,8 +230,8 @@ class _ShardBlock(Block):
         super().__init__(config, rank, tp)
         self.reduce = reduce
 
-    def forward(self, x, layer, cos, sin, segments):
-        x = x + self.reduce.all_reduce(self.attn(self.attn_norm(x), layer, cos, sin, segments))
+    def forward(self, x, layer, rows):
+        x = x + self.reduce.all_reduce(self.attn(self.attn_norm(x), layer, rows))
         return x + self.reduce.all_reduce(self.ffn(self.ffn_norm(x)))
 
 
