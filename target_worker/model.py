@@ -487,7 +487,7 @@ class Decoder(nn.Module):
             ValueError: empty ``tokens``, an id outside ``[0, vocab_size)``, ``start_pos`` not
                 the cache's length, or ``start_pos + n > max_seq_len``.
         """
-        return self._forward(tokens, start_pos, cache)[0]
+        return self._forward_packed([(tokens, start_pos, cache)], [False])[0][0]
 
     def forward_batch_with_hidden(
         self,
@@ -507,11 +507,11 @@ class Decoder(nn.Module):
             is the final-RMSNorm output and ``logits == lm_head(hidden)``; logits are
             ``[1, vocab_size]`` with ``last_logits_only``.
         """
-        return self._forward(tokens, start_pos, cache, last_logits_only)
+        return self._forward_packed([(tokens, start_pos, cache)], [last_logits_only])[0]
 
     def forward_token(self, token: int, pos: int, cache: KvCache) -> torch.Tensor:
         """One token at position ``pos``; float32 logits ``[vocab_size]``. See forward_batch."""
-        return self._forward([token], pos, cache)[0][0]
+        return self._forward_packed([([token], pos, cache)], [False])[0][0][0]
 
     def _as_tokens(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         if isinstance(tokens, torch.Tensor):
@@ -572,15 +572,6 @@ class Decoder(nn.Module):
         if last_logits_only is None:
             last_logits_only = [False] * len(segments)
         return self._forward_packed(segments, last_logits_only)
-
-    def _forward(
-        self,
-        tokens: Sequence[int] | torch.Tensor,
-        start_pos: int,
-        cache: KvCache,
-        last_logits_only: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._forward_packed([(tokens, start_pos, cache)], [last_logits_only])[0]
 
     def _check_segment(
         self, tokens: Sequence[int] | torch.Tensor, start_pos: int, cache: KvCache
