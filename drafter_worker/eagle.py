@@ -5,9 +5,9 @@ Uncertainty", arXiv 2401.15077) drafts at the feature level. For every committed
 ``t`` the head takes the target's final-norm hidden state ``h_t`` (the input of the target's
 LM head) and the embedding of the next token ``x_{t+1}`` (the target's frozen embedding
 table), fuses them with a linear layer on the concatenation ``[2H -> H]``, runs one Llama
-decoder layer (with its own KV cache) and predicts ``h_{t+1}``; the target's frozen LM head
-turns the prediction into next-token logits. Drafting k tokens feeds the head its own
-predicted features autoregressively.
+decoder layer (the target's own `Block`, over its own one-layer `KvCache`) and predicts
+``h_{t+1}``; the target's frozen LM head turns the prediction into next-token logits.
+Drafting k tokens feeds the head its own predicted features autoregressively.
 
 The LM head is restricted to a draft vocabulary (the most frequent tokens of the training
 data, as in FR-Spec, arXiv 2502.14856, and EAGLE-3): on a 2-core CPU the full
