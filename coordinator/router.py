@@ -21,7 +21,8 @@ listeners (the gRPC health service) hear whenever "some replica can serve" chang
 
 Metrics (`Router.status`): per replica, requests, tokens/s (last 10 s), mean wall time of a
 verify call as the coordinator sees it, the replica's own forward time per call, and the
-pickled bytes of verify inputs and outputs per step; per drafter, calls, errors, latency.
+payload bytes of verify inputs and outputs per step (`payload_bytes`); per drafter, calls,
+errors, latency.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import pickle
 import sys
 import time
 import weakref
@@ -38,6 +38,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from specd_core.request import SpeculativeOptions
+from specd_core.step import payload_bytes
 
 from .drafter_pool import DrafterPool
 from .errors import ReplicaUnavailable
@@ -107,15 +108,11 @@ class RateMeter:
             self._events.popleft()
 
 
-def pickled_size(obj) -> int:
-    """Bytes of ``obj`` pickled (protocol 5, what Ray's serializer is built on): the size of
-    a step's inputs or outputs on the wire to a replica, measured on the coordinator side."""
-    return len(pickle.dumps(obj, protocol=5))
-
-
 class MeteredTarget:
     """A `Target` that counts, per kind (``prefill``, ``verify``): calls, wall seconds as the
-    coordinator sees them (transport included), and pickled bytes sent and received; and
+    coordinator sees them (transport included), and payload bytes sent and received
+    (`specd_core.step.payload_bytes`: counted from the items' and outputs' structure, the
+    step is not serialised again to measure it); and
     that supervises every call.
 
     Supervision: a call that raises a replica death error (`is_replica_death`) or runs past
@@ -177,13 +174,13 @@ class MeteredTarget:
             raise ReplicaFailed(self.failure) from exc
 
     async def _metered(self, kind: str, call, items: list) -> list:
-        sent = pickled_size(items)
+        sent = payload_bytes(items)
         start = time.perf_counter()
         out = await self._guarded(kind, call)
         self.stats[f"{kind}_seconds"] += time.perf_counter() - start
         self.stats[f"{kind}_calls"] += 1
         self.stats[f"{kind}_bytes_sent"] += sent
-        self.stats[f"{kind}_bytes_received"] += pickled_size(out)
+        self.stats[f"{kind}_bytes_received"] += payload_bytes(out)
         return out
 
     async def replica_status(self) -> dict:
@@ -468,8 +465,11 @@ class Router:
     def replica_status(self, replica: Replica) -> dict:
         """One replica's metrics. Means are per verify call (one per step): ``step_seconds``
         (coordinator-side wall time, transport included), ``bytes_sent_per_step`` /
-        ``bytes_received_per_step`` (pickled); ``forward_seconds_per_call`` is the replica's
-        own forward time per forward call from its last ``status()`` (0 when unknown)."""
+        ``bytes_received_per_step`` (`payload_bytes` of the verify items and outputs: token
+        ids, positions, sampling parameters, target rows and hidden rows, 8 bytes per int or
+        float, tensors their nbytes, pickle framing not counted); ``forward_seconds_per_call``
+        is the replica's own forward time per forward call from its last ``status()`` (0 when
+        unknown)."""
         s = replica.scheduler.status()
         m = replica.target.stats
         steps = m["verify_calls"]

@@ -13,7 +13,6 @@ health service is exempt so probes work without it).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Callable, Sequence
 
@@ -22,6 +21,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from drafter_worker.server import CredentialInterceptor
 from specd.v1 import generation_pb2, generation_pb2_grpc
 from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
 from specd_core.sampling import SamplingParams
@@ -391,27 +391,21 @@ def _drafter_proto(d: dict) -> generation_pb2.DrafterStatus:
         assigned_requests=d["assigned_requests"], in_flight=d["in_flight"])
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+class BearerTokenInterceptor(CredentialInterceptor):
     """Requires ``authorization: Bearer <token>`` metadata on every RPC except health checks;
-    anything else gets ``UNAUTHENTICATED``."""
+    anything else gets ``UNAUTHENTICATED``.
 
-    EXEMPT = ("/grpc.health.v1.Health/",)
+    Raises:
+        ValueError: an empty token.
+    """
 
-    def __init__(self, token: str):
-        if not token:
-            raise ValueError("auth token must be non-empty")
-        self._expected = token.encode()
+    EMPTY = "auth token must be non-empty"
+    REFUSAL = "missing or invalid bearer token"
 
-    async def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith(self.EXEMPT):
-            return await continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        scheme, _, given = str(metadata.get("authorization", "")).partition(" ")
+    def presented(self, metadata: Sequence[tuple[str, str | bytes]]) -> str:
+        scheme, _, given = str(dict(metadata).get("authorization", "")).partition(" ")
         # The scheme name is case-insensitive (RFC 6750); the token is compared in constant time.
-        if scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), self._expected):
-            return await continuation(handler_call_details)
-        handler = await continuation(handler_call_details)
-        return _refusing(handler, "missing or invalid bearer token")
+        return given if scheme.lower() == "bearer" else ""
 
 
 def generation_handlers(servicer: generation_pb2_grpc.GenerationServicer
@@ -457,25 +451,6 @@ def _parsing_stream(impl: Callable, request_cls) -> Callable:
             yield response
 
     return handler
-
-
-def _refusing(handler: grpc.RpcMethodHandler | None, details: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as ``handler`` that aborts with UNAUTHENTICATED."""
-
-    async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
-
-    async def streaming(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
-        yield  # pragma: no cover - makes this an async generator
-
-    if handler is not None and handler.response_streaming:
-        if handler.request_streaming:
-            return grpc.stream_stream_rpc_method_handler(streaming)
-        return grpc.unary_stream_rpc_method_handler(streaming)
-    if handler is not None and handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary)
-    return grpc.unary_unary_rpc_method_handler(unary)
 
 
 async def start_generation_server(

@@ -5,9 +5,9 @@ Uncertainty", arXiv 2401.15077) drafts at the feature level. For every committed
 ``t`` the head takes the target's final-norm hidden state ``h_t`` (the input of the target's
 LM head) and the embedding of the next token ``x_{t+1}`` (the target's frozen embedding
 table), fuses them with a linear layer on the concatenation ``[2H -> H]``, runs one Llama
-decoder layer (with its own KV cache) and predicts ``h_{t+1}``; the target's frozen LM head
-turns the prediction into next-token logits. Drafting k tokens feeds the head its own
-predicted features autoregressively.
+decoder layer (the target's own `Block`, over its own one-layer `KvCache`) and predicts
+``h_{t+1}``; the target's frozen LM head turns the prediction into next-token logits.
+Drafting k tokens feeds the head its own predicted features autoregressively.
 
 The LM head is restricted to a draft vocabulary (the most frequent tokens of the training
 data, as in FR-Spec, arXiv 2502.14856, and EAGLE-3): on a 2-core CPU the full
@@ -40,6 +40,18 @@ from torch import nn
 
 from specd_core.draft import DraftBlock, DraftDist, DrafterCapabilities
 from specd_core.sampling import DraftSamplingParams
+from target_worker.config import ModelConfig
+from target_worker.model import (
+    Block,
+    KvCache,
+    Linear,
+    Rows,
+    Segment,
+    apply_rope,
+    causal_mask,
+    fast_linear,
+    rope_tables,
+)
 
 #: Most support entries one sampled draft position reports (an own top-k applied before
 #: sampling, so ``q`` stays exact while blocks stay small on the wire).
@@ -109,43 +121,21 @@ class EagleConfig:
                    rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps)
 
 
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+#: Context bound of a head's KV cache (it grows on demand up to this; the target's own
+#: context is the real limit).
+HEAD_MAX_SEQ_LEN = 1 << 20
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class EagleKvCache:
-    """The head's keys and values for one sequence: ``[n_kv_heads, capacity, head_dim]``
-    float32 each; positions ``[0, length)`` are valid. `truncate` rolls back in O(1)."""
-
-    def __init__(self, config: EagleConfig, capacity: int = 256):
-        shape = (config.n_kv_heads, capacity, config.head_dim)
-        self.k = torch.zeros(shape)
-        self.v = torch.zeros(shape)
-        self.length = 0
-
-    def reserve(self, needed: int) -> None:
-        if needed <= self.k.shape[1]:
-            return
-        cap = self.k.shape[1]
-        while cap < needed:
-            cap *= 2
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = torch.zeros(old.shape[0], cap, old.shape[2])
-            new[:, : self.length] = old[:, : self.length]
-            setattr(self, name, new)
-
-    def truncate(self, n: int) -> None:
-        """Keeps positions ``[0, n)``. Raises ValueError outside ``[0, length]``."""
-        if not 0 <= n <= self.length:
-            raise ValueError(f"truncate length must be in [0, {self.length}], got {n}")
-        self.length = n
+#: Head module names (the target's `Block` inside) -> names in head files (the flat names the
+#: shipped heads were written with; the file format is unchanged).
+_FILE_NAMES = {
+    "layer.attn_norm.weight": "attn_norm.weight",
+    "layer.attn.wqkv.weight": "wqkv.weight",
+    "layer.attn.wo.weight": "wo.weight",
+    "layer.ffn_norm.weight": "ffn_norm.weight",
+    "layer.ffn.w_gate_up.weight": "w_gate_up.weight",
+    "layer.ffn.w_down.weight": "w_down.weight",
+}
+_MODULE_NAMES = {v: k for k, v in _FILE_NAMES.items()}
 
 
 class EagleHead(nn.Module):
@@ -155,24 +145,34 @@ class EagleHead(nn.Module):
     in (frozen, shared with the target) and only ``draft_vocab`` (int64 ``[V']``, the token
     ids of the restricted LM head's rows) is stored with it.
 
-    Weight layout follows `target_worker.model` (``wqkv`` = Q, K, V rows stacked; ``w_gate_up``
-    = gate rows then up rows).
+    The decoder layer *is* a `target_worker.model.Block` (the target's RMSNorm, RoPE,
+    grouped-query attention over a `KvCache`, SwiGLU FFN), so drafting runs the target's own
+    layer code; `fc` is a `target_worker.model.Linear` ``[2H -> H]`` with bias.
     """
 
     def __init__(self, config: EagleConfig):
         super().__init__()
         c = self.config = config
         h = c.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=True)
-        self.attn_norm = _RMSNorm(h, c.rms_norm_eps)
-        self.wqkv = nn.Linear(h, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=False)
-        self.wo = nn.Linear(c.n_heads * c.head_dim, h, bias=False)
-        self.ffn_norm = _RMSNorm(h, c.rms_norm_eps)
-        self.w_gate_up = nn.Linear(h, 2 * c.ffn_dim, bias=False)
-        self.w_down = nn.Linear(c.ffn_dim, h, bias=False)
+        self.fc = Linear(2 * h, h, bias=True)
+        self.layer = Block(self.layer_config)
         self.register_buffer("draft_vocab", torch.arange(c.draft_vocab_size, dtype=torch.long))
-        self._cos = torch.empty(0, c.head_dim)
-        self._sin = torch.empty(0, c.head_dim)
+        self._cos = torch.empty(0, 1, c.head_dim)
+        self._sin = torch.empty(0, 1, c.head_dim)
+
+    @property
+    def layer_config(self) -> ModelConfig:
+        """The one-layer `ModelConfig` of the head's `Block`."""
+        c = self.config
+        return ModelConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, n_layers=1,
+                           n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim,
+                           ffn_dim=c.ffn_dim, max_seq_len=HEAD_MAX_SEQ_LEN,
+                           rope_theta=c.rope_theta, rms_norm_eps=c.rms_norm_eps)
+
+    def new_cache(self, capacity: int = 256) -> KvCache:
+        """An empty float32 KV cache for the head (a one-layer `KvCache`, grows on demand)."""
+        c = self.config
+        return KvCache(1, c.n_kv_heads, c.head_dim, capacity, HEAD_MAX_SEQ_LEN)
 
     # ---- construction / persistence ----
 
@@ -195,7 +195,7 @@ class EagleHead(nn.Module):
                     p.zero_()
                     continue
                 std = 1.0 / math.sqrt(p.shape[1])
-                if name in ("wo.weight", "w_down.weight"):
+                if name.endswith(("wo.weight", "w_down.weight")):
                     std *= 0.5
                 p.copy_(std * torch.randn(p.shape, generator=gen))
             h = config.hidden_size
@@ -226,7 +226,7 @@ class EagleHead(nn.Module):
         training recipe) in the file's metadata; the draft vocabulary stays int64."""
         from safetensors.torch import save_file
 
-        state = {k: (v.half() if v.is_floating_point() else v).contiguous()
+        state = {_FILE_NAMES.get(k, k): (v.half() if v.is_floating_point() else v).contiguous()
                  for k, v in self.state_dict().items()}
         meta = {"eagle_config": json.dumps(asdict(self.config))}
         if metadata:
@@ -252,35 +252,20 @@ class EagleHead(nn.Module):
         if "eagle_config" not in meta:
             raise ValueError(f"{path} is not an EAGLE head (no eagle_config metadata)")
         head = cls(EagleConfig(**json.loads(meta["eagle_config"])))
-        state = {k: (v.float() if v.is_floating_point() else v)
+        state = {_MODULE_NAMES.get(k, k): (v.float() if v.is_floating_point() else v)
                  for k, v in load_file(str(path)).items()}
         head.load_state_dict(state)
         return head.eval()
 
     # ---- math shared by training and drafting ----
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin ``[len(positions), head_dim]`` (HF rotate_half convention)."""
-        end = int(positions.max()) + 1
+    def _rope(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin ``[end - start, 1, head_dim]`` (`target_worker.model.rope_tables`)."""
         if end > self._cos.shape[0]:
             size = max(end, 2 * self._cos.shape[0], 256)
-            d = self.config.head_dim
-            inv = 1.0 / (self.config.rope_theta
-                         ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-            emb = torch.outer(torch.arange(size, dtype=torch.float32), inv)
-            emb = torch.cat((emb, emb), -1)
-            sin = emb.sin()
-            sin[:, : d // 2].neg_()
-            self._cos, self._sin = emb.cos(), sin
-        return self._cos[positions], self._sin[positions]
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((x[..., half:], x[..., :half]), -1) * sin
-
-    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+            cos, sin = rope_tables(self.config.head_dim, self.config.rope_theta, size)
+            self._cos, self._sin = cos[:, None, :], sin[:, None, :]
+        return self._cos[start:end], self._sin[start:end]
 
     def forward(self, features: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
         """Training forward over whole sequences (causal, positions from 0).
@@ -315,19 +300,21 @@ class EagleHead(nn.Module):
         """
         c = self.config
         b, t, h = features.shape
-        cos, sin = self._rope(torch.arange(t))
-        cos, sin = cos[:, None, :], sin[:, None, :]
+        cos, sin = self._rope(0, t)
         group = c.n_heads // c.n_kv_heads
         pos = torch.arange(t)
+        layer = self.layer
         keys, values, outs = [], [], []
         inputs = features
         for j in range(steps):
+            # The Block's own weights and pieces; attention is spelled out here because
+            # training has no cache and pass j > 0 needs its own mask.
             x = self.fc(torch.cat((inputs, next_embeds), -1))
-            qkv = self.wqkv(self.attn_norm(x)).view(b, t, c.n_heads + 2 * c.n_kv_heads,
-                                                    c.head_dim)
-            q = self._rotate(qkv[:, :, : c.n_heads], cos, sin).transpose(1, 2)
-            k = self._rotate(qkv[:, :, c.n_heads: c.n_heads + c.n_kv_heads], cos,
-                             sin).transpose(1, 2)
+            qkv = layer.attn.wqkv(layer.attn_norm(x)).view(b, t, c.n_heads + 2 * c.n_kv_heads,
+                                                           c.head_dim)
+            q = apply_rope(qkv[:, :, : c.n_heads], cos, sin).transpose(1, 2)
+            k = apply_rope(qkv[:, :, c.n_heads: c.n_heads + c.n_kv_heads], cos,
+                           sin).transpose(1, 2)
             v = qkv[:, :, c.n_heads + c.n_kv_heads:].transpose(1, 2)
             keys.append(k.repeat_interleave(group, dim=1))
             values.append(v.repeat_interleave(group, dim=1))
@@ -339,8 +326,8 @@ class EagleHead(nn.Module):
                 o = F.scaled_dot_product_attention(q, torch.cat(keys, 2),
                                                    torch.cat(values, 2),
                                                    attn_mask=torch.cat(blocks, 1))
-            x = x + self.wo(o.transpose(1, 2).reshape(b, t, c.n_heads * c.head_dim))
-            out = x + self._ffn(self.ffn_norm(x))
+            x = x + layer.attn.wo(o.transpose(1, 2).reshape(b, t, c.n_heads * c.head_dim))
+            out = x + layer.ffn(layer.ffn_norm(x))
             outs.append(out)
             # Next pass: position p gets this pass's prediction made at p - 1.
             inputs = torch.cat((out.new_zeros(b, 1, h), out[:, :-1].detach()), 1)
@@ -348,43 +335,27 @@ class EagleHead(nn.Module):
 
     @torch.inference_mode()
     def step(self, features: torch.Tensor, next_embeds: torch.Tensor,
-             cache: EagleKvCache) -> torch.Tensor:
-        """Drafting forward: ``n`` new positions appended at ``cache.length``.
+             cache: KvCache) -> torch.Tensor:
+        """Drafting forward: ``n`` new positions appended at ``cache.seq_len``, through the
+        target's `Block` (one layer over the head's `new_cache`).
 
         Args:
             features: float32 ``[n, H]``; next_embeds: float32 ``[n, H]``.
-            cache: written at positions ``[length, length + n)``; ``length`` grows by n.
+            cache: written at positions ``[seq_len, seq_len + n)``; ``seq_len`` grows by n.
 
         Returns:
             float32 ``[n, H]`` predicted next features.
         """
-        from target_worker.model import fast_linear  # MKL-friendly small-n matmul
-
-        c = self.config
         n = features.shape[0]
-        start = cache.length
-        x = fast_linear(torch.cat((features, next_embeds), -1), self.fc.weight, self.fc.bias)
-        qkv = fast_linear(self.attn_norm(x), self.wqkv.weight).reshape(
-            n, c.n_heads + 2 * c.n_kv_heads, c.head_dim)
-        cos, sin = self._rope(torch.arange(start, start + n))
-        qk = self._rotate(qkv[:, : c.n_heads + c.n_kv_heads], cos[:, None], sin[:, None])
-        end = start + n
+        start, end = cache.seq_len, cache.seq_len + n
         cache.reserve(end)
-        cache.k[:, start:end] = qk[:, c.n_heads:].transpose(0, 1)
-        cache.v[:, start:end] = qkv[:, c.n_heads + c.n_kv_heads:].transpose(0, 1)
-        cache.length = end
-        kvh, g, d = c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim
-        q = qk[:, : c.n_heads].reshape(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
-        scores = torch.bmm(q, cache.k[:, :end].transpose(1, 2)) / math.sqrt(d)
-        if n > 1:
-            allowed = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-            scores = scores.masked_fill(~allowed.repeat(g, 1), float("-inf"))
-        o = torch.bmm(torch.softmax(scores, -1), cache.v[:, :end])
-        o = o.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, c.n_heads * d)
-        x = x + fast_linear(o, self.wo.weight)
-        y = self.ffn_norm(x)
-        gate, up = fast_linear(y, self.w_gate_up.weight).split(c.ffn_dim, -1)
-        return x + fast_linear(F.silu(gate) * up, self.w_down.weight)
+        x = self.fc(torch.cat((features, next_embeds), -1))
+        cos, sin = self._rope(start, end)
+        c = self.config
+        mask = causal_mask(start, end, c.n_heads // c.n_kv_heads, x.dtype) if n > 1 else None
+        out = self.layer(x, 0, Rows(cos, sin, [Segment(0, n, start, cache, mask)]))
+        cache.advance(n)
+        return out
 
 
 def draft_distribution(logits: torch.Tensor, sampling: DraftSamplingParams
@@ -433,7 +404,7 @@ class EagleSession:
         self.sampling = sampling or DraftSamplingParams()
         self.generator = torch.Generator().manual_seed(int(seed) & ((1 << 63) - 1))
         self.max_draft_len = drafter.max_draft_len
-        self.cache = EagleKvCache(drafter.head.config)
+        self.cache = drafter.head.new_cache()
         self.tokens: list[int] = []  # history whose pairs (h_t, x_{t+1}) are in the cache
         self._feature: torch.Tensor | None = None  # predicted feature after the last pair
 
@@ -459,7 +430,7 @@ class EagleSession:
             self.reset()
         if rows.shape[0] == 0:
             return
-        start = self.cache.length  # == len(self.tokens) - 1, or 0 when fresh
+        start = self.cache.seq_len  # == len(self.tokens) - 1, or 0 when fresh
         nxt = torch.as_tensor(list(history[start + 1: n]), dtype=torch.long)
         out = self.drafter.head.step(rows.float(), self.drafter.embed(nxt), self.cache)
         self._feature = out[-1:]
@@ -478,7 +449,7 @@ class EagleSession:
         if k <= 0 or self._feature is None:
             return DraftBlock.empty()
         drafter = self.drafter
-        committed = self.cache.length
+        committed = self.cache.seq_len
         feature = self._feature
         tokens, dists = [], []
         reach = 1.0  # the head's estimate that every draft so far is accepted
@@ -601,8 +572,6 @@ class EagleDrafter:
 
     def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
         """float32 ``[n, V']`` logits over the draft vocabulary for features ``[n, H]``."""
-        from target_worker.model import fast_linear
-
         return fast_linear(features, self.lm_sub)
 
     @property

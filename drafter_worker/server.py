@@ -20,7 +20,7 @@ import hmac
 import ipaddress
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -68,7 +68,38 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class SharedSecretInterceptor(grpc.aio.ServerInterceptor):
+class CredentialInterceptor(grpc.aio.ServerInterceptor):
+    """Base of the metadata-credential interceptors: every RPC but health checks must present
+    (`presented`, from its metadata) the expected credential, compared in constant time;
+    others get ``UNAUTHENTICATED`` with ``REFUSAL`` (`refusing_handler`).
+
+    Raises:
+        ValueError: an empty credential (``EMPTY`` says which).
+    """
+
+    EXEMPT = ("/grpc.health.v1.Health/",)
+    EMPTY = "the credential must be non-empty"
+    REFUSAL = "missing or invalid credential"
+
+    def __init__(self, credential: str):
+        if not credential:
+            raise ValueError(self.EMPTY)
+        self._expected = credential.encode()
+
+    def presented(self, metadata: Sequence[tuple[str, str | bytes]]) -> str:
+        """The credential an RPC's metadata presents ("" for none)."""
+        raise NotImplementedError
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(self.EXEMPT):
+            return await continuation(handler_call_details)
+        given = self.presented(handler_call_details.invocation_metadata or ())
+        if given and hmac.compare_digest(given.encode(), self._expected):
+            return await continuation(handler_call_details)
+        return refusing_handler(await continuation(handler_call_details), self.REFUSAL)
+
+
+class SharedSecretInterceptor(CredentialInterceptor):
     """Requires `SECRET_METADATA_KEY` metadata equal to the secret (compared in constant time)
     on every RPC but health checks; others get ``UNAUTHENTICATED``.
 
@@ -76,29 +107,23 @@ class SharedSecretInterceptor(grpc.aio.ServerInterceptor):
         ValueError: an empty secret.
     """
 
-    EXEMPT = ("/grpc.health.v1.Health/",)
+    EMPTY = "the drafter secret must be non-empty"
+    REFUSAL = "missing or invalid drafter secret"
 
-    def __init__(self, secret: str):
-        if not secret:
-            raise ValueError("the drafter secret must be non-empty")
-        self._expected = secret.encode()
-
-    async def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith(self.EXEMPT):
-            return await continuation(handler_call_details)
+    def presented(self, metadata: Sequence[tuple[str, str | bytes]]) -> str:
         given = ""
-        for key, value in handler_call_details.invocation_metadata or ():
+        for key, value in metadata:
             if key == SECRET_METADATA_KEY:
                 given = value if isinstance(value, str) else ""
-        if hmac.compare_digest(given.encode(), self._expected):
-            return await continuation(handler_call_details)
-        return _refusing(await continuation(handler_call_details))
+        return given
 
 
-def _refusing(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s shape that aborts with UNAUTHENTICATED (the drafter's RPCs
-    are unary-unary; reflection is stream-stream)."""
-    details = "missing or invalid drafter secret"
+def refusing_handler(handler: grpc.RpcMethodHandler | None, details: str
+                     ) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s shape (unary or streaming request and response; unary-unary
+    when None) that aborts every call with UNAUTHENTICATED and ``details``: what an
+    authenticating interceptor returns instead of the real handler (the drafter secret here,
+    the Generation service's bearer token in `coordinator.server`)."""
 
     async def unary(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)

@@ -453,6 +453,21 @@ def forward_timing(decoder, hf_model, ks: Sequence[int] = FORWARD_KS,
     return rows
 
 
+def reported_forward_timing(decoder, hf_model, config, progress: Callable[[str], None]
+                            ) -> list[dict]:
+    """`forward_timing` with ``config``'s ``forward_ks``, ``forward_cache_lens`` and
+    ``forward_repeats`` (a `BenchConfig` or a service bench config), each row also reported
+    as a line through ``progress``."""
+    progress("timing one forward per k, specd against transformers, interleaved")
+    rows = forward_timing(decoder, hf_model, config.forward_ks, config.forward_cache_lens,
+                          config.forward_repeats)
+    for row in rows:
+        progress(f"forward L={row['cache_len']} k={row['k']}: bare-forward "
+                 f"{row['bare_forward_ms']:.1f} ms, hf-plain {row['hf_plain_ms']:.1f} ms, "
+                 f"ratio {row['ratio']:.2f}")
+    return rows
+
+
 def thread_timing(decoder, threads: Sequence[int] = (1, 2), ks: Sequence[int] = (1, 8),
                   cache_len: int = 300, repeats: int = 12, seed: int = 0) -> list[dict]:
     """specd's forward at each torch thread count, on a quiet machine and beside one busy
@@ -587,13 +602,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = print) -> d
 
     forward = None
     if hf_model is not None and config.forward_ks:
-        progress("timing one forward per k, specd against transformers, interleaved")
-        forward = forward_timing(decoder, hf_model, config.forward_ks,
-                                 config.forward_cache_lens, config.forward_repeats)
-        for row in forward:
-            progress(f"forward L={row['cache_len']} k={row['k']}: bare-forward "
-                     f"{row['bare_forward_ms']:.1f} ms, hf-plain {row['hf_plain_ms']:.1f} ms, "
-                     f"ratio {row['ratio']:.2f}")
+        forward = reported_forward_timing(decoder, hf_model, config, progress)
 
     cost_model = None
     if config.adaptive:

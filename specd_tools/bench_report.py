@@ -156,25 +156,38 @@ def default_path_markdown(report: dict) -> str:
     lines += ["", "| workload | system | tok/s | ms/token | x hf-plain | forward calls "
               "| acceptance length |", "|---|---|---:|---:|---:|---:|---:|"]
     for row in report["summary"]:
-        lines.append(
-            f"| {row['workload']} | {row['system']} | {_fmt(row['tok_s'])} | "
-            f"{_fmt(row['ms_per_token'])} | {_fmt(row['ratio_to_plain'], '.2f')} | "
-            f"{_fmt(row['forward_calls'], '.0f')} | {_fmt(row['acceptance_length'], '.2f')} |")
+        lines.append(_summary_cells(row))
     ident = report["identity"]
     lines.append("")
-    if ident["identical"]:
-        lines.append(f"Greedy outputs: identical to transformers plain in all "
-                     f"{ident['compared_runs']} runs.")
-    else:
-        lines.append(f"Greedy outputs: {len(ident['mismatches'])} of {ident['compared_runs']} "
-                     "runs differ from hf-plain:")
-        for m in ident["mismatches"]:
-            lines.append(f"- {m['workload']}/{m['prompt_id']} {m['system']} repeat "
-                         f"{m['repeat']}: first difference at token {m['first_diff']}")
+    lines += _identity_lines(ident, f"identical to transformers plain in all "
+                             f"{ident['compared_runs']} runs.", "hf-plain", lengths=False)
     if not report["prompt_tokens"]["identical"]:
         lines.append("Prompt lengths differ between the service and transformers on: "
                      + ", ".join(report["prompt_tokens"]["differ"]))
     return "\n".join(lines + _targets_markdown(report)) + "\n"
+
+
+def _summary_cells(row: dict) -> str:
+    """A summary row's markdown cells, workload through acceptance length."""
+    return (f"| {row['workload']} | {row['system']} | {_fmt(row['tok_s'])} | "
+            f"{_fmt(row['ms_per_token'])} | {_fmt(row['ratio_to_plain'], '.2f')} | "
+            f"{_fmt(row['forward_calls'], '.0f')} | {_fmt(row['acceptance_length'], '.2f')} |")
+
+
+def _identity_lines(ident: dict, identical: str, reference: str, lengths: bool) -> list[str]:
+    """The report's greedy-identity lines: ``identical`` when every run matched, else each
+    mismatch against the ``reference`` system (with both lengths when ``lengths``)."""
+    if ident["identical"]:
+        return [f"Greedy outputs: {identical}"]
+    lines = [f"Greedy outputs: {len(ident['mismatches'])} of {ident['compared_runs']} "
+             f"runs differ from {reference}:"]
+    for m in ident["mismatches"]:
+        line = (f"- {m['workload']}/{m['prompt_id']} {m['system']} repeat "
+                f"{m['repeat']}: first difference at token {m['first_diff']}")
+        if lengths:
+            line += f" (lengths {m['reference_len']} vs {m['len']})"
+        lines.append(line)
+    return lines
 
 
 def _fmt(value, spec: str = ".1f", none: str = "-") -> str:
@@ -202,23 +215,11 @@ def markdown(report: dict) -> str:
         per_pos = row["accept_rate_per_position"]
         per_pos = "-" if not per_pos else " ".join(f"{r:.2f}" for r in per_pos[:10]) + (
             " ..." if len(per_pos) > 10 else "")
-        lines.append(
-            f"| {row['workload']} | {row['system']} | {_fmt(row['tok_s'])} | "
-            f"{_fmt(row['ms_per_token'])} | {_fmt(row['ratio_to_plain'], '.2f')} | "
-            f"{_fmt(row['forward_calls'], '.0f')} | {_fmt(row['acceptance_length'], '.2f')} | "
-            f"{per_pos} |")
+        lines.append(f"{_summary_cells(row)} {per_pos} |")
     ident = report["identity"]
     lines.append("")
-    if ident["identical"]:
-        lines.append(f"Greedy outputs: identical across all systems and repeats "
-                     f"({ident['compared_runs']} runs).")
-    else:
-        lines.append(f"Greedy outputs: {len(ident['mismatches'])} of {ident['compared_runs']} "
-                     "runs differ from specd-plain:")
-        for m in ident["mismatches"]:
-            lines.append(f"- {m['workload']}/{m['prompt_id']} {m['system']} repeat "
-                         f"{m['repeat']}: first difference at token {m['first_diff']} "
-                         f"(lengths {m['reference_len']} vs {m['len']})")
+    lines += _identity_lines(ident, f"identical across all systems and repeats "
+                             f"({ident['compared_runs']} runs).", "specd-plain", lengths=True)
     overhead = report.get("overhead")
     if overhead is not None:
         lines.append(

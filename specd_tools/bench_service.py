@@ -394,8 +394,8 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
         _environment,
         aggregate,
         check_identity,
-        forward_timing,
         load_hf_model,
+        reported_forward_timing,
         thread_timing,
     )
     from .cli import embedded_service_config
@@ -413,13 +413,7 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
     eos = tokenizer.eos_token_id
     forward = None
     if config.forward_ks:
-        progress("timing one forward per k, specd against transformers, interleaved")
-        forward = forward_timing(decoder, hf_model, config.forward_ks,
-                                 config.forward_cache_lens, config.forward_repeats)
-        for row in forward:
-            progress(f"forward L={row['cache_len']} k={row['k']}: bare-forward "
-                     f"{row['bare_forward_ms']:.1f} ms, hf-plain {row['hf_plain_ms']:.1f} ms, "
-                     f"ratio {row['ratio']:.2f}")
+        forward = reported_forward_timing(decoder, hf_model, config, progress)
     threads_rows = None
     if config.thread_check:
         progress("timing specd's forward at 1 and 2 threads, quiet and beside a busy process")

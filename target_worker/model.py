@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +74,16 @@ class KvCache:
             raise ValueError(f"truncate length must be in [0, seq_len={self._seq_len}], got {n}")
         self._seq_len = n
 
+    def advance(self, n: int) -> None:
+        """Commit the ``n`` positions a forward has just written after ``seq_len``.
+
+        Raises:
+            ValueError: if ``n < 0`` or ``seq_len + n`` exceeds the capacity.
+        """
+        if not 0 <= n <= self.capacity - self._seq_len:
+            raise ValueError(f"advance must be in [0, {self.capacity - self._seq_len}], got {n}")
+        self._seq_len += n
+
     def clone(self) -> KvCache:
         """Independent deep copy (committed positions only are meaningful)."""
         new = KvCache.__new__(KvCache)
@@ -112,7 +122,8 @@ class KvCache:
 def fast_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x [n, in]``, ``weight [out, in]``; returns ``[n, out]``.
+    """``x @ weight.T + bias`` for ``x [n, in]``, ``weight [out, in]``; returns ``[n, out]``
+    (any other rank of ``x`` goes to ``F.linear``).
 
     Computed as ``(weight @ x.T).T``: with MKL on this class of CPU that operand order is ~1.5-2x
     faster than ``F.linear`` for the small n of speculative verification, and n == 1 is padded
@@ -121,7 +132,8 @@ def fast_linear(
     plain ``F.linear``: cuBLAS needs no such help.
     """
     n = x.shape[0]
-    if n > 64 or x.device.type != "cpu":  # prefill-sized: the usual order is as fast
+    # Prefill-sized (the usual order is as fast) or batched [B, T, in] (training): F.linear.
+    if n > 64 or x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
     x = x.contiguous()  # a row-major x makes x.T the operand layout MKL handles fast
     y = (weight @ (torch.cat((x, x)) if n == 1 else x).T)[:, :n].T
@@ -157,6 +169,16 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps)) * self.weight
 
 
+def swiglu(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ffn: int
+) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` for ``x [n, hidden]`` (or ``[B, T, hidden]``),
+    ``w_gate_up [2*ffn, hidden]`` (gate rows first), ``w_down [hidden, ffn]``: the dense FFN,
+    each MoE expert and the EAGLE head's FFN."""
+    gate, up = fast_linear(x, w_gate_up).split(ffn, dim=-1)
+    return fast_linear(F.silu(gate).mul_(up), w_down)
+
+
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``[2*ffn, hidden]`` matmul.
 
@@ -170,32 +192,36 @@ class SwiGLU(nn.Module):
         self.w_down = _linear(ffn, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).split(self.ffn, dim=-1)
-        return self.w_down(F.silu(gate).mul_(up))
+        return swiglu(x, self.w_gate_up.weight, self.w_down.weight, self.ffn)
 
 
 class MoE(nn.Module):
-    """Routed + shared SwiGLU experts.
+    """Routed + shared SwiGLU experts, whole (``tp == 1``) or one rank's expert-parallel part.
 
     Router: ``softmax(router(x))`` over experts, top-k, the k weights renormalised to sum to 1.
     Output: weighted sum of the k routed experts plus the shared experts. The shared experts are
     stored as one SwiGLU whose intermediate is the concatenation of theirs (same sum).
-    Weights: ``router.weight [E, hidden]``, ``w_gate_up [E, 2*F, hidden]`` (gate rows first),
-    ``w_down [E, hidden, F]``.
+    Weights: ``router.weight [E, hidden]``, ``w_gate_up [E/tp, 2*F, hidden]`` (gate rows first),
+    ``w_down [E/tp, hidden, F]``.
+
+    With ``tp > 1`` (`target_worker.sharded`) rank ``r`` holds experts ``[r*E/tp, (r+1)*E/tp)``
+    and ``1/tp`` of the shared experts' columns; the router is replicated, so every rank routes
+    identically, and the output is this rank's partial sum (the caller all-reduces it).
     """
 
-    def __init__(self, hidden: int, config: ModelConfig) -> None:
+    def __init__(self, hidden: int, config: ModelConfig, rank: int = 0, tp: int = 1) -> None:
         super().__init__()
         m = config.moe
         assert m is not None
+        n_local = m.n_experts // tp
         self.top_k = m.n_experts_active
         self.ffn = m.expert_ffn_dim
+        self.first = rank * n_local
         self.router = _linear(hidden, m.n_experts)
-        self.w_gate_up = nn.Parameter(torch.empty(m.n_experts, 2 * m.expert_ffn_dim, hidden))
-        self.w_down = nn.Parameter(torch.empty(m.n_experts, hidden, m.expert_ffn_dim))
-        self.shared = (
-            SwiGLU(hidden, m.n_shared_experts * m.expert_ffn_dim) if m.n_shared_experts else None
-        )
+        self.w_gate_up = nn.Parameter(torch.empty(n_local, 2 * m.expert_ffn_dim, hidden))
+        self.w_down = nn.Parameter(torch.empty(n_local, hidden, m.expert_ffn_dim))
+        shared = m.n_shared_experts * m.expert_ffn_dim // tp
+        self.shared = SwiGLU(hidden, shared) if m.n_shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
@@ -207,16 +233,51 @@ class MoE(nn.Module):
         out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
         # Loop over the experts actually hit (at most n*k), each on its tokens only.
         for e in experts.unique().tolist():
+            local = e - self.first
+            if not 0 <= local < self.w_gate_up.shape[0]:
+                continue  # another rank's expert
             slots = (experts == e).nonzero().squeeze(1)
             tokens = token_of[slots]
-            gate, up = fast_linear(x[tokens], self.w_gate_up[e]).split(self.ffn, dim=-1)
-            y = fast_linear(F.silu(gate) * up, self.w_down[e])
+            y = swiglu(x[tokens], self.w_gate_up[local], self.w_down[local], self.ffn)
             out.index_add_(0, tokens, y * weights[slots, None])
         return out
 
 
+def rope_tables(head_dim: int, theta: float, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables for positions ``[0, size)``: float32 ``(cos, signed sin)``, ``[size,
+    head_dim]`` each, in HF's "rotate_half" layout and arithmetic (float32 inv_freq times
+    float32 position), with rotate_half's minus sign folded into the first half of sin (see
+    :func:`apply_rope`)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim)
+    )
+    freqs = torch.outer(torch.arange(size, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = emb.sin()
+    # rotate_half(x) = cat(-x2, x1): fold the minus sign into the first half of sin.
+    sin[:, : head_dim // 2].neg_()
+    return emb.cos(), sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` over the last dimension (``head_dim``), with
+    ``cos``/``sin`` from :func:`rope_tables` broadcast against ``x`` (e.g. ``[n, 1, d]``
+    against ``[n, heads, d]``)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def causal_mask(start: int, end: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask (0 / -inf, ``dtype``) ``[group * (end - start), end]``: query i (absolute
+    position start + i) sees keys at positions <= start + i, tiled ``group`` times for the
+    query heads that :class:`Attention` folds into the query axis."""
+    allowed = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    return mask.repeat(group, 1)
+
+
 @dataclass(frozen=True)
-class _Segment:
+class Segment:
     """One sequence inside a packed forward: activation rows ``[lo, hi)`` are fed at absolute
     positions ``[start, start + hi - lo)`` of ``cache``; ``mask`` is its additive causal mask
     (None for a single row)."""
@@ -226,6 +287,17 @@ class _Segment:
     start: int
     cache: KvCache
     mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Layout of the activation rows of one (packed) forward, shared by every layer: RoPE
+    ``cos`` and signed ``sin`` ``[N, 1, head_dim]`` per row (`rope_tables`) and the
+    `Segment` each row range belongs to."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    segments: Sequence[Segment]
 
 
 def _use_sdpa(x: torch.Tensor) -> bool:
@@ -255,24 +327,15 @@ class Attention(nn.Module):
         self.wqkv = _linear(config.hidden_size, qkv_out, bias=config.qkv_bias)
         self.wo = _linear(config.n_heads * config.head_dim, config.hidden_size)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        layer: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        segments: Sequence[_Segment],
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layer: int, rows: Rows) -> torch.Tensor:
         n = x.shape[0]
         h, kvh, d, g = self.n_heads, self.n_kv_heads, self.head_dim, self.group
         # Projections run once over the rows of every segment; attention runs per segment.
         qkv = self.wqkv(x).reshape(n, h + 2 * kvh, d)
-        # RoPE on Q and K heads together; sin carries rotate_half's sign (see Decoder._rope).
-        qk = qkv[:, : h + kvh]
-        half = d // 2
-        qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
+        # RoPE on Q and K heads together; sin carries rotate_half's sign (rope_tables).
+        qk = apply_rope(qkv[:, : h + kvh], rows.cos, rows.sin)
         outs = []
-        for seg in segments:
+        for seg in rows.segments:
             lo, hi, cache = seg.lo, seg.hi, seg.cache
             m, end = hi - lo, seg.start + hi - lo
             cache.k[layer, :, seg.start : end] = qk[lo:hi, h:].transpose(0, 1)
@@ -302,28 +365,26 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))``.
 
-    def __init__(self, config: ModelConfig) -> None:
+    With ``tp > 1`` it holds rank ``rank``'s ``1/tp`` of the attention heads, FFN columns or
+    experts (`target_worker.sharded`, whose block all-reduces each branch).
+    """
+
+    def __init__(self, config: ModelConfig, rank: int = 0, tp: int = 1) -> None:
         super().__init__()
+        heads = replace(config, n_heads=config.n_heads // tp, n_kv_heads=config.n_kv_heads // tp)
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(heads)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn: nn.Module = (
-            MoE(config.hidden_size, config)
+            MoE(config.hidden_size, config, rank, tp)
             if config.moe is not None
-            else SwiGLU(config.hidden_size, config.ffn_dim)
+            else SwiGLU(config.hidden_size, config.ffn_dim // tp)
         )
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        layer: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        segments: Sequence[_Segment],
-    ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), layer, cos, sin, segments)
+    def forward(self, x: torch.Tensor, layer: int, rows: Rows) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), layer, rows)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -426,7 +487,7 @@ class Decoder(nn.Module):
             ValueError: empty ``tokens``, an id outside ``[0, vocab_size)``, ``start_pos`` not
                 the cache's length, or ``start_pos + n > max_seq_len``.
         """
-        return self._forward(tokens, start_pos, cache)[0]
+        return self._forward_packed([(tokens, start_pos, cache)], [False])[0][0]
 
     def forward_batch_with_hidden(
         self,
@@ -446,11 +507,11 @@ class Decoder(nn.Module):
             is the final-RMSNorm output and ``logits == lm_head(hidden)``; logits are
             ``[1, vocab_size]`` with ``last_logits_only``.
         """
-        return self._forward(tokens, start_pos, cache, last_logits_only)
+        return self._forward_packed([(tokens, start_pos, cache)], [last_logits_only])[0]
 
     def forward_token(self, token: int, pos: int, cache: KvCache) -> torch.Tensor:
         """One token at position ``pos``; float32 logits ``[vocab_size]``. See forward_batch."""
-        return self._forward([token], pos, cache)[0][0]
+        return self._forward_packed([([token], pos, cache)], [False])[0][0][0]
 
     def _as_tokens(self, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         if isinstance(tokens, torch.Tensor):
@@ -472,20 +533,10 @@ class Decoder(nn.Module):
 
     def _rope(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin ``[end - start, 1, head_dim]`` for positions ``[start, end)``."""
-        if end > self._cos.shape[0]:
-            # Grow geometrically; computed like HF (float32 inv_freq times float32 position).
+        if end > self._cos.shape[0]:  # grow geometrically
             size = min(max(end, 2 * self._cos.shape[0], 256), self.config.max_seq_len)
-            d = self.config.head_dim
-            inv_freq = 1.0 / (
-                self.config.rope_theta
-                ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d)
-            )
-            freqs = torch.outer(torch.arange(size, dtype=torch.float32), inv_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            sin = emb.sin()
-            # rotate_half(x) = cat(-x2, x1): fold the minus sign into the first half of sin.
-            sin[:, : d // 2].neg_()
-            self._cos, self._sin = emb.cos().to(self.dtype), sin.to(self.dtype)
+            cos, sin = rope_tables(self.config.head_dim, self.config.rope_theta, size)
+            self._cos, self._sin = cos.to(self.dtype), sin.to(self.dtype)
         return self._cos[start:end, None, :], self._sin[start:end, None, :]
 
     def forward_packed(
@@ -522,15 +573,6 @@ class Decoder(nn.Module):
             last_logits_only = [False] * len(segments)
         return self._forward_packed(segments, last_logits_only)
 
-    def _forward(
-        self,
-        tokens: Sequence[int] | torch.Tensor,
-        start_pos: int,
-        cache: KvCache,
-        last_logits_only: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._forward_packed([(tokens, start_pos, cache)], [last_logits_only])[0]
-
     def _check_segment(
         self, tokens: Sequence[int] | torch.Tensor, start_pos: int, cache: KvCache
     ) -> torch.Tensor:
@@ -556,9 +598,7 @@ class Decoder(nn.Module):
         """Additive float mask (0 / -inf) ``[group * (end - start), end]``: query i (absolute
         position start + i) sees keys at positions <= start + i, tiled over the query heads
         that Attention folds into the query axis. Built once per forward, shared by layers."""
-        allowed = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
-        return mask.repeat(self.config.n_heads // self.config.n_kv_heads, 1)
+        return causal_mask(start, end, self.config.n_heads // self.config.n_kv_heads, self.dtype)
 
     @torch.inference_mode()
     def _forward_packed(
@@ -595,13 +635,13 @@ class Decoder(nn.Module):
             cos.append(c)
             sin.append(s)
             mask = self._causal_mask(start, start + n) if n > 1 else None
-            segs.append(_Segment(lo, lo + n, start, cache, mask))
+            segs.append(Segment(lo, lo + n, start, cache, mask))
             lo += n
         x = self.embed_tokens(ids[0] if single else torch.cat(ids))
-        cos_all = cos[0] if single else torch.cat(cos)
-        sin_all = sin[0] if single else torch.cat(sin)
+        rows = Rows(cos[0] if single else torch.cat(cos), sin[0] if single else torch.cat(sin),
+                    segs)
         for i, layer in enumerate(self.layers):
-            x = layer(x, i, cos_all, sin_all, segs)
+            x = layer(x, i, rows)
         for seg in segs:
             seg.cache._seq_len = seg.start + seg.hi - seg.lo
         hidden = self.norm(x)

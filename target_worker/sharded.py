@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -46,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .model import Attention, Decoder, KvCache, RMSNorm, SwiGLU, _linear, fast_linear
+from .model import Block, Decoder, KvCache, RMSNorm, _linear, fast_linear
 
 __all__ = [
     "SafetensorsSource",
@@ -224,61 +223,15 @@ class _ShardEmbedding(nn.Module):
         return self.reduce.all_reduce(x)
 
 
-class _ShardMoE(nn.Module):
-    """Expert-parallel routed experts + column/row-split shared experts (partial output: the
-    block all-reduces it). Same routing and weights layout as `model.MoE`."""
-
-    def __init__(self, config: ModelConfig, rank: int, tp: int) -> None:
-        super().__init__()
-        m = config.moe
-        assert m is not None
-        hidden, n_local = config.hidden_size, m.n_experts // tp
-        self.top_k, self.ffn = m.n_experts_active, m.expert_ffn_dim
-        self.first = rank * n_local
-        self.router = _linear(hidden, m.n_experts)
-        self.w_gate_up = nn.Parameter(torch.empty(n_local, 2 * self.ffn, hidden))
-        self.w_down = nn.Parameter(torch.empty(n_local, hidden, self.ffn))
-        shared = m.n_shared_experts * m.expert_ffn_dim // tp
-        self.shared = SwiGLU(hidden, shared) if m.n_shared_experts else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> partial [n, hidden]
-        n = x.shape[0]
-        probs = torch.softmax(self.router(x), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)  # [n, k], identical on every rank
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).flatten()
-        experts = experts.flatten()
-        token_of = torch.arange(n).repeat_interleave(self.top_k)
-        out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            local = e - self.first
-            if not 0 <= local < self.w_gate_up.shape[0]:
-                continue  # another rank's expert
-            slots = (experts == e).nonzero().squeeze(1)
-            tokens = token_of[slots]
-            gate, up = fast_linear(x[tokens], self.w_gate_up[local]).split(self.ffn, dim=-1)
-            y = fast_linear(F.silu(gate) * up, self.w_down[local])
-            out.index_add_(0, tokens, y * weights[slots, None])
-        return out
-
-
-class _ShardBlock(nn.Module):
+class _ShardBlock(Block):
     """Pre-norm block over local heads / FFN columns / experts, all-reducing each branch."""
 
     def __init__(self, config: ModelConfig, rank: int, tp: int, reduce: _Reduce) -> None:
-        super().__init__()
-        local = replace(config, n_heads=config.n_heads // tp, n_kv_heads=config.n_kv_heads // tp)
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(local)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn: nn.Module = (
-            _ShardMoE(config, rank, tp)
-            if config.moe is not None
-            else SwiGLU(config.hidden_size, config.ffn_dim // tp)
-        )
+        super().__init__(config, rank, tp)
         self.reduce = reduce
 
-    def forward(self, x, layer, cos, sin, segments):
-        x = x + self.reduce.all_reduce(self.attn(self.attn_norm(x), layer, cos, sin, segments))
+    def forward(self, x, layer, rows):
+        x = x + self.reduce.all_reduce(self.attn(self.attn_norm(x), layer, rows))
         return x + self.reduce.all_reduce(self.ffn(self.ffn_norm(x)))
 
 

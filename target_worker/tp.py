@@ -26,12 +26,13 @@ Usage (Ray initialised)::
 
 from __future__ import annotations
 
-import pickle
 import time
 from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
+
+from specd_core.step import payload_bytes
 
 from .actor import TargetActor
 from .engine import PrefillItem, StepOutput, TargetEngine, VerifyItem
@@ -110,11 +111,6 @@ def load_shard(
         config, source = safetensors_config(cached), SafetensorsSource(cached)
     return ShardedDecoder.load(config, source, rank, tp, vocab_parallel=vocab_parallel,
                                device=device, dtype=dtype)
-
-
-def _payload_bytes(obj) -> int:
-    # The pickled size is what Ray ships for these small arguments and results.
-    return len(pickle.dumps(obj, protocol=5))
 
 
 class TPRank(TargetActor):
@@ -265,13 +261,13 @@ class TPRank(TargetActor):
         forward0 = self.engine.stats["forward_seconds"]
         comm0 = getattr(self.engine.decoder, "comm_bytes", 0)
         outputs = self._all(method, items)
-        bytes_in = _payload_bytes(list(items))
+        bytes_in = payload_bytes(items)
         last = {
             "seconds": time.perf_counter() - t0,
             "forward_seconds": self.engine.stats["forward_seconds"] - forward0,
             "tokens": sum(len(item.tokens) for item in items),
             "bytes_in": bytes_in,
-            "bytes_out": _payload_bytes(outputs),
+            "bytes_out": payload_bytes(outputs),
             "fanout_bytes": bytes_in * len(self.followers),
             "collective_bytes": getattr(self.engine.decoder, "comm_bytes", 0) - comm0,
         }
@@ -307,7 +303,7 @@ class TPRank(TargetActor):
         - ``tp``: int, the number of ranks;
         - ``step``: totals over prefill/verify calls: ``steps`` (calls), ``seconds`` (wall
           time of the calls in rank 0, float s), ``forward_seconds`` (inside the decoder),
-          ``tokens`` (tokens fed), ``bytes_in`` / ``bytes_out`` (pickled size of the items /
+          ``tokens`` (tokens fed), ``bytes_in`` / ``bytes_out`` (`payload_bytes` of the items /
           outputs crossing the replica's boundary), ``fanout_bytes`` (items sent on from rank
           0 to the other ranks), ``collective_bytes`` (bytes rank 0 sent into all-reduces and
           the logits gather);

@@ -141,7 +141,7 @@ def test_after_partial_acceptance_proposals_equal_a_fresh_session_on_the_committ
         assert got == fresh
         assert len(got) == 5
         # The cache holds exactly the committed positions after drafting.
-        assert session.cache.length == end - 1
+        assert session.cache.seq_len == end - 1
         prev = end
 
 
@@ -359,7 +359,6 @@ def test_unrolled_training_forward_replays_the_drafting_steps():
     """Pass j of `forward_unrolled` at position p is what draft step j + 1 computes from
     anchor p - j (KV cache over the true prefix, then the head's own predictions): the
     property that makes training-time test train the drafting path itself."""
-    from drafter_worker.eagle import EagleKvCache
 
     config = EagleConfig(hidden_size=16, vocab_size=32, n_heads=4, n_kv_heads=2, head_dim=4,
                          ffn_dim=24, draft_vocab_size=32)
@@ -372,7 +371,7 @@ def test_unrolled_training_forward_replays_the_drafting_steps():
         passes = head.forward_unrolled(feats, embeds, 3)
     assert torch.allclose(passes[0], head(feats, embeds))
     for anchor in range(t - 2):
-        cache = EagleKvCache(config)
+        cache = head.new_cache()
         pred = head.step(feats[0, : anchor + 1], embeds[0, : anchor + 1], cache)[-1:]
         assert torch.allclose(pred[0], passes[0][0, anchor], atol=1e-5)
         for j in (1, 2):
@@ -406,6 +405,26 @@ def test_head_round_trips_through_a_file_and_build_drafter_loads_it(tmp_path):
         build_drafter("eagle", target=tiny_decoder(8), drafter_path=str(path))
     with pytest.raises(FileNotFoundError):
         build_drafter("eagle", target=decoder, drafter_path=str(tmp_path / "missing"))
+
+
+def test_head_files_keep_the_shipped_tensor_names_and_drafting_runs_the_targets_block(tmp_path):
+    """The head's layer is the target's `Block` (its code, its cache), yet a saved head has
+    exactly the tensor names and shapes of the shipped file, which loads unchanged."""
+    from safetensors import safe_open
+
+    from drafter_worker.eagle import DEFAULT_HEAD
+    from target_worker.model import Block, KvCache
+
+    shipped = EagleHead.load(DEFAULT_HEAD)
+    assert isinstance(shipped.layer, Block)
+    assert isinstance(shipped.new_cache(), KvCache)
+    path = tmp_path / "head.safetensors"
+    shipped.save(path)
+    with safe_open(str(DEFAULT_HEAD), framework="pt") as a, \
+            safe_open(str(path), framework="pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        for name in a.keys():
+            assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
 
 
 def test_training_runs_end_to_end_on_a_tiny_corpus(tmp_path):

@@ -215,3 +215,34 @@ def test_gguf_shards_are_slices_of_the_full_model(tmp_path, monkeypatch):
             assert torch.equal(s.ffn.w_down.weight, f.ffn.w_down.weight[:, part])
         lo, hi = vocab_range(config.vocab_size, rank, 2)
         assert torch.equal(shard.embed_tokens.weight, full.embed_tokens.weight[lo:hi])
+
+
+def test_a_replicas_step_bytes_are_counted_without_pickling_the_step(monkeypatch):
+    """`TPRank` meters ``bytes_in`` / ``bytes_out`` from the items' and outputs' structure
+    (`payload_bytes`); serialising the step again to measure it would cost a copy per step."""
+    import pickle
+
+    from specd_core.sampling import SamplingParams
+    from specd_core.step import payload_bytes
+    from target_worker import PrefillItem, VerifyItem
+    from target_worker.tp import TPRank
+
+    threads = torch.get_num_threads()
+    try:
+        rank = TPRank(MOE, max_slots=2, num_threads=1)
+    finally:
+        torch.set_num_threads(threads)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the step was pickled to meter it")
+
+    monkeypatch.setattr(pickle, "dumps", refuse)
+    slot = rank.allocate()
+    prefill = [PrefillItem(slot, [1, 2, 3], SamplingParams(), want_hidden=True)]
+    out = rank.prefill(prefill)
+    verify = [VerifyItem(slot, 3, [4, 5], SamplingParams())]
+    out2 = rank.verify(verify)
+    step = rank.status()["step"]
+    assert step["bytes_in"] == payload_bytes(prefill) + payload_bytes(verify)
+    assert step["bytes_out"] == payload_bytes(out) + payload_bytes(out2)
+    assert rank.status()["last_step"]["bytes_out"] == payload_bytes(out2) > 0
