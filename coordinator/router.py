@@ -334,7 +334,7 @@ class Replica:
 
 _GAUGES = ("active_requests", "waiting_requests", "used_slots", "total_slots")
 _COUNTERS = ("steps", "tokens_generated", "forward_calls", "drafter_failures", "completed",
-             "cancelled")
+             "cancelled", "failed")
 
 
 def check_count(name: str, value, minimum: int) -> None:
@@ -697,6 +697,7 @@ class Router:
         for req in unstarted:
             serving = self.serving()
             if not serving:
+                scheduler.stats.failed += 1
                 req.events.put_nowait(ReplicaUnavailable(REPLICA_FAILED_MESSAGE))
                 continue
             other = min(serving, key=lambda r: (*r.scheduler.load(), r.scheduler.placed))

@@ -13,6 +13,7 @@ health service is exempt so probes work without it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
@@ -175,6 +176,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.drafter_name = drafter_name
         self.model_name = model_name
         self._scale_tasks: set[asyncio.Task] = set()
+        #: The server's health service (set by `start_generation_server`), for `drain`.
+        self.health = None
+        self._draining = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     # ---- request parsing ----
 
@@ -258,7 +265,36 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    @contextlib.contextmanager
+    def _tracked(self):
+        """Counts a Generate call in flight (for `drain`)."""
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+
+    async def drain(self, grace_s: float) -> None:
+        """Starts a graceful shutdown: new Generate calls get ``UNAVAILABLE`` from the
+        handler itself, health reports ``NOT_SERVING`` from now on, and this waits up to
+        ``grace_s`` seconds for the calls in flight to finish. (Stopping the gRPC server
+        at once instead ends calls that have arrived but not reached a handler with
+        ``CANCELLED``, grpc/grpc#41785.)"""
+        self._draining = True
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        except TimeoutError:
+            log.warning("%d call(s) still in flight after the %g s grace period",
+                        self._in_flight, grace_s)
+
     async def _submit(self, request, context) -> ServiceRequest:
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is shutting down")
         try:
             # Off the event loop: tokenizing a big prompt (or rendering a chat template) must
             # not stall every other stream's steps. Hugging Face fast tokenizers release the
@@ -284,53 +320,56 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     # ---- RPCs ----
 
     async def Generate(self, request, context):
-        req = await self._submit(request, context)
-        text = TextStream(self.tokenizer)
-        try:
-            while True:
-                event = await req.events.get()
-                if isinstance(event, list):
-                    yield generation_pb2.GenerateResponse(token_ids=event, text=text.push(event))
-                elif isinstance(event, SpeculativeDecodeResult):
-                    yield generation_pb2.GenerateResponse(
-                        text=text.flush(),
-                        **_final_fields(req, event),
-                    )
-                    return
-                else:
-                    await _abort_failed(context, event)
-        except grpc.aio.AbortError:
-            raise
-        except Exception:  # detokenizing its text failed: this stream alone ends
-            log.exception("streaming request %s failed", req.id)
-            await context.abort(grpc.StatusCode.INTERNAL, REQUEST_FAILED)
-        finally:
-            # Client cancel, deadline, or a dropped stream: free the slot at the next step.
-            self.scheduler.cancel(req)
+        with self._tracked():
+            req = await self._submit(request, context)
+            text = TextStream(self.tokenizer)
+            try:
+                while True:
+                    event = await req.events.get()
+                    if isinstance(event, list):
+                        yield generation_pb2.GenerateResponse(token_ids=event,
+                                                              text=text.push(event))
+                    elif isinstance(event, SpeculativeDecodeResult):
+                        yield generation_pb2.GenerateResponse(
+                            text=text.flush(),
+                            **_final_fields(req, event),
+                        )
+                        return
+                    else:
+                        await _abort_failed(context, event)
+            except grpc.aio.AbortError:
+                raise
+            except Exception:  # detokenizing its text failed: this stream alone ends
+                log.exception("streaming request %s failed", req.id)
+                await context.abort(grpc.StatusCode.INTERNAL, REQUEST_FAILED)
+            finally:
+                # Client cancel, deadline, or a dropped stream: free the slot at the next step.
+                self.scheduler.cancel(req)
 
     async def GenerateUnary(self, request, context):
-        req = await self._submit(request, context)
-        tokens: list[int] = []
-        try:
-            while True:
-                event = await req.events.get()
-                if isinstance(event, list):
-                    tokens.extend(event)
-                elif isinstance(event, SpeculativeDecodeResult):
-                    return generation_pb2.GenerateResult(
-                        text=self._detokenize(tokens),
-                        token_ids=tokens,
-                        **_final_fields(req, event),
-                    )
-                else:
-                    await _abort_failed(context, event)
-        except grpc.aio.AbortError:
-            raise
-        except Exception:
-            log.exception("answering request %s failed", req.id)
-            await context.abort(grpc.StatusCode.INTERNAL, REQUEST_FAILED)
-        finally:
-            self.scheduler.cancel(req)
+        with self._tracked():
+            req = await self._submit(request, context)
+            tokens: list[int] = []
+            try:
+                while True:
+                    event = await req.events.get()
+                    if isinstance(event, list):
+                        tokens.extend(event)
+                    elif isinstance(event, SpeculativeDecodeResult):
+                        return generation_pb2.GenerateResult(
+                            text=self._detokenize(tokens),
+                            token_ids=tokens,
+                            **_final_fields(req, event),
+                        )
+                    else:
+                        await _abort_failed(context, event)
+            except grpc.aio.AbortError:
+                raise
+            except Exception:
+                log.exception("answering request %s failed", req.id)
+                await context.abort(grpc.StatusCode.INTERNAL, REQUEST_FAILED)
+            finally:
+                self.scheduler.cancel(req)
 
     async def Status(self, request, context):
         refresh = getattr(self.scheduler, "refresh", None)  # a Router: replicas' own stats
@@ -342,6 +381,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             used_slots=s["used_slots"], total_slots=s["total_slots"], steps=s["steps"],
             tokens_generated=s["tokens_generated"], drafter_failures=s["drafter_failures"],
             model=self.model_name, drafter=self.drafter_name, forward_calls=s["forward_calls"],
+            failed=s.get("failed", 0),
             replicas=[_replica_proto(r) for r in s.get("replicas", ())],
             drafters=[_drafter_proto(d) for d in s.get("drafters", ())],
         )
@@ -388,7 +428,8 @@ def _drafter_proto(d: dict) -> generation_pb2.DrafterStatus:
     return generation_pb2.DrafterStatus(
         name=d["name"], address=d["address"], state=d["state"], calls=d["calls"],
         errors=d["errors"], mean_latency_seconds=d["mean_latency_s"],
-        assigned_requests=d["assigned_requests"], in_flight=d["in_flight"])
+        assigned_requests=d["assigned_requests"], in_flight=d["in_flight"],
+        restarts=d.get("restarts", 0))
 
 
 class BearerTokenInterceptor(CredentialInterceptor):
@@ -482,6 +523,7 @@ async def start_generation_server(
         (grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers),))
     server.add_registered_method_handlers(GENERATION_SERVICE, handlers)
     health_servicer = health.aio.HealthServicer()
+    servicer.health = health_servicer
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -153,6 +153,7 @@ class CoordinatorActor:
     def __init__(self, config: ServiceConfig):
         self.config = config
         self.server = None
+        self.servicer = None
         self.router = None
         self.metrics_server = None
         self.metrics_port: int | None = None
@@ -253,7 +254,7 @@ class CoordinatorActor:
         await self.router.scale(target_replicas=cfg.target_replicas,
                                 drafters=cfg.drafters if with_drafter else 0)
         info = self.router.model_info()
-        servicer = GenerationServicer(
+        servicer = self.servicer = GenerationServicer(
             self.router, tokenizer, vocab_size=info["vocab_size"],
             max_seq_len=info["max_seq_len"], drafter_name=cfg.drafter,
             model_name=cfg.model or "SmolLM2-135M-Instruct",
@@ -306,7 +307,9 @@ class CoordinatorActor:
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         if self.server is not None:
-            await self.server.stop(grace=grace_s)
+            if self.servicer is not None:
+                await self.servicer.drain(grace_s)
+            await self.server.stop(grace=0.5)  # what outlived the grace period is cancelled
         if self.router is not None:
             await self.router.close()
 

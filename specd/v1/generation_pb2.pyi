@@ -141,7 +141,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("name", "state", "tp", "active_requests", "waiting_requests", "used_slots", "total_slots", "requests_placed", "steps", "tokens_emitted", "tokens_per_second", "step_seconds", "forward_seconds_per_call", "bytes_sent_per_step", "bytes_received_per_step", "drafter_failures")
+    __slots__ = ("name", "state", "tp", "active_requests", "waiting_requests", "used_slots", "total_slots", "requests_placed", "steps", "tokens_emitted", "tokens_per_second", "step_seconds", "forward_seconds_per_call", "bytes_sent_per_step", "bytes_received_per_step", "drafter_failures", "restarts", "failed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,8 @@ class ReplicaStatus(_message.Message):
     BYTES_SENT_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: str
     tp: int
@@ -174,10 +176,12 @@ class ReplicaStatus(_message.Message):
     bytes_sent_per_step: float
     bytes_received_per_step: float
     drafter_failures: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., used_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., requests_placed: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_emitted: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ..., forward_seconds_per_call: _Optional[float] = ..., bytes_sent_per_step: _Optional[float] = ..., bytes_received_per_step: _Optional[float] = ..., drafter_failures: _Optional[int] = ...) -> None: ...
+    restarts: int
+    failed: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., used_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., requests_placed: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_emitted: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ..., forward_seconds_per_call: _Optional[float] = ..., bytes_sent_per_step: _Optional[float] = ..., bytes_received_per_step: _Optional[float] = ..., drafter_failures: _Optional[int] = ..., restarts: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
 
 class DrafterStatus(_message.Message):
-    __slots__ = ("name", "address", "state", "calls", "errors", "mean_latency_seconds", "assigned_requests", "in_flight")
+    __slots__ = ("name", "address", "state", "calls", "errors", "mean_latency_seconds", "assigned_requests", "in_flight", "restarts")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +190,7 @@ class DrafterStatus(_message.Message):
     MEAN_LATENCY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ASSIGNED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     state: str
@@ -194,10 +199,11 @@ class DrafterStatus(_message.Message):
     mean_latency_seconds: float
     assigned_requests: int
     in_flight: int
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., calls: _Optional[int] = ..., errors: _Optional[int] = ..., mean_latency_seconds: _Optional[float] = ..., assigned_requests: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    restarts: int
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., calls: _Optional[int] = ..., errors: _Optional[int] = ..., mean_latency_seconds: _Optional[float] = ..., assigned_requests: _Optional[int] = ..., in_flight: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("active_requests", "waiting_requests", "used_slots", "total_slots", "steps", "tokens_generated", "drafter_failures", "model", "drafter", "forward_calls", "replicas", "drafters")
+    __slots__ = ("active_requests", "waiting_requests", "used_slots", "total_slots", "steps", "tokens_generated", "drafter_failures", "model", "drafter", "forward_calls", "replicas", "drafters", "failed")
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +216,7 @@ class StatusResponse(_message.Message):
     FORWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     active_requests: int
     waiting_requests: int
     used_slots: int
@@ -222,7 +229,8 @@ class StatusResponse(_message.Message):
     forward_calls: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     drafters: _containers.RepeatedCompositeFieldContainer[DrafterStatus]
-    def __init__(self, active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., used_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., drafter_failures: _Optional[int] = ..., model: _Optional[str] = ..., drafter: _Optional[str] = ..., forward_calls: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ...) -> None: ...
+    failed: int
+    def __init__(self, active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., used_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., drafter_failures: _Optional[int] = ..., model: _Optional[str] = ..., drafter: _Optional[str] = ..., forward_calls: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., failed: _Optional[int] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("target_replicas", "drafters")

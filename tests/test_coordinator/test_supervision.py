@@ -172,6 +172,11 @@ def test_target_that_dies_mid_stream_fails_fast_then_is_restarted_with_the_same_
         wait_until(lambda: health(svc) == SERVING, what="health SERVING again")
         assert replica_states(svc) == {"replica-0": "serving"}
         assert svc.router.status()["replicas"][0]["restarts"] == 1
+        channel, stub = svc.stub()
+        with channel:  # the gRPC Status tells it too
+            status = stub.Status(generation_pb2.StatusRequest(), timeout=10)
+        assert [(r.restarts, r.state) for r in status.replicas] == [(1, "serving")]
+        assert status.failed == 2  # the two streams the dead replica held
         after, final = stream_tokens(svc, request(prompt, max_new=30))
         assert after == before
         assert final.speculation.accepted_tokens > 0
@@ -317,6 +322,10 @@ def test_killed_drafter_is_marked_unhealthy_replaced_and_drafting_resumes():
         wait_until(lambda: drafter_states()["drafter-0"][0] == "serving", what="replaced")
         member = pool.members["drafter-0"]
         assert member.restarts == 1
+        channel, stub = svc.stub()
+        with channel:
+            status = stub.Status(generation_pb2.StatusRequest(), timeout=10)
+        assert [(d.name, d.restarts) for d in status.drafters] == [("drafter-0", 1)]
         tokens, final = stream_tokens(svc, request(REPEATING, max_new=60))
         assert tokens == expected
         assert final.speculation.drafter_failures == 0
