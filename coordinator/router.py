@@ -239,8 +239,7 @@ class ReplicaScheduler(Scheduler):
 
     def adopt(self, req: ServiceRequest) -> None:
         """Queues a request another replica held but never prefilled (its events queue and id
-        stay; nothing about it was computed yet, so its output is unchanged)."""
-        req.slot = None
+        stay, it holds no slot; nothing about it was computed yet, so its output is unchanged)."""
         req.adaptive = None  # priced with the other replica's cost model
         self.waiting.append(req)
         self.requests.add(req)
@@ -276,7 +275,7 @@ class ReplicaScheduler(Scheduler):
 
     async def _release(self, req: ServiceRequest, count: bool = True) -> None:
         if self.target.failed:
-            req.slot = None  # its slot died with the replica: nothing to free
+            self._take_slot(req)  # its slot died with the replica: nothing to free
         try:
             await super()._release(req, count)
         finally:
@@ -305,9 +304,7 @@ class ReplicaScheduler(Scheduler):
         self.requests.difference_update(unstarted)
         self.waiting.clear()
         for req in unstarted:  # a slot allocated on the dead replica dies with it
-            if req.slot is not None:
-                req.slot = None
-                self._slots_held -= 1
+            self._take_slot(req)
         self._admitting = []
         if self.on_failure is not None:
             self.on_failure(self, sorted(unstarted, key=lambda r: r.submitted_at))

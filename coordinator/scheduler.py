@@ -547,10 +547,16 @@ class Scheduler:
             req.events.put_nowait(req.decode.result)
             await self._release(req)
 
-    async def _release(self, req: ServiceRequest, count: bool = True) -> None:
-        if req.slot is not None:
-            slot, req.slot = req.slot, None
+    def _take_slot(self, req: ServiceRequest) -> int | None:
+        """Takes ``req``'s slot off it and out of the held count; returns it (None: none)."""
+        slot, req.slot = req.slot, None
+        if slot is not None:
             self._slots_held -= 1
+        return slot
+
+    async def _release(self, req: ServiceRequest, count: bool = True) -> None:
+        slot = self._take_slot(req)
+        if slot is not None:
             try:
                 await self.target.free(slot)
             except Exception:

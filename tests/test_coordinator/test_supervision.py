@@ -163,6 +163,7 @@ def test_target_that_dies_mid_stream_fails_fast_then_is_restarted_with_the_same_
         wait_until(lambda: factory.calls == 1, what="the restart under way")
         wait_until(lambda: health(svc) == NOT_SERVING, what="health NOT_SERVING")
         assert replica_states(svc) == {"replica-0": "restarting"}
+        assert svc.router.status()["used_slots"] == 0  # the dead replica's slots died with it
         # Nothing can serve: a new request is refused at once rather than left hanging.
         with pytest.raises(grpc.RpcError) as err:
             stream_tokens(svc, request(prompt, max_new=5))
