@@ -1,10 +1,17 @@
 """An in-process service for tests: target engine, drafter gRPC server, scheduler and the
 Generation gRPC server on loopback, driven by an asyncio loop in a background thread (no Ray:
-the Ray wiring has its own, fewer, tests)."""
+the Ray wiring has its own, fewer, tests); and `serve_process`, a real ``specd serve``
+subprocess for the tests that need one."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 from concurrent.futures import Future
 
@@ -142,3 +149,29 @@ def run_in_thread(fn, *args) -> Future:
 
     threading.Thread(target=target, daemon=True).start()
     return future
+
+
+@contextlib.contextmanager
+def serve_process(*args: str):
+    """Runs ``specd serve --port 0 ARGS`` as a subprocess with its own embedded Ray, whose
+    files go to a short private temp dir (Ray's socket paths must stay under the 107-byte Unix
+    limit). Yields ``(process, address, temp_dir)`` once it serves; afterwards kills it if it
+    still runs (its own PID: the test's own process) and removes the temp dir."""
+    tmp = tempfile.mkdtemp(prefix="specd-sv-")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specd_tools.cli", "serve", "--port", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "RAY_TMPDIR": tmp})
+    try:
+        line = ""
+        for line in proc.stdout:
+            if "serving specd.v1.Generation on" in line:
+                break
+        assert "serving" in line, "the server never came up"
+        yield proc, line.rsplit(" on ", 1)[1].split()[0], tmp
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -6,22 +6,17 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 
 import grpc
 import psutil
 import pytest
+from service_harness import MODEL, serve_process
 
 from coordinator.service import Service, ServiceConfig
 from specd.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2, generation_pb2_grpc
-
-MODEL = "tiny-random:vocab=64,seed=0,layers=2"
 
 
 def listening_sockets(root: psutil.Process) -> list[tuple[str, int, int, str]]:
@@ -95,22 +90,9 @@ def test_embedded_drafter_refuses_calls_without_the_secret(embedded):
 
 
 def test_sigterm_drains_in_flight_streams_and_refuses_new_calls():
-    # Its own `specd serve` (own embedded Ray in a short private temp dir: Ray's socket paths
-    # must stay under 107 bytes). A deeper tiny model keeps the stream going for seconds.
-    tmp = tempfile.mkdtemp(prefix="specd-dr-")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specd_tools.cli", "serve", "--port", "0", "--drafter", "none",
-         "--model", "tiny-random:vocab=64,seed=0,layers=24", "--target-threads", "1",
-         "--shutdown-grace", "120"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "RAY_TMPDIR": tmp})
-    try:
-        line = ""
-        for line in proc.stdout:
-            if "serving specd.v1.Generation on" in line:
-                break
-        assert "serving" in line, "the server never came up"
-        address = line.rsplit(" on ", 1)[1].split()[0]
+    # Its own `specd serve` and Ray. A deeper tiny model keeps the stream going for seconds.
+    with serve_process("--drafter", "none", "--model", "tiny-random:vocab=64,seed=0,layers=24",
+                       "--target-threads", "1", "--shutdown-grace", "120") as (proc, address, _):
         request = generation_pb2.GenerateRequest(max_new_tokens=250, ignore_eos=True)
         request.token_ids.ids.extend([1, 2, 3])
         started, chunks, outcome = threading.Event(), [], {}
@@ -150,30 +132,14 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_calls():
         assert sum(len(c.token_ids) for c in chunks) == 250
         assert chunks[-1].finish_reason == "length"
         assert proc.wait(timeout=120) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_serve_exits_nonzero_when_its_coordinator_dies():
     # The coordinator is not replicated: `specd serve` must not keep serving a dead address,
     # so a process supervisor can restart it. Its own serve and Ray, as above.
-    tmp = tempfile.mkdtemp(prefix="specd-cd-")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specd_tools.cli", "serve", "--port", "0", "--drafter", "none",
-         "--model", MODEL, "--target-threads", "1", "--shutdown-grace", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "RAY_TMPDIR": tmp})
-    try:
-        line = ""
-        for line in proc.stdout:
-            if "serving specd.v1.Generation on" in line:
-                break
-        assert "serving" in line, "the server never came up"
-        port = int(line.rsplit(":", 1)[1].split()[0])
+    with serve_process("--drafter", "none", "--model", MODEL, "--target-threads", "1",
+                       "--shutdown-grace", "0") as (proc, address, _):
+        port = int(address.rsplit(":", 1)[1])
         # The coordinator actor is the process of this serve's tree listening on the API port.
         owners = {pid for ip, p, pid, _ in listening_sockets(psutil.Process(proc.pid))
                   if p == port}
@@ -182,8 +148,3 @@ def test_serve_exits_nonzero_when_its_coordinator_dies():
         output = proc.communicate(timeout=120)[0]
         assert proc.returncode == 1, output[-2000:]
         assert "the coordinator actor died" in output
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(tmp, ignore_errors=True)

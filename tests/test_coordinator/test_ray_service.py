@@ -3,17 +3,14 @@ drafter actor serving gRPC, coordinator actor fronting the Generation API)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import time
 
 import grpc
 import pytest
-from service_harness import MODEL
+from service_harness import MODEL, serve_process
 
 from coordinator import SpeculativeOptions, speculative_decode_with
 from coordinator.service import Service, ServiceConfig
@@ -80,30 +77,13 @@ def test_killing_the_drafter_actor_mid_stream_keeps_the_tokens(ray_service):
 def test_specd_serve_stops_cleanly_on_sigterm():
     # A separate process with its own embedded Ray: SIGTERM must leave no Ray processes of its
     # session behind.
-    # A short private temp dir: Ray's socket paths must stay under the Unix 107-byte limit.
-    tmp_path = tempfile.mkdtemp(prefix="specd-rt-")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specd_tools.cli", "serve", "--model", MODEL, "--port", "0",
-         "--target-threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "RAY_TMPDIR": tmp_path},
-    )
-    try:
-        line = ""
-        for line in proc.stdout:
-            if "serving specd.v1.Generation on" in line:
-                break
-        assert "serving" in line, "the server never came up"
-        address = line.rsplit(" on ", 1)[1].split()[0]
+    with serve_process("--model", MODEL, "--target-threads", "1") as (proc, address, tmp_path):
         with grpc.insecure_channel(address) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             reply = stub.GenerateUnary(greedy_request([1, 2, 3], 3), timeout=60)
             assert len(reply.token_ids) == 3
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     # Ray's processes of that session ran out of tmp_path; none may survive it.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
