@@ -96,7 +96,7 @@ def test_the_batch_job_runs_under_ray_job_submit_on_a_local_head(tmp_path):
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
     # `--block` keeps the head's own `ray start` process alive; in a new session (process
     # group) of its own, so the head and everything it spawns can be stopped through that
-    # group alone (`ray stop` would stop every Ray on the machine).
+    # group alone (Ray's own stop command would stop every Ray on the machine).
     head = subprocess.Popen(
         [str(ray_bin), "start", "--head", "--block", f"--port={_free_port()}",
          "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
