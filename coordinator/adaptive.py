@@ -442,6 +442,13 @@ class AdaptiveDraftLength:
         self.awaiting_update = True
         return k
 
+    def choose(self, budget: int, drafter_max: int | None = None, batch_tokens: int = 0) -> int:
+        """`next_len` without recording the choice: pipelined scheduling picks a length
+        one step before that length is verified, and records the step itself
+        (`AcceptanceTracker.record`) once verified."""
+        limit = max(0, budget if drafter_max is None else min(budget, drafter_max))
+        return choose_draft_len(self.tracker.rates(limit), self.cost_model, limit, batch_tokens)
+
     def update(self, draft_len: int, accepted: int) -> None:
         """Records a verified step: ``draft_len`` drafts fed, ``accepted`` of them accepted
         (the accepted prefix). See `AcceptanceTracker.record`.

@@ -31,6 +31,14 @@ REPLICA_METRICS = (
     ("drafter_failures", "drafter_failures", "Steps decoded undrafted: drafter failed.",
      "counter"),
     ("restarts", "restarts", "Times the replica was re-created after failing.", "counter"),
+    ("draft_wait_seconds", "draft_wait_seconds",
+     "Summed time steps waited for drafts before their verify could start.", "counter"),
+    ("runahead_hits", "runahead_hits", "Request-steps verified with their run-ahead block.",
+     "counter"),
+    ("runahead_misses", "runahead_misses",
+     "Request-steps whose run-ahead block was stale, mis-guessed, late or failed.", "counter"),
+    ("target_busy_fraction", "target_busy_fraction",
+     "Replica compute seconds over the seconds it had requests (1: never idle).", "gauge"),
 )
 
 #: The same for each drafter worker.

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from specd_core.request import SpeculativeOptions
 from specd_core.step import payload_bytes
+from target_worker.channel import ChannelClosed
 
 from .drafter_pool import DrafterPool
 from .errors import ReplicaUnavailable
@@ -73,12 +74,13 @@ class ReplicaFailed(Exception):
 def is_replica_death(exc: BaseException | None) -> bool:
     """Whether ``exc`` says a replica's process is gone: `ReplicaFailed`, a Ray actor error
     (``ray.exceptions.RayActorError``: ActorDiedError, ActorUnavailableError), also as the
-    cause of a task error (a tensor-parallel rank that died under rank 0)."""
+    cause of a task error (a tensor-parallel rank that died under rank 0), or its step
+    channel closing (`target_worker.channel.ChannelClosed`)."""
     ray_errors = sys.modules.get("ray.exceptions")  # a Ray error implies Ray is imported
     for _ in range(8):  # a short cause chain; never loops on a cycle
         if exc is None:
             return False
-        if isinstance(exc, ReplicaFailed):
+        if isinstance(exc, ReplicaFailed | ChannelClosed):
             return True
         if ray_errors is not None and isinstance(exc, ray_errors.RayActorError):
             return True
@@ -213,11 +215,11 @@ class ReplicaScheduler(Scheduler):
 
     def __init__(self, name: str, target: MeteredTarget, drafter, ids: itertools.count,
                  max_active: int = 32, wants_hidden: bool = False, adaptive: bool = False,
-                 cost_model=None,
+                 cost_model=None, pipeline: bool = False,
                  on_failure: Callable[[ReplicaScheduler, list[ServiceRequest]], None]
                  | None = None):
         super().__init__(target, drafter, max_active=max_active, wants_hidden=wants_hidden,
-                         adaptive=adaptive, cost_model=cost_model)
+                         adaptive=adaptive, cost_model=cost_model, pipeline=pipeline)
         self.name = name
         self._ids = ids
         self.on_failure = on_failure
@@ -331,7 +333,8 @@ class Replica:
 
 _GAUGES = ("active_requests", "waiting_requests", "used_slots", "total_slots")
 _COUNTERS = ("steps", "tokens_generated", "forward_calls", "drafter_failures", "completed",
-             "cancelled", "failed")
+             "cancelled", "failed", "draft_wait_seconds", "runahead_hits", "runahead_misses",
+             "active_seconds")
 
 
 def check_count(name: str, value, minimum: int) -> None:
@@ -363,17 +366,20 @@ class Router:
             that died while idle, seconds; None: only on `refresh` and `scale`.
         restart_delay_s: wait after a failed re-creation attempt (doubling, at most
             `MAX_RESTART_DELAY_S`), seconds.
+        pipeline: pipelined drafting in every replica's loop (`Scheduler` ``pipeline``).
     """
 
     def __init__(self, replica_factory: ReplicaFactory,
                  drafter_factory: DrafterFactory | None = None, max_active: int = 32,
                  drafter_pool: DrafterPool | None = None, adaptive: bool = True,
                  cost_model=None, target_timeout_s: float | None = None,
-                 probe_interval_s: float | None = 5.0, restart_delay_s: float = 1.0):
+                 probe_interval_s: float | None = 5.0, restart_delay_s: float = 1.0,
+                 pipeline: bool = False):
         if target_timeout_s is not None and not target_timeout_s > 0:
             raise ValueError(f"target_timeout_s must be > 0, got {target_timeout_s!r}")
         self.replica_factory = replica_factory
         self.adaptive = adaptive
+        self.pipeline = pipeline
         self.cost_model = cost_model
         self.drafter_factory = drafter_factory
         self.max_active = max_active
@@ -466,12 +472,17 @@ class Router:
         ids, positions, sampling parameters, target rows and hidden rows, 8 bytes per int or
         float, tensors their nbytes, pickle framing not counted); ``forward_seconds_per_call``
         is the replica's own forward time per forward call from its last ``status()`` (0 when
-        unknown)."""
+        unknown). Pipelining: ``draft_wait_seconds_per_step`` (mean time a step waited for
+        drafts before its verify could start), ``runahead_hits`` / ``runahead_misses``, and
+        ``target_busy_fraction``: the replica's own compute seconds (forward and rows, from
+        its last ``status()``) over the seconds this loop had requests admitting or decoding,
+        at most 1 (what coordination leaves idle is the rest)."""
         s = replica.scheduler.status()
         m = replica.target.stats
         steps = m["verify_calls"]
         reported = replica.reported.get("stats", {})
         fwd_calls = reported.get("forward_calls", 0)
+        busy = reported.get("forward_seconds", 0.0) + reported.get("rows_seconds", 0.0)
         return {
             "name": replica.name,
             "state": replica.state,
@@ -486,6 +497,11 @@ class Router:
             "bytes_received_per_step": m["verify_bytes_received"] / steps if steps else 0.0,
             "forward_seconds_per_call": (reported.get("forward_seconds", 0.0) / fwd_calls
                                          if fwd_calls else 0.0),
+            "draft_wait_seconds_per_step": (s["draft_wait_seconds"] / s["steps"]
+                                            if s["steps"] else 0.0),
+            "target_busy_fraction": (min(1.0, busy / s["active_seconds"])
+                                     if s["active_seconds"] else 0.0),
+            "pipeline": replica.scheduler.pipeline,
             **{f"target_{k}": v for k, v in m.items()},
         }
 
@@ -613,6 +629,7 @@ class Router:
         scheduler = ReplicaScheduler(name, metered, self.pool, self._ids,
                                      max_active=self.max_active, wants_hidden=self.wants_hidden,
                                      adaptive=self.adaptive, cost_model=self.cost_model,
+                                     pipeline=self.pipeline,
                                      on_failure=self._on_replica_failure)
         scheduler.drafter_max_len = self.drafter_max_len
         return metered, scheduler

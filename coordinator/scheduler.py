@@ -9,6 +9,19 @@ Requests join (prefill) and leave between steps, never inside one.
 A drafter that fails or misses its deadline costs that step its drafts only: the step is
 verified with empty drafts, which is still lossless.
 
+Pipelined (``pipeline=True``, the service's default; after PEARL's post-verify, Liu et al.,
+ICLR 2025, and SGLang's decoupled speculation, sgl-project/sglang#22520): while the target
+verifies block t of a request, the drafter proposes block t+1 assuming block t is committed
+whole (`specd_core.draft.propose_ahead`): the proposal's first token is its guess of the bonus
+token, the rest the next block. Each run-ahead is stamped with the committed length and the
+tokens it assumed; the next step uses it only when verification committed exactly that prefix
+plus the guess, so every draft is judged against the history it was drawn for, with the ``q``
+it was drawn from. Otherwise (a rejection, a wrong guess, a late or failed drafter) the step
+verifies that request with a fresh draft or with none, whichever `ForwardCostModel` says
+commits more tokens per second; both are lossless. Drafting never touches a request's own
+generator, so seeded output with a point-mass drafter (prompt lookup) is the same pipelined or
+not.
+
 A failure stays with its request: an exception while handling one request (slot allocation,
 building its items, `DecodeRequest.on_prefill` / ``on_verify``, the rule, stop-string
 detokenizing) fails that request alone with a `coordinator.errors.RequestError` on its queue,
@@ -36,7 +49,7 @@ from drafter_worker import DraftBlock
 from specd_core.request import DecodeRequest, SpeculativeOptions
 from target_worker.engine import SlotsExhausted
 
-from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target
+from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target, expected_tokens
 from .errors import ReplicaUnavailable, RequestError, RequestFailed, ServiceStopping
 
 log = logging.getLogger(__name__)
@@ -109,6 +122,43 @@ class RayTarget:
 
 
 @dataclass(eq=False)
+class RunAhead:
+    """A run-ahead proposal in flight or done, stamped with what it assumed.
+
+    Attributes:
+        base_len: ``len(history)`` when it was launched (the history then ended in the
+            anchor of the block being verified).
+        assumed: that block's draft tokens.
+        task: the batched drafter call; its result is one `DraftBlock` per job.
+        index: this request's job in that call.
+    """
+
+    base_len: int
+    assumed: tuple[int, ...]
+    task: asyncio.Future
+    index: int
+
+    def block(self) -> DraftBlock:
+        """The proposal (empty when the call failed); only once ``task`` is done."""
+        if self.task.cancelled() or self.task.exception() is not None:
+            return DraftBlock.empty()
+        return self.task.result()[self.index]
+
+    def matches(self, history: Sequence[int]) -> bool | None:
+        """Whether ``history`` is what it assumed plus its guess: True / False once that
+        can be told (False without waiting when the assumed block was not committed whole;
+        otherwise once the call is done), None while it depends on the guess still in
+        flight."""
+        tail = history[self.base_len:]
+        if len(tail) != len(self.assumed) + 1 or tuple(tail[:-1]) != self.assumed:
+            return False
+        if not self.task.done():
+            return None
+        block = self.block()
+        return bool(len(block)) and block.tokens[0] == tail[-1]
+
+
+@dataclass(eq=False)
 class ServiceRequest:
     """One request inside the service: its core decode state plus scheduling state.
 
@@ -129,6 +179,11 @@ class ServiceRequest:
     adaptive: AdaptiveDraftLength | None = None
     #: What failed it, when the scheduler failed it (``events`` gets a `RequestError`).
     cause: BaseException | None = None
+    #: Pipelined scheduling: this request's run-ahead call, until it is used or dropped
+    #: (no second call for its id starts while one is in flight).
+    ahead: RunAhead | None = None
+    #: Pipelined: the adaptive choice for this request's next step was not to draft.
+    chose_no_draft: bool = False
 
     def push_new_tokens(self) -> None:
         generated = self.decode.generated
@@ -147,6 +202,16 @@ class SchedulerStats:
     cancelled: int = 0
     #: Requests failed alone (their own fault, or their target call's).
     failed: int = 0
+    #: Seconds the loop waited for drafts before a verify could start (the serial step's
+    #: whole Propose; pipelined, a late run-ahead or a fresh draft after a miss).
+    draft_wait_seconds: float = 0.0
+    #: Pipelined: steps of a request that used its run-ahead block / found it unusable
+    #: (stale, wrong guess, late or failed).
+    runahead_hits: int = 0
+    runahead_misses: int = 0
+    #: Seconds a step or a prefill was in progress (the target busy fraction's
+    #: denominator: the replica's compute seconds over this).
+    active_seconds: float = 0.0
 
 
 class Scheduler:
@@ -169,14 +234,17 @@ class Scheduler:
             the adaptive choice never asks for more.
         hidden_dtype: the dtype requests keep hidden rows in (float16: what the wire
             carries; the in-process path keeps float32, what the target computes).
+        pipeline: draft the next block while the target verifies this one (see the module
+            docstring); False: the serial step (propose, then verify). Output is the same.
     """
 
     def __init__(self, target: Target, drafter=None, max_active: int = 32,
                  wants_hidden: bool = False, adaptive: bool = True,
                  cost_model: ForwardCostModel | None = None,
                  drafter_max_len: int | None = None,
-                 hidden_dtype: torch.dtype = torch.float16):
+                 hidden_dtype: torch.dtype = torch.float16, pipeline: bool = False):
         self.target = target
+        self.pipeline = pipeline and drafter is not None
         self.drafter = drafter
         self.max_active = max_active
         self.wants_hidden = wants_hidden and drafter is not None
@@ -195,6 +263,10 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closed = False
+        #: Drafter calls in flight (cancelled on close).
+        self._drafting: set[asyncio.Task] = set()
+        #: Mean wall time of one drafter call, seconds (EMA; None until one finished).
+        self.drafter_latency_s: float | None = None
 
     # ---- public ----
 
@@ -212,6 +284,8 @@ class Scheduler:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        for task in list(self._drafting):
+            task.cancel()
         for req in [*self.waiting, *self._admitting, *self.active]:
             req.events.put_nowait(ServiceStopping("the service is shutting down"))
 
@@ -330,7 +404,9 @@ class Scheduler:
                 admitted.append(r)
             except Exception as exc:
                 await self._fail(r, exc)
+        began = time.perf_counter()
         outputs, _ = await self._target_call(self.target.prefill, admitted, items)
+        self.stats.active_seconds += time.perf_counter() - began
         for req, out in zip(admitted, outputs, strict=True):
             if out is None:  # failed with its call
                 continue
@@ -345,13 +421,26 @@ class Scheduler:
                 self.active.append(req)
 
     async def _step(self) -> None:
-        from target_worker.engine import VerifyItem
-
         await self._drop_cancelled()
         if not self.active:
             return
-        active = list(self.active)
-        drafts = await self._propose(active)
+        began = time.perf_counter()
+        try:
+            active = list(self.active)
+            if self.pipeline:
+                drafts = await self._pipelined_drafts(active)
+            else:
+                drafts = await self._propose(active)
+                self.stats.draft_wait_seconds += time.perf_counter() - began
+            await self._verify(active, drafts)
+        finally:
+            self.stats.active_seconds += time.perf_counter() - began
+
+    async def _verify(self, active: list[ServiceRequest], drafts: list[DraftBlock]) -> None:
+        """One batched verify of ``drafts`` (one per request), the rule per request; when
+        pipelined, each request's run-ahead is launched before the verify is awaited."""
+        from target_worker.engine import VerifyItem
+
         batch, items = [], []
         for r, d in zip(active, drafts, strict=True):
             try:
@@ -364,6 +453,13 @@ class Scheduler:
                 await self._fail(r, exc)
         if not batch:
             return
+        # Requests whose adaptive choice was to verify this step undrafted (recorded below,
+        # so acceptance unknown there fades to the prior); `_run_ahead` sets the flag anew.
+        chose_none = {r for r, d in batch if r.chose_no_draft and not len(d)}
+        for r, _ in batch:
+            r.chose_no_draft = False
+        if self.pipeline:
+            self._run_ahead(batch)
         began = time.perf_counter()
         outputs, whole = await self._target_call(self.target.verify, [r for r, _ in batch],
                                                  items)
@@ -378,9 +474,12 @@ class Scheduler:
             try:
                 accepted_before = req.decode.result.accepted_tokens
                 req.decode.on_verify(draft, out.rows, out.hidden)
-                if req.adaptive is not None and req.adaptive.awaiting_update:
-                    req.adaptive.update(len(draft), req.decode.result.accepted_tokens
-                                        - accepted_before)
+                accepted = req.decode.result.accepted_tokens - accepted_before
+                if self.pipeline:
+                    if req.adaptive is not None and (len(draft) or req in chose_none):
+                        req.adaptive.tracker.record(len(draft), accepted)
+                elif req.adaptive is not None and req.adaptive.awaiting_update:
+                    req.adaptive.update(len(draft), accepted)
             except Exception as exc:
                 await self._fail(req, exc)
                 continue
@@ -460,16 +559,21 @@ class Scheduler:
         req.events.put_nowait(error)
         await self._release(req, count=False)
 
-    async def _propose(self, requests: list[ServiceRequest]) -> list[DraftBlock]:
+    async def _propose(self, requests: list[ServiceRequest], step_tokens: int | None = None
+                       ) -> list[DraftBlock]:
+        """A fresh draft per request (empty where it drafts nothing), from one batched
+        drafter call. ``step_tokens``: tokens already in this step's forward (default: one
+        anchor per request)."""
         drafts = [DraftBlock.empty() for _ in requests]
         if self.drafter is None:
             return drafts
-        from drafter_worker.client import DrafterUnavailable, ProposeJob
+        from drafter_worker.client import ProposeJob
 
         jobs, where = [], []
         # Tokens already in this step's forward: every request's anchor, plus the drafts
         # chosen so far (the adaptive choice prices drafts at the margin of the whole step).
-        step_tokens = len(requests)
+        if step_tokens is None:
+            step_tokens = len(requests)
         for i, req in enumerate(requests):
             try:
                 job = self._propose_job(req, step_tokens, ProposeJob)
@@ -483,30 +587,186 @@ class Scheduler:
             where.append(i)
         if not jobs:
             return drafts
+        blocks = await self._call_drafter([requests[i] for i in where], jobs)
+        for i, job, block in zip(where, jobs, blocks, strict=True):
+            drafts[i] = block.truncate(job.max_len)
+        return drafts
+
+    async def _call_drafter(self, requests: list[ServiceRequest], jobs: list,
+                            after: set[asyncio.Future] | None = None) -> list[DraftBlock]:
+        """One batched drafter call for ``jobs`` (``requests[i]``'s job is ``jobs[i]``),
+        once the calls in ``after`` are done: one block per job, empty where drafting
+        failed. Never raises: an unavailable drafter costs these jobs their drafts; a job
+        the drafter refuses (ValueError before anything was sent) stops drafting for its
+        request alone."""
+        from drafter_worker.client import DrafterUnavailable
+
+        if after:
+            await asyncio.wait(after)
+        began = time.perf_counter()
         try:
-            blocks = await self.drafter.propose(jobs)
+            blocks = list(await self.drafter.propose(jobs))
         except DrafterUnavailable as exc:
             log.warning("drafter unavailable, decoding this step without drafts: %s", exc)
             self.stats.drafter_failures += 1
-            for i in where:
-                requests[i].drafter_failures += 1
-            return drafts
+            for req in requests:
+                req.drafter_failures += 1
+            return [DraftBlock.empty() for _ in jobs]
         except ValueError as exc:  # a job refused before anything was sent: find which
             log.warning("drafter refused a batch of %d jobs (%r); proposing one at a time",
                         len(jobs), exc)
             blocks = []
-            for i, job in zip(where, jobs, strict=True):
+            for req, job in zip(requests, jobs, strict=True):
                 try:
                     blocks.extend(await self.drafter.propose([job]))
                 except ValueError as one:
-                    self._stop_drafting(requests[i], one)
+                    self._stop_drafting(req, one)
                     blocks.append(DraftBlock.empty())
                 except DrafterUnavailable:
-                    requests[i].drafter_failures += 1
+                    req.drafter_failures += 1
                     blocks.append(DraftBlock.empty())
-        for i, job, block in zip(where, jobs, blocks, strict=True):
-            drafts[i] = block.truncate(job.max_len)
+        seconds = time.perf_counter() - began
+        self.drafter_latency_s = seconds if self.drafter_latency_s is None else (
+            0.8 * self.drafter_latency_s + 0.2 * seconds)
+        return blocks
+
+    # ---- pipelined drafting ----
+
+    def _policy(self, req: ServiceRequest) -> AdaptiveDraftLength | None:
+        """``req``'s adaptive policy (made on first use), or None when not adaptive."""
+        if not (self.adaptive and self.cost_model is not None):
+            return None
+        if req.adaptive is None:
+            req.adaptive = AdaptiveDraftLength(self.cost_model)
+        return req.adaptive
+
+    def _usable(self, req: ServiceRequest, block: DraftBlock) -> DraftBlock:
+        """``block`` cut to what ``req`` may verify now."""
+        limit = self._usable_len(req)
+        return DraftBlock(block.tokens[:limit], block.dists[:limit])
+
+    async def _pipelined_drafts(self, active: list[ServiceRequest]) -> list[DraftBlock]:
+        """This step's draft per request: its run-ahead block where verification committed
+        what it assumed plus its guess; for the others a fresh draft or none, whichever the
+        cost model expects to commit more tokens per second. Time spent here is draft wait.
+        """
+        began = time.perf_counter()
+        await asyncio.sleep(0)  # lets drafter calls that have answered finish
+        # Wait for run-ahead calls still in flight, at most about one step (a drafter slower
+        # than that is stalled, not late): one whose assumed block was committed whole is
+        # worth its guess, and a stale one must finish before its request's next call.
+        late = {r.ahead.task for r in active
+                if r.ahead is not None and not r.ahead.task.done()}
+        if late:
+            budget = None if self.cost_model is None else self.cost_model.cost(len(active))
+            await asyncio.wait(late, timeout=budget)
+        drafts = [DraftBlock.empty() for _ in active]
+        misses = []
+        for i, req in enumerate(active):
+            ahead = req.ahead
+            if ahead is None:
+                if req.speculate and not req.chose_no_draft:
+                    misses.append(i)
+                continue
+            if ahead.matches(req.decode.history):
+                block = ahead.block()
+                drafts[i] = self._usable(req, DraftBlock(block.tokens[1:], block.dists[1:]))
+                req.ahead = None
+                self.stats.runahead_hits += 1
+                continue
+            self.stats.runahead_misses += 1
+            if ahead.task.done():
+                req.ahead = None
+                if req.speculate:
+                    misses.append(i)
+            # else still in flight: this step goes undrafted; the next call for its id
+            # waits for it (`_run_ahead`).
+        if misses and self._fresh_pays(active, drafts, misses):
+            fed = sum(len(d) + 1 for d in drafts)
+            fresh = await self._propose([active[i] for i in misses], step_tokens=fed)
+            for i, block in zip(misses, fresh, strict=True):
+                drafts[i] = block
+        self.stats.draft_wait_seconds += time.perf_counter() - began
         return drafts
+
+    def _fresh_pays(self, active: list[ServiceRequest], drafts: list[DraftBlock],
+                    misses: list[int]) -> bool:
+        """Whether waiting for fresh drafts for ``misses`` commits more tokens per second
+        than verifying them undrafted now: expected tokens (`expected_tokens` over each
+        request's acceptance) over the step's cost (`ForwardCostModel`) plus the drafter's
+        mean latency. Without a cost model: always (the serial step's choice)."""
+        if self.cost_model is None or not self.adaptive or self.drafter_latency_s is None:
+            return True
+        fed = sum(len(d) + 1 for d in drafts)
+        now = 0.0
+        for req, draft in zip(active, drafts, strict=True):
+            policy = self._policy(req)
+            now += 1.0 if policy is None or not len(draft) else expected_tokens(
+                policy.tracker.rates(len(draft)), len(draft))
+        gain, extra = 0.0, 0
+        for i in misses:
+            req, policy = active[i], self._policy(active[i])
+            budget = self._usable_len(req)
+            k = policy.choose(budget, self.drafter_max_len, fed + extra - 1) if budget else 0
+            if k:
+                gain += expected_tokens(policy.tracker.rates(k), k) - 1.0
+                extra += k
+        if gain <= 0:
+            return False
+        cost = self.cost_model.cost
+        return (now + gain) / (cost(fed + extra) + self.drafter_latency_s) > now / cost(fed)
+
+    def _usable_len(self, req: ServiceRequest) -> int:
+        """The most drafts ``req`` may verify now (budget, its own cap; 0 undrafted)."""
+        limit = req.decode.draft_budget()
+        if req.max_draft_len is not None:
+            limit = min(limit, req.max_draft_len)
+        return max(0, limit) if req.speculate else 0
+
+    def _run_ahead(self, batch: list[tuple[ServiceRequest, DraftBlock]]) -> None:
+        """Launches one batched run-ahead drafter call for this step's requests (each
+        assuming its block is committed whole), to run while the target verifies."""
+        from drafter_worker.client import ProposeJob
+
+        fed = sum(len(d) + 1 for _, d in batch)
+        jobs, owners = [], []
+        for req, draft in batch:
+            if not req.speculate:
+                continue
+            # The budget once this block and its bonus token are committed.
+            budget = req.decode.options.max_new_tokens - len(req.decode.generated) \
+                - len(draft) - 2
+            if req.max_draft_len is not None:
+                budget = min(budget, req.max_draft_len)
+            if self.drafter_max_len is not None:
+                budget = min(budget, self.drafter_max_len)
+            policy = self._policy(req)
+            k = budget if policy is None or budget <= 0 else policy.choose(
+                budget, None, batch_tokens=fed - 1)
+            if k <= 0:
+                req.chose_no_draft = policy is not None and budget > 0
+                continue
+            try:
+                jobs.append(ProposeJob(
+                    request_id=req.id, history=list(req.decode.history), max_len=k + 1,
+                    hidden_log=req.decode.hidden_log() if self.wants_hidden else None,
+                    sampling=req.decode.sampling,
+                    seed=0 if req.decode.options.seed is None else req.decode.options.seed,
+                    ahead=True, assumed=tuple(draft.tokens)))
+            except Exception as exc:
+                self._stop_drafting(req, exc)
+                continue
+            owners.append(req)
+        if not jobs:
+            return
+        # A request's previous call still in flight (late, now superseded) must finish first:
+        # one call per request id at a time.
+        after = {r.ahead.task for r in owners if r.ahead is not None and not r.ahead.task.done()}
+        task = asyncio.get_running_loop().create_task(self._call_drafter(owners, jobs, after))
+        self._drafting.add(task)
+        task.add_done_callback(self._drafting.discard)
+        for index, (req, job) in enumerate(zip(owners, jobs, strict=True)):
+            req.ahead = RunAhead(len(job.history), job.assumed, task, index)
 
     def _propose_job(self, req: ServiceRequest, step_tokens: int, job_type):
         """``req``'s `ProposeJob` for this step, or None when it drafts nothing now.
@@ -564,7 +824,16 @@ class Scheduler:
         if count:
             self.stats.completed += 1
         if self.drafter is not None:
-            asyncio.get_running_loop().create_task(self.drafter.release([req.id]))
+            pending = req.ahead.task if req.ahead is not None else None
+            req.ahead = None
+            asyncio.get_running_loop().create_task(self._release_drafter(req.id, pending))
+
+    async def _release_drafter(self, request_id: str, pending: asyncio.Future | None) -> None:
+        """Tells the drafter to forget ``request_id``, after its call in flight (a release
+        that overtook it would leave state the call then re-creates)."""
+        if pending is not None and not pending.done():
+            await asyncio.wait({pending})
+        await self.drafter.release([request_id])
 
     async def _drop_cancelled(self) -> None:
         for req in [r for r in self.active if r.cancelled]:

@@ -56,6 +56,10 @@ class ServiceConfig:
             port; None: off). Needs prometheus_client.
         max_prompt_bytes: refuse prompts over this many UTF-8 bytes before tokenizing; None
             derives it so the context stays reachable (`server.default_max_prompt_bytes`).
+        pipeline: draft the next block while the target verifies this one
+            (`coordinator.scheduler`); False keeps the serial step (``--no-pipeline``).
+        drafter_threads: torch threads of each drafter worker (EAGLE's head); None: 1,
+            so a drafter beside the target never oversubscribes the cores.
     """
 
     model: str | None = None
@@ -79,6 +83,8 @@ class ServiceConfig:
     auth_token: str | None = None
     metrics_port: int | None = None
     max_prompt_bytes: int | None = None
+    pipeline: bool = True
+    drafter_threads: int | None = None
 
 
 def default_target_threads(replicas: int, tp: int = 1, cpus: int | None = None) -> int:
@@ -165,9 +171,8 @@ class CoordinatorActor:
     async def _start_replica(self, name: str):
         import asyncio
 
+        from target_worker.channel import ChannelTarget
         from target_worker.tp import create_target_replica, destroy_target_replica
-
-        from .scheduler import RayTarget
 
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -188,6 +193,15 @@ class CoordinatorActor:
         except BaseException:
             await loop.run_in_executor(None, destroy_target_replica, handle)
             raise
+        # Per-step calls over the replica's own socket (a Ray call costs ~1 ms here: see
+        # target_worker.channel); a fresh secret per replica, loopback when embedded.
+        secret = secrets.token_urlsafe(32)
+        try:
+            address = await handle.open_channel.remote(
+                "127.0.0.1" if cfg.address is None else "0.0.0.0", secret)
+        except BaseException:
+            await loop.run_in_executor(None, destroy_target_replica, handle)
+            raise
         self._replica_handles[name] = handle
         info.update(tp=cfg.tp, num_threads=self._threads)
 
@@ -195,7 +209,7 @@ class CoordinatorActor:
             self._replica_handles.pop(name, None)
             await loop.run_in_executor(None, destroy_target_replica, handle)
 
-        return RayTarget(handle), stop, info
+        return ChannelTarget(address, secret, handle), stop, info
 
     async def _start_drafter(self, name: str):
         import ray
@@ -205,7 +219,8 @@ class CoordinatorActor:
 
         cfg = self.config
         actor = DrafterActor.options(num_cpus=0).remote(
-            cfg.drafter, cfg.ngram_size, cfg.max_draft_len, cfg.model, cfg.drafter_path)
+            cfg.drafter, cfg.ngram_size, cfg.max_draft_len, cfg.model, cfg.drafter_path,
+            cfg.drafter_threads or 1)
         # Embedded: loopback only. On a cluster the actor may land on another node; it binds
         # there and answers with its own node's address.
         host = "127.0.0.1" if cfg.address is None else "0.0.0.0"
@@ -250,7 +265,7 @@ class CoordinatorActor:
         self.router = Router(self._start_replica,
                              self._start_drafter if with_drafter else None,
                              max_active=cfg.max_active, adaptive=cfg.adaptive,
-                             target_timeout_s=cfg.target_timeout_s)
+                             target_timeout_s=cfg.target_timeout_s, pipeline=cfg.pipeline)
         await self.router.scale(target_replicas=cfg.target_replicas,
                                 drafters=cfg.drafters if with_drafter else 0)
         info = self.router.model_info()
@@ -356,6 +371,11 @@ class Service:
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if config.drafter_threads is not None and (
+                isinstance(config.drafter_threads, bool) or
+                not isinstance(config.drafter_threads, int) or config.drafter_threads < 1):
+            raise ValueError(
+                f"drafter_threads must be a positive integer, got {config.drafter_threads!r}")
         if config.target_threads is not None and (
                 isinstance(config.target_threads, bool) or
                 not isinstance(config.target_threads, int) or config.target_threads < 1):

@@ -51,6 +51,7 @@ def speculative_decode_with(
     options: SpeculativeOptions,
     on_tokens: Callable[[list[int]], None] | None = None,
     adaptive: AdaptiveDraftLength | None = None,
+    pipeline: bool = False,
 ) -> SpeculativeDecodeResult:
     """Generates up to ``options.max_new_tokens`` tokens with speculative decoding.
 
@@ -74,6 +75,9 @@ def speculative_decode_with(
             point-mass drafter (prompt lookup) seeded output is token-identical with and
             without it (`specd_core.rule`), with a sampling drafter it is identically
             distributed.
+        pipeline: run the service's pipelined drafting schedule (`coordinator.scheduler`)
+            in process; the drafter runs on this thread, so nothing overlaps, but the
+            tokens are the same: this is how the losslessness tests reach that code.
 
     Raises:
         ValueError: empty prompt, ``start_pos != cache.seq_len``, or prompt +
@@ -99,7 +103,7 @@ def speculative_decode_with(
         adaptive=adaptive is not None,
         cost_model=None if adaptive is None else adaptive.cost_model,
         drafter_max_len=None if caps is None else caps.max_draft_len,
-        hidden_dtype=torch.float32)
+        hidden_dtype=torch.float32, pipeline=pipeline)
     req = scheduler.submit(prompt_tokens, options, adaptive=adaptive)
     result: list[SpeculativeDecodeResult] = []
 

@@ -24,13 +24,20 @@ class _DrafterActor:
     """The actor's logic as a plain class (what `DrafterActor` wraps); async methods, so Ray
     runs it as an async actor whose event loop hosts the grpc.aio server.
 
+    ``num_threads``: torch intra-op threads of the drafter's process (default 1).
+
     Raises:
         ValueError: from `build_drafter` (unknown name or bad sizes), at construction.
     """
 
     def __init__(self, drafter: str = "prompt-lookup", ngram_size: int = DEFAULT_NGRAM_SIZE,
                  max_draft_len: int | None = None, model: str | None = None,
-                 drafter_path: str | None = None):
+                 drafter_path: str | None = None, num_threads: int = 1):
+        # Its own torch threads (EAGLE's head): beside a target on every step, more would
+        # oversubscribe the cores (torch's OpenMP threads spin-wait on a shared core).
+        import torch
+
+        torch.set_num_threads(num_threads)
         # model / drafter_path: for the EAGLE drafters (the target's embeddings, the head).
         self.drafter = build_drafter(drafter, ngram_size=ngram_size, max_draft_len=max_draft_len,
                                      model=model, drafter_path=drafter_path)

@@ -51,6 +51,11 @@ class ProposeJob:
             sends the rows the worker lacks: those since its last call, or all of them when
             it resends the whole history (a new id, a resync, an error), so a drafter with
             per-request state never misses a row.
+        ahead: a run-ahead job (`specd_core.draft.propose_ahead`): the block answered starts
+            with the drafter's guess of the token committed after ``history + assumed``;
+            ``max_len`` counts it.
+        assumed: with ``ahead``, the block being verified now, after ``history``; the worker
+            stores only ``history``.
     """
 
     request_id: str
@@ -60,6 +65,8 @@ class ProposeJob:
     sampling: SamplingParams | None = None
     seed: int = 0
     hidden_log: torch.Tensor | None = None
+    ahead: bool = False
+    assumed: Sequence[int] = ()
 
     def delta(self, known: int) -> tuple[int, Sequence[int], torch.Tensor | None]:
         """What to send a worker that holds ``known`` history tokens of this id:
@@ -200,6 +207,8 @@ class DrafterClient:
             known=known,
             append=[int(t) for t in append],
             max_len=job.max_len,
+            ahead=job.ahead,
+            assumed=[int(t) for t in job.assumed] if job.ahead else (),
         )
         if rows is not None:
             item.hidden.CopyFrom(wire.tensor_to_proto(rows, self.hidden_dtype))

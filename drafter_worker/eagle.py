@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd_core.draft import DraftBlock, DraftDist, DrafterCapabilities
+from specd_core.draft import DraftBlock, DraftDist, DrafterCapabilities, propose_ahead
 from specd_core.sampling import DraftSamplingParams
 from target_worker.config import ModelConfig
 from target_worker.model import (
@@ -445,6 +445,25 @@ class EagleSession:
         elif list(history) != self.tokens:
             self.reset()
             return DraftBlock.empty()
+        return self._draft(max_len)
+
+    @torch.inference_mode()
+    def propose_ahead(self, history: Sequence[int], target_hidden: torch.Tensor | None,
+                      assumed: Sequence[int], max_len: int) -> DraftBlock:
+        """`specd_core.draft.propose_ahead`: ingests the committed rows as `propose` does,
+        then runs the head over ``assumed`` on its own predicted features (the target's rows
+        for those positions do not exist yet) and drafts after them. The cache is rolled
+        back to the committed positions afterwards, so the next call with the real rows
+        continues exactly as without this one."""
+        if target_hidden is not None:
+            self._ingest(history, target_hidden)
+        elif list(history) != self.tokens:
+            self.reset()
+            return DraftBlock.empty()
+        return self._draft(max_len, assumed)
+
+    def _draft(self, max_len: int, assumed: Sequence[int] = ()) -> DraftBlock:
+        """Up to ``max_len`` drafts after the committed tokens (+ ``assumed``)."""
         k = min(max_len, self.max_draft_len)
         if k <= 0 or self._feature is None:
             return DraftBlock.empty()
@@ -454,6 +473,9 @@ class EagleSession:
         tokens, dists = [], []
         reach = 1.0  # the head's estimate that every draft so far is accepted
         try:
+            for token in assumed:
+                feature = drafter.head.step(
+                    feature, drafter.embed(torch.tensor([int(token)])), self.cache)
             for i in range(k):
                 logits = drafter.draft_logits(feature)[0]
                 if self.sampling.temperature == 0.0:
@@ -663,3 +685,13 @@ class LookupThenEagle:
             self._eagle.propose(history, target_hidden, 0)  # ingest rows only
             return block
         return self._eagle.propose(history, target_hidden, max_len)
+
+    def propose_ahead(self, history: Sequence[int], target_hidden: torch.Tensor | None,
+                      assumed: Sequence[int], max_len: int) -> DraftBlock:
+        """`specd_core.draft.propose_ahead`: prompt lookup's run-ahead when it finds a
+        match, else EAGLE's (the EAGLE session ingests the committed rows either way)."""
+        block = propose_ahead(self.lookup, history, None, assumed, max_len)
+        if len(block):
+            self._eagle.propose(history, target_hidden, 0)  # ingest rows only
+            return block
+        return propose_ahead(self._eagle, history, target_hidden, assumed, max_len)

@@ -51,7 +51,8 @@ class LocalDrafter:
             sampling = None if job.sampling is None else draft_sampling(job.sampling)
             _, block = self.sessions.propose(
                 job.request_id, known, append, job.max_len,
-                lambda rows=rows: None if rows is None else rows.float(), sampling, job.seed)
+                lambda rows=rows: None if rows is None else rows.float(), sampling, job.seed,
+                job.assumed, job.ahead)
             blocks.append(block)  # a resync has forgotten the id: its next job resends all
         return blocks
 

@@ -208,7 +208,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 (checked before anything is applied).
         """
         for i, item in enumerate(request.items):
-            self.sessions.check_length(i, item.known, len(item.append))
+            self.sessions.check_length(i, item.known, len(item.append) + len(item.assumed))
         self.expire_idle()
         response = drafter_pb2.ProposeResponse()
         for item in request.items:
@@ -240,7 +240,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return wire.tensor_from_proto(item.hidden) if item.HasField("hidden") else None
 
         return self.sessions.propose(item.request_id, item.known, item.append, item.max_len,
-                                     load_hidden, sampling, seed)
+                                     load_hidden, sampling, seed, item.assumed,
+                                     item.ahead)
 
     def expire_idle(self) -> list[str]:
         """Forgets every id whose last Propose is more than ``limits.idle_timeout_s`` ago;

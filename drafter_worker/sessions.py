@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specd_core.draft import DraftBlock, Drafter, drafter_capabilities
+from specd_core.draft import DraftBlock, Drafter, drafter_capabilities, propose_ahead
 from specd_core.sampling import DraftSamplingParams
 
 from .eagle import NeedsResync
@@ -105,8 +105,8 @@ class DrafterSessions:
 
     def propose(self, request_id: str, known: int, append: Sequence[int], max_len: int,
                 load_hidden: Callable[[], torch.Tensor | None] = _no_hidden,
-                sampling: DraftSamplingParams | None = None, seed: int = 0
-                ) -> tuple[bool, DraftBlock]:
+                sampling: DraftSamplingParams | None = None, seed: int = 0,
+                assumed: Sequence[int] = (), ahead: bool = False) -> tuple[bool, DraftBlock]:
         """One proposal for ``request_id``, whose caller believes ``known`` tokens are held and
         sends ``append`` after them. Returns ``(resync, block)``: ``resync`` asks the caller
         to resend the whole history (the id's view was dropped); ``block`` is at most
@@ -114,7 +114,9 @@ class DrafterSessions:
 
         ``load_hidden`` returns the hidden rows sent with the item (called once, after the
         history check; a ValueError from it drops the id's view). ``sampling`` and ``seed``
-        configure a new per-request session.
+        configure a new per-request session. ``ahead``: a run-ahead proposal past
+        ``assumed`` (`specd_core.draft.propose_ahead`); ``assumed`` is never stored, so the
+        id's view stays the committed history.
         """
         rid = request_id
         stored = self._histories.get(rid)
@@ -145,7 +147,11 @@ class DrafterSessions:
         max_len = int(max_len)
         drafter = self._drafter_for(rid, sampling, seed)
         try:
-            block = drafter.propose(history, hidden, max_len)
+            if ahead:
+                block = propose_ahead(drafter, history, hidden, [int(t) for t in assumed],
+                                      max_len)
+            else:
+                block = drafter.propose(history, hidden, max_len)
         except NeedsResync as e:
             # The drafter's state and the rows sent do not line up (e.g. rows lost with a
             # failed call): start over with the whole history and every row.

@@ -247,3 +247,38 @@ class Drafter(Protocol):
     def propose(
         self, history: Sequence[int], target_hidden: torch.Tensor | None, max_len: int
     ) -> DraftBlock: ...
+
+
+
+def propose_ahead(drafter: object, history: Sequence[int], target_hidden: torch.Tensor | None,
+                  assumed: Sequence[int], max_len: int) -> DraftBlock:
+    """A run-ahead proposal (pipelined scheduling): drafted while the target verifies
+    ``assumed`` (the block fed after the anchor, which has no hidden rows yet), for the
+    case that verification commits all of it.
+
+    The returned block's first token is the drafter's guess of the token verification
+    commits after ``history + assumed`` (the bonus token); the rest is the drafter's block
+    for ``history + assumed + [guess]``. The caller uses the rest only when verification
+    committed exactly that prefix, so it is judged against the history it was drawn for.
+
+    ``drafter.propose_ahead(history, target_hidden, assumed, max_len)`` when it has one (a
+    stateful drafter continuing past ``assumed`` on its own predictions, such as EAGLE). A
+    drafter that ignores hidden rows is asked twice: ``propose(history + assumed, None, 1)``
+    for the guess, then ``propose(history + assumed + [guess], None, max_len - 1)``, so on a
+    hit the block is exactly what it would propose after the committed history. Any other
+    drafter cannot run ahead and proposes nothing. ``target_hidden``: the committed rows, as
+    for `Drafter.propose`; ``max_len`` counts the guess.
+    """
+    ahead = getattr(drafter, "propose_ahead", None)
+    if callable(ahead):
+        return ahead(history, target_hidden, assumed, max_len)
+    if max_len <= 0 or drafter_capabilities(drafter).wants_hidden:
+        return DraftBlock.empty()
+    seen = [*history, *assumed]
+    first = drafter.propose(seen, None, 1)
+    if not len(first):
+        return DraftBlock.empty()
+    guess = first.tokens[0]
+    rest = drafter.propose([*seen, guess], None, max_len - 1) if max_len > 1 else DraftBlock.empty()
+    keep = max_len - 1  # sliced, not truncated: the drafter may keep the block it returned
+    return DraftBlock([guess, *rest.tokens[:keep]], [first.dists[0], *rest.dists[:keep]])

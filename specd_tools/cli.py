@@ -206,7 +206,8 @@ def embedded_service_config(args: argparse.Namespace):
     return ServiceConfig(
         model=args.model, port=0, drafter=args.drafter, ngram_size=args.ngram_size,
         max_draft_len=args.max_draft_len, adaptive=not args.no_adaptive,
-        drafter_path=args.drafter_path, target_threads=args.target_threads)
+        drafter_path=args.drafter_path, target_threads=args.target_threads,
+        pipeline=not args.no_pipeline)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -231,7 +232,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         target_timeout_s=args.target_timeout,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
-        max_prompt_bytes=args.max_prompt_bytes,
+        max_prompt_bytes=args.max_prompt_bytes, pipeline=not args.no_pipeline,
     ))
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
@@ -591,6 +592,9 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
                    action="store_true",
                    help="draft --max-draft-len every step instead of choosing the length "
                         "(0 included) from measured step cost and running acceptance")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="the serial service step (propose, then verify) instead of drafting "
+                        "the next block while the target verifies this one")
     p.add_argument("--drafter-path", default=None, metavar="FILE",
                    help="EAGLE head for --drafter eagle / eagle+lookup (default: the head "
                         "shipped for SmolLM2; train one with `specd train-drafter`)")

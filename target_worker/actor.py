@@ -33,6 +33,9 @@ class TargetActor:
         ValueError: a bad ``model`` source, ``max_slots`` or ``num_threads``.
     """
 
+    #: What `open_channel` serves: the per-step calls.
+    CHANNEL_METHODS = ("allocate", "free", "prefill", "verify")
+
     def __init__(self, model: str | None = None, max_slots: int = 64, num_threads: int = 2):
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
@@ -40,6 +43,29 @@ class TargetActor:
         decoder = load_decoder(model)
         self.model = model
         self.engine = TargetEngine(decoder, max_slots=max_slots)
+
+    def open_channel(self, host: str = "127.0.0.1", secret: str = "") -> str:
+        """Starts serving `CHANNEL_METHODS` on a `target_worker.channel.ChannelServer`
+        (idempotent: a second call returns the first address); returns ``"host:port"``
+        (for a wildcard ``host``, this node's IP). Calls through it and through Ray run on
+        different threads: only the channel may then drive the engine.
+
+        Raises:
+            ValueError: an empty ``secret``.
+        """
+        from .channel import ChannelServer
+
+        if not secret:
+            raise ValueError("open_channel needs a secret")
+        if getattr(self, "_channel", None) is None:  # TPRank sets up its own state
+            self._channel = ChannelServer(lambda method, args: getattr(self, method)(*args),
+                                          self.CHANNEL_METHODS, secret, host)
+        advertised = host
+        if host in ("0.0.0.0", "::", ""):
+            import ray
+
+            advertised = ray.util.get_node_ip_address()
+        return f"{advertised}:{self._channel.port}"
 
     def allocate(self) -> int:
         """A free slot id. Raises RuntimeError when every slot is in use."""

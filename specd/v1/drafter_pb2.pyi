@@ -45,20 +45,24 @@ class DraftSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("request_id", "known", "append", "hidden", "max_len", "sampling")
+    __slots__ = ("request_id", "known", "append", "hidden", "max_len", "sampling", "assumed", "ahead")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     MAX_LEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     known: int
     append: _containers.RepeatedScalarFieldContainer[int]
     hidden: Tensor
     max_len: int
     sampling: DraftSampling
-    def __init__(self, request_id: _Optional[str] = ..., known: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., max_len: _Optional[int] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ...) -> None: ...
+    assumed: _containers.RepeatedScalarFieldContainer[int]
+    ahead: bool
+    def __init__(self, request_id: _Optional[str] = ..., known: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., max_len: _Optional[int] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., assumed: _Optional[_Iterable[int]] = ..., ahead: _Optional[bool] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("items",)

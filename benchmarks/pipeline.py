@@ -1,0 +1,201 @@
+"""Pipelined vs serial service steps, and the service beside the in-process core, in one run.
+
+Two embedded services on one local Ray, identical but for ``pipeline`` (``specd serve`` vs
+``specd serve --no-pipeline``), run the same greedy requests at each stream count, rounds
+interleaved (the order alternates) so machine drift hits both alike; then the in-process core
+(`speculative_decode_with`, the same drafter, adaptive) runs the 1-stream requests. Printed per
+mode and stream count: aggregate tok/s (median over rounds), and the step budget from the
+replica's own counters over that level: ms per step spent waiting for drafts, in the verify
+call (of which the replica's own forward + rows), and the rest (the rule, streaming, the
+loop); run-ahead hits and misses; the target busy fraction. Greedy outputs must be identical
+in every mode, round and stream (checked).
+
+    python benchmarks/pipeline.py                      # tiny model, prompt lookup
+    python benchmarks/pipeline.py --model default --drafter eagle+lookup --streams 8 \\
+        --max-new-tokens 128 --rounds 2               # SmolLM2, mixed workloads
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from specd.v1 import generation_pb2, generation_pb2_grpc
+
+PROMPTS = Path(__file__).resolve().parent / "prompts"
+#: Tiny-model prompts: short (its context is 256 tokens), different per stream.
+TINY_PROMPTS = ("def add(a, b):\n    return a + b\n", "The quick brown fox jumps over",
+                "SELECT name, count(*) FROM users", "for i in range(10):\n    print(i)")
+
+
+def _request(text: str, max_new: int, chat: bool) -> generation_pb2.GenerateRequest:
+    req = generation_pb2.GenerateRequest(max_new_tokens=max_new)
+    if chat:
+        req.chat.messages.add(role="user", content=text)
+    else:
+        req.text = text
+    return req
+
+
+def _stream(address: str, req) -> list[int]:
+    with grpc.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        return [t for chunk in stub.Generate(req, timeout=900) for t in chunk.token_ids]
+
+
+def _level(address: str, reqs: list) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        outs = list(pool.map(lambda r: _stream(address, r), reqs))
+    return sum(map(len, outs)) / (time.perf_counter() - start), outs
+
+
+def _counters(service) -> dict:
+    replica = service.status()["replicas"][0]
+    keys = ("steps", "active_seconds", "draft_wait_seconds", "target_verify_seconds",
+            "target_verify_calls", "runahead_hits", "runahead_misses", "tokens_emitted")
+    return {k: float(replica.get(k, 0)) for k in keys}
+
+
+def _busy(service) -> float:
+    import ray
+
+    handles = ray.get(service.coordinator.replica_handles.remote())
+    stats = ray.get(next(iter(handles.values())).status.remote())["stats"]
+    return stats.get("forward_seconds", 0.0) + stats.get("rows_seconds", 0.0)
+
+
+def _budget(before: dict, after: dict, busy: float) -> dict:
+    d = {k: after[k] - before[k] for k in after}
+    steps = max(d["steps"], 1.0)
+    verify = d["target_verify_seconds"] / max(d["target_verify_calls"], 1.0)
+    step = d["active_seconds"] / steps
+    wait = d["draft_wait_seconds"] / steps
+    return {
+        "step_ms": step * 1e3, "wait_ms": wait * 1e3, "verify_ms": verify * 1e3,
+        "compute_ms": busy / steps * 1e3, "rest_ms": (step - wait - verify) * 1e3,
+        "hits": int(d["runahead_hits"]), "misses": int(d["runahead_misses"]),
+        "busy": busy / d["active_seconds"] if d["active_seconds"] else 0.0,
+        "tokens_per_step": d["tokens_emitted"] / steps,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-random",
+                   help="tiny-random[:...] (default), 'default' for SmolLM2, or a .gguf")
+    p.add_argument("--drafter", default="prompt-lookup")
+    p.add_argument("--streams", default="1,8", help="stream counts, comma separated")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--target-threads", type=int, default=1)
+    args = p.parse_args()
+
+    from coordinator.service import Service, ServiceConfig, init_embedded_ray
+    from target_worker.testing import is_tiny_random_spec
+
+    model = None if args.model == "default" else args.model
+    tiny = is_tiny_random_spec(model)
+    if tiny:
+        texts, chat = list(TINY_PROMPTS), False
+    else:
+        texts = [(PROMPTS / f"{n}.txt").read_text() for n in ("code_edit", "open_question")]
+        chat = True
+    streams = [int(s) for s in args.streams.split(",")]
+    init_embedded_ray()
+    services = {}
+    for mode in ("pipelined", "serial"):
+        services[mode] = Service(ServiceConfig(
+            model=model, port=0, drafter=args.drafter, target_threads=args.target_threads,
+            pipeline=mode == "pipelined"))
+        services[mode].start()
+    rates = {(m, n): [] for m in services for n in streams}
+    budgets = {(m, n): [] for m in services for n in streams}
+    reference: dict[int, list[int]] = {}
+    try:
+        for mode, service in services.items():  # warm-up: calibration, first allocations
+            _level(service.address, [_request(texts[0], 16, chat)])
+        for rnd in range(args.rounds):
+            for n in streams:
+                reqs = [_request(texts[i % len(texts)], args.max_new_tokens, chat)
+                        for i in range(n)]
+                order = list(services) if rnd % 2 == 0 else list(services)[::-1]
+                for mode in order:
+                    service = services[mode]
+                    before, busy0 = _counters(service), _busy(service)
+                    rate, outs = _level(service.address, reqs)
+                    budgets[mode, n].append(_budget(before, _counters(service),
+                                                    _busy(service) - busy0))
+                    rates[mode, n].append(rate)
+                    for i, out in enumerate(outs):
+                        ref = reference.setdefault(i % len(texts), out)
+                        assert out == ref, f"{mode}, {n} streams: output {i} differs"
+    finally:
+        for service in services.values():
+            service.stop()
+
+    in_process = None
+    if 1 in streams:
+        in_process = _in_process(model, args, texts[0], chat, reference.get(0))
+    print(f"\nmodel {args.model}, drafter {args.drafter}, {args.max_new_tokens} new tokens, "
+          f"median of {args.rounds} rounds, target threads {args.target_threads}")
+    print(f"{'mode':10} {'streams':>7} {'tok/s':>8} {'step ms':>8} {'wait':>6} {'verify':>7} "
+          f"{'compute':>8} {'rest':>6} {'tok/step':>8} {'hits':>6} {'misses':>6} {'busy':>5}")
+    for n in streams:
+        for mode in services:
+            b = {k: statistics.median(x[k] for x in budgets[mode, n]) for k in budgets[mode, n][0]}
+            print(f"{mode:10} {n:>7} {statistics.median(rates[mode, n]):>8.0f} "
+                  f"{b['step_ms']:>8.2f} {b['wait_ms']:>6.2f} {b['verify_ms']:>7.2f} "
+                  f"{b['compute_ms']:>8.2f} {b['rest_ms']:>6.2f} {b['tokens_per_step']:>8.2f} "
+                  f"{b['hits']:>6} {b['misses']:>6} {b['busy']:>5.2f}")
+    print()
+    for n in streams:
+        ratio = statistics.median(rates["pipelined", n]) / statistics.median(rates["serial", n])
+        print(f"pipelined / serial at {n} stream(s): {ratio:.2f}x")
+    if in_process is not None:
+        print(f"in-process core, 1 stream: {in_process:.0f} tok/s; service (pipelined) / "
+              f"in-process: {statistics.median(rates['pipelined', 1]) / in_process:.2f}x, "
+              f"serial / in-process: {statistics.median(rates['serial', 1]) / in_process:.2f}x")
+
+
+def _in_process(model, args, text: str, chat: bool, expected: list[int] | None) -> float:
+    """tok/s of the in-process core on the 1-stream request (median of ``args.rounds``)."""
+    import torch
+
+    from coordinator import SpeculativeOptions, speculative_decode_with
+    from coordinator.adaptive import AdaptiveDraftLength, calibrate_for
+    from drafter_worker.registry import build_drafter
+    from specd_core.text import encode_prompt
+    from target_worker import load_model
+
+    torch.set_num_threads(args.target_threads)
+    decoder, tokenizer = load_model(model)
+    prompt = encode_prompt(tokenizer, text, raw=not chat)
+    drafter = build_drafter(args.drafter, model=model)
+    cost = calibrate_for(decoder)
+    rates = []
+    for _ in range(args.rounds):
+        start = time.perf_counter()
+        out = speculative_decode_with(
+            decoder, prompt, decoder.new_cache(), drafter,
+            SpeculativeOptions(max_new_tokens=args.max_new_tokens,
+                               stop_token_ids=_stops(tokenizer)),
+            adaptive=AdaptiveDraftLength(cost))
+        rates.append(len(out.generated_tokens) / (time.perf_counter() - start))
+        if expected is not None:
+            assert out.generated_tokens == expected, "in-process output differs"
+    return statistics.median(rates)
+
+
+def _stops(tokenizer) -> tuple[int, ...]:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return () if eos is None else (int(eos),)
+
+
+if __name__ == "__main__":
+    main()
