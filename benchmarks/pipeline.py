@@ -118,7 +118,7 @@ def main() -> None:
     budgets = {(m, n): [] for m in services for n in streams}
     reference: dict[int, list[int]] = {}
     try:
-        for mode, service in services.items():  # warm-up: calibration, first allocations
+        for service in services.values():  # warm-up: calibration, first allocations
             _level(service.address, [_request(texts[0], 16, chat)])
         for rnd in range(args.rounds):
             for n in streams:

@@ -316,17 +316,24 @@ def service_markdown(report: dict) -> str:
         "",
         f"Greedy, max_new_tokens={cfg['max_new_tokens']}; each level runs that many concurrent "
         "streams over the workload's prompts. Latency per token: gap between streamed chunks "
-        "divided by the chunk's tokens.",
+        "divided by the chunk's tokens. Draft wait: time a step waited for drafts before its "
+        "verify (the serial step's whole Propose); run-ahead: steps that used / could not use "
+        "the block drafted while the previous one was verified; target busy: the replicas' "
+        "compute time over the time they had requests (since start).",
         "",
         "| workload | speculation | streams | aggregate tok/s | p50 ms/token | p95 ms/token "
-        "| p50 first token s |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| p50 first token s | draft wait ms/step | run-ahead hits / misses | target busy |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in report["levels"]:
+        hits, misses = row.get("runahead_hits"), row.get("runahead_misses")
+        runahead = "-" if hits is None else f"{hits:.0f} / {misses:.0f}"
         lines.append(
             f"| {row['workload']} | {'on' if row['speculation'] else 'off'} | {row['streams']} "
             f"| {row['tok_s']:.1f} | {_fmt(row['p50_ms_per_token'])} | "
-            f"{_fmt(row['p95_ms_per_token'])} | {_fmt(row['p50_first_token_s'], '.2f')} |")
+            f"{_fmt(row['p95_ms_per_token'])} | {_fmt(row['p50_first_token_s'], '.2f')} | "
+            f"{_fmt(row.get('draft_wait_ms_per_step'), '.2f')} | {runahead} | "
+            f"{_fmt(row.get('target_busy_fraction'), '.2f')} |")
     ident = report["identity"]
     lines.append("")
     lines.append("Greedy outputs: " + (

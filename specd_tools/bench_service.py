@@ -103,6 +103,50 @@ def _one_stream(config: ServiceBenchConfig, request, start: float) -> tuple:
     return tokens, times, sizes, time.perf_counter() - start, calls
 
 
+def _pipeline_counters(config: ServiceBenchConfig) -> dict | None:
+    """The service's step counters summed over replicas (Status RPC): steps, draft wait
+    seconds, run-ahead hits and misses, and the steps-weighted target busy fraction; None
+    when the service does not answer Status (an older server)."""
+    import grpc
+
+    from specd.v1 import generation_pb2, generation_pb2_grpc
+
+    from .client import open_channel
+
+    metadata = [("authorization", f"Bearer {config.auth_token}")] if config.auth_token else None
+    try:
+        with open_channel(config.service, config.tls_ca) as channel:
+            status = generation_pb2_grpc.GenerationStub(channel).Status(
+                generation_pb2.StatusRequest(), metadata=metadata, timeout=30)
+    except grpc.RpcError:
+        return None
+    out = {"steps": 0, "draft_wait_s": 0.0, "hits": 0, "misses": 0, "busy_steps": 0.0}
+    for r in status.replicas:
+        out["steps"] += r.steps
+        out["draft_wait_s"] += r.draft_wait_seconds_per_step * r.steps
+        out["hits"] += r.runahead_hits
+        out["misses"] += r.runahead_misses
+        out["busy_steps"] += r.target_busy_fraction * r.steps
+    return out
+
+
+def _level_metrics(before: dict | None, after: dict | None) -> dict:
+    """Per-level pipelining metrics from two `_pipeline_counters` snapshots."""
+    if before is None or after is None:
+        return {}
+    steps = after["steps"] - before["steps"]
+    return {
+        "steps": steps,
+        "draft_wait_ms_per_step": (1e3 * (after["draft_wait_s"] - before["draft_wait_s"])
+                                   / steps if steps else None),
+        "runahead_hits": after["hits"] - before["hits"],
+        "runahead_misses": after["misses"] - before["misses"],
+        # Cumulative (the replicas' own counters since start), weighted by steps.
+        "target_busy_fraction": (after["busy_steps"] / after["steps"]
+                                 if after["steps"] else None),
+    }
+
+
 def run_service_bench(config: ServiceBenchConfig, progress=print,
                       workloads: list[Workload] | None = None) -> dict:
     """Runs every level of every workload; returns the JSON-ready report (``config``,
@@ -117,6 +161,7 @@ def run_service_bench(config: ServiceBenchConfig, progress=print,
     if workloads is None:
         workloads = load_workloads(list(config.workloads) if config.workloads else None)
     records: list[StreamRecord] = []
+    metrics: dict[tuple, list[dict]] = {}
     # Warm-up: one short stream in each mode.
     first = workloads[0].prompts[0]
     for spec in (True, False):
@@ -127,6 +172,7 @@ def run_service_bench(config: ServiceBenchConfig, progress=print,
                 modes = (True, False) if (repeat + level_index) % 2 == 0 else (False, True)
                 for spec in modes:
                     prompts = [w.prompts[j % len(w.prompts)] for j in range(streams)]
+                    before = _pipeline_counters(config)
                     start = time.perf_counter()
                     with ThreadPoolExecutor(streams) as pool:
                         results = list(pool.map(
@@ -136,6 +182,8 @@ def run_service_bench(config: ServiceBenchConfig, progress=print,
                                                                           strict=True):
                         records.append(StreamRecord(w.name, p.id, streams, spec, repeat, tokens,
                                                     times, sizes, seconds, calls))
+                    metrics.setdefault((w.name, spec, streams), []).append(
+                        _level_metrics(before, _pipeline_counters(config)))
                     wall = max(r[3] for r in results)
                     total = sum(len(r[0]) for r in results)
                     progress(f"{w.name} streams={streams} speculation={'on' if spec else 'off'}"
@@ -143,7 +191,7 @@ def run_service_bench(config: ServiceBenchConfig, progress=print,
     return {
         "config": asdict(config),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "levels": summarize_levels(records),
+        "levels": summarize_levels(records, metrics),
         "identity": stream_identity(records),
         "streams": [asdict(r) for r in records],
     }
@@ -157,9 +205,12 @@ def _percentile(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def summarize_levels(records: list[StreamRecord]) -> list[dict]:
+def summarize_levels(records: list[StreamRecord], metrics: dict | None = None) -> list[dict]:
     """One row per (workload, speculation, streams): aggregate tok/s (median over repeats),
-    p50/p95 per-token latency in ms and p50 time to first token in s (over all streams)."""
+    p50/p95 per-token latency in ms and p50 time to first token in s (over all streams);
+    with ``metrics`` (`_level_metrics` per repeat, keyed like the rows) also the service's
+    draft wait per step (ms), run-ahead hits and misses and target busy fraction (medians
+    over repeats)."""
     keys = list(dict.fromkeys((r.workload, r.speculation, r.streams) for r in records))
     rows = []
     for workload, spec, streams in keys:
@@ -184,8 +235,19 @@ def summarize_levels(records: list[StreamRecord]) -> list[dict]:
             "p95_ms_per_token": _percentile(per_token, 95),
             "p50_first_token_s": statistics.median(first) if first else None,
             "forward_calls_per_stream": statistics.mean(r.forward_calls for r in mine),
+            **_median_metrics((metrics or {}).get((workload, spec, streams), [])),
         })
     return rows
+
+
+def _median_metrics(levels: list[dict]) -> dict:
+    keys = ("draft_wait_ms_per_step", "runahead_hits", "runahead_misses",
+            "target_busy_fraction")
+    out = {}
+    for key in keys:
+        values = [m[key] for m in levels if m.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    return out
 
 
 def stream_identity(records: list[StreamRecord]) -> dict:

@@ -41,7 +41,7 @@ class LocalService:
                  auth_token: str | None = None, drafter_timeout_s: float = 2.0,
                  replicas: int = 1, drafters: int = 1, adaptive: bool = False,
                  cost_model=None, target_timeout_s: float | None = None,
-                 restart_delay_s: float = 1.0, model: str = MODEL):
+                 restart_delay_s: float = 1.0, model: str = MODEL, pipeline: bool = False):
         # Fixed draft lengths by default: adaptive choices depend on measured time, and
         # tests asserting that drafts were verified need them not to. Adaptive has its own
         # tests (test_adaptive_service.py).
@@ -59,6 +59,7 @@ class LocalService:
         self.cost_model = cost_model
         self.target_timeout_s = target_timeout_s
         self.restart_delay_s = restart_delay_s
+        self.pipeline = pipeline
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -89,7 +90,7 @@ class LocalService:
         self.router = Router(self._start_replica, self._start_drafter,
                              max_active=self.max_active, adaptive=self.adaptive,
                              cost_model=self.cost_model, target_timeout_s=self.target_timeout_s,
-                             restart_delay_s=self.restart_delay_s)
+                             restart_delay_s=self.restart_delay_s, pipeline=self.pipeline)
         replicas, drafters = self.initial
         await self.router.scale(target_replicas=replicas, drafters=drafters)
         servicer = GenerationServicer(

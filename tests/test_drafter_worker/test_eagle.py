@@ -192,6 +192,38 @@ def test_dynamic_draft_length_stops_where_the_heads_confidence_product_drops_bel
                      min_confidence=1.5)
 
 
+def test_run_ahead_continues_the_heads_own_chain_and_leaves_the_committed_state():
+    # Greedy: drafting past `assumed` on predicted features is the head's own longer chain;
+    # the cache is back at the committed positions afterwards, so the next call with the
+    # real rows gives what a fresh session gives.
+    decoder = tiny_decoder(16, seed=6)
+    drafter = tiny_eagle(decoder, seed=2, max_draft_len=6)
+    drafter.min_confidence = 0.0
+    stream = [1, 4, 2, 8, 5, 7, 3, 9, 11, 6, 2, 12]
+    hidden = hidden_of(decoder, stream)
+    history = stream[:6]
+    chain = drafter.session().propose(history, hidden[:5], 6)
+    session = drafter.session()
+    ahead = session.propose_ahead(history, hidden[:5], chain.tokens[:2], 4)
+    assert ahead.tokens == chain.tokens[2:6]
+    assert session.cache.seq_len == 5 and session.tokens == history
+    later = stream[:8]
+    assert session.propose(later, hidden[5:7], 4) == drafter.session().propose(
+        later, hidden[:7], 4)
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle+lookup"])
+def test_pipelined_eagle_output_is_token_identical_to_plain_decoding(name):
+    decoder = tiny_decoder(16, seed=1)
+    prompt = [1, 5, 2, 9, 3, 1, 5]
+    eagle = tiny_eagle(decoder, vocab_ids=list(range(2, 14)), seed=1)
+    drafter = eagle if name == "eagle" else LookupThenEagle(PromptLookupSpeculator(2, 4), eagle)
+    out = speculative_decode_with(decoder, prompt, decoder.new_cache(), drafter,
+                                  SpeculativeOptions(max_new_tokens=24), pipeline=True)
+    assert out.generated_tokens == plain_decode(decoder, prompt, 24)
+    assert out.drafted_tokens > 0
+
+
 # ---- losslessness through the core loop ----
 
 

@@ -10,7 +10,7 @@ import pytest
 from service_harness import LocalService
 
 from specd_tools.bench import BenchConfig, RunRecord, check_identity, run_bench
-from specd_tools.bench_report import check_targets, markdown, write_report
+from specd_tools.bench_report import check_targets, markdown, service_markdown, write_report
 from specd_tools.bench_service import ServiceBenchConfig, run_service_bench
 from specd_tools.cli import main
 from specd_tools.workloads import WORKLOADS, Prompt, Workload, load_workload, load_workloads
@@ -127,13 +127,20 @@ def test_service_bench_runs_levels_and_checks_identity():
         Prompt("a", ({"role": "user", "content": "abcabcabcabc"},)),
         Prompt("b", ({"role": "user", "content": "xyzzyxyzzy"},)),
     ))
-    service = LocalService().start()
+    service = LocalService(pipeline=True).start()
     try:
         report = run_service_bench(
             ServiceBenchConfig(service=service.address, max_new_tokens=6, concurrency=(1, 3)),
             progress=lambda line: None, workloads=[short])
     finally:
         service.stop()
+    # The pipelining metrics per level, from the service's Status.
+    drafted = [r for r in report["levels"] if r["speculation"]]
+    assert all(r["draft_wait_ms_per_step"] is not None for r in report["levels"])
+    assert sum(r["runahead_hits"] + r["runahead_misses"] for r in drafted) > 0
+    assert all(r["runahead_hits"] == r["runahead_misses"] == 0 for r in report["levels"]
+               if not r["speculation"])
+    assert "run-ahead hits / misses" in service_markdown(report)
     levels = {(r["speculation"], r["streams"]) for r in report["levels"]}
     assert levels == {(True, 1), (False, 1), (True, 3), (False, 3)}
     assert all(r["tok_s"] > 0 for r in report["levels"])
