@@ -45,7 +45,8 @@ def test_greedy_speculative_decode_equals_plain_greedy(smollm2, name):
         assert result.forward_calls < result.tokens_generated / 2
 
 
-def test_greedy_through_the_service_equals_the_in_process_core(smollm2):
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "serial"])
+def test_greedy_through_the_service_equals_the_in_process_core(smollm2, pipeline):
     import grpc
 
     from coordinator.service import Service, ServiceConfig
@@ -60,8 +61,24 @@ def test_greedy_through_the_service_equals_the_in_process_core(smollm2):
     ).generated_tokens
     request = generation_pb2.GenerateRequest(max_new_tokens=32)
     request.chat.messages.add(role="user", content=text)
-    with Service(ServiceConfig(port=0)) as service, \
+    with Service(ServiceConfig(port=0, pipeline=pipeline)) as service, \
             grpc.insecure_channel(service.address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         tokens = [t for chunk in stub.Generate(request, timeout=300) for t in chunk.token_ids]
     assert tokens == expected
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "eagle+lookup"])
+def test_pipelined_eagle_greedy_equals_plain_greedy(smollm2, drafter):
+    from drafter_worker.registry import build_drafter
+
+    decoder, tokenizer = smollm2
+    prompt = encode_prompt(tokenizer, (PROMPTS / "open_question.txt").read_text(), raw=False)
+    max_new = 40
+    options = SpeculativeOptions(max_new_tokens=max_new, stop_token_ids=(tokenizer.eos_token_id,))
+    result = speculative_decode_with(decoder, prompt, decoder.new_cache(),
+                                     build_drafter(drafter, target=decoder), options,
+                                     pipeline=True)
+    assert result.generated_tokens == plain_greedy(decoder, prompt, max_new,
+                                                   tokenizer.eos_token_id)
+    assert result.drafted_tokens > 0
