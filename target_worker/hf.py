@@ -91,6 +91,22 @@ _ROPE_TYPES = ("default", "llama3")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+# The config.json fields that set each Decoder tensor's shape (named in shape errors).
+_SHAPE_FIELDS = {
+    "attn.wqkv": "num_attention_heads, num_key_value_heads, head_dim, hidden_size",
+    "attn.wo": "num_attention_heads, head_dim, hidden_size",
+    "ffn.router": "num_local_experts, hidden_size",
+    "ffn.w_": "intermediate_size, hidden_size",
+    "embed_tokens": "vocab_size, hidden_size",
+    "lm_head": "vocab_size, hidden_size",
+    "norm": "hidden_size",
+}
+
+
+def _shape_fields(name: str) -> str:
+    return next((f for key, f in _SHAPE_FIELDS.items() if key in name), "hidden_size")
+
+
 def is_hf_dir(source: Any) -> bool:
     """Whether a `load_model` source names a directory (a Hugging Face checkpoint)."""
     return isinstance(source, (str, Path)) and Path(source).is_dir()
@@ -267,7 +283,7 @@ class HFSource(WeightSource):
             if got != expected[name]:
                 raise ValueError(
                     f"{d / CONFIG_FILE}: tensor(s) {self._names(spec)[:3]} give {name} shape "
-                    f"{got}, but the config implies {expected[name]}"
+                    f"{got}, but fields ({_shape_fields(name)}) imply {expected[name]}"
                 )
         extra = [k for k in self._where if k not in used and not k.endswith(_IGNORED_SUFFIXES)
                  and not (k == "lm_head.weight" and config.tie_embeddings)]
@@ -317,8 +333,14 @@ class HFSource(WeightSource):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def get(self, name: str, *index: slice) -> torch.Tensor:
-        """``decoder_tensor[index]`` (one slice per leading dim) in the file's dtype."""
-        return self._read(self.table[name], index).contiguous()
+        """``decoder_tensor[index]`` (one slice per leading dim) in the file's dtype, in memory
+        this process owns."""
+        spec = self.table[name]
+        part = self._read(spec, index)
+        # A tensor read straight from the file sits at its offset there, 8-byte aligned only;
+        # MKL matmuls on such weights measured markedly slower (SmolLM2 decode), so copy it
+        # into a fresh (64-byte aligned) allocation. Fused tensors are fresh already.
+        return part.clone() if isinstance(spec, str) or not part.is_contiguous() else part
 
     def has(self, name: str) -> bool:
         return name in self.table

@@ -189,7 +189,8 @@ def test_missing_config_field(dirs, tmp_path):
 
 def test_shape_does_not_match_config(dirs, tmp_path):
     d = edited_copy(dirs["qwen2-untied"], tmp_path / "m", num_key_value_heads=4)
-    expect_error(d, "config.json", "k_proj.weight", "layers.0.attn.wqkv.weight")
+    expect_error(d, "config.json", "k_proj.weight", "layers.0.attn.wqkv.weight",
+                 "num_key_value_heads")
 
 
 def test_missing_shard_file(dirs, tmp_path):
