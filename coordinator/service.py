@@ -61,6 +61,7 @@ class ServiceConfig:
     """
 
     model: str | None = None
+    dtype: str = "auto"
     host: str = "127.0.0.1"
     port: int = 50051
     address: str | None = None
@@ -81,7 +82,6 @@ class ServiceConfig:
     auth_token: str | None = None
     metrics_port: int | None = None
     max_prompt_bytes: int | None = None
-    dtype: str = "auto"
 
 
 def default_target_threads(replicas: int, tp: int = 1, cpus: int | None = None) -> int:

@@ -204,9 +204,10 @@ def embedded_service_config(args: argparse.Namespace):
     from coordinator.service import ServiceConfig
 
     return ServiceConfig(
-        model=args.model, port=0, drafter=args.drafter, ngram_size=args.ngram_size,
+        model=args.model, dtype=args.dtype, port=0, drafter=args.drafter,
+        ngram_size=args.ngram_size,
         max_draft_len=args.max_draft_len, adaptive=not args.no_adaptive,
-        drafter_path=args.drafter_path, target_threads=args.target_threads, dtype=args.dtype)
+        drafter_path=args.drafter_path, target_threads=args.target_threads)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -222,7 +223,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.service import Service, ServiceConfig
 
     service = Service(ServiceConfig(
-        model=args.model, host=args.host, port=args.port, address=args.address,
+        model=args.model, dtype=args.dtype, host=args.host, port=args.port,
+        address=args.address,
         drafter=args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len,
         drafter_path=args.drafter_path,
         max_active=args.max_active, target_threads=args.target_threads,
@@ -231,7 +233,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         target_timeout_s=args.target_timeout,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
-        max_prompt_bytes=args.max_prompt_bytes, dtype=args.dtype,
+        max_prompt_bytes=args.max_prompt_bytes,
     ))
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
