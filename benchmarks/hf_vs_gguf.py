@@ -118,6 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         "tok_s_ratio_hf_over_gguf": {
             m: round(med(speed[("hf", m)]) / med(speed[("gguf", m)]), 3)
             for m in ("plain", "lookup")},
+        # Per round (the two sources back to back, so under the same load), then the median.
+        "tok_s_paired_ratio_median": {
+            m: round(med(h / g for h, g in zip(speed[("hf", m)], speed[("gguf", m)],
+                                               strict=True)), 3)
+            for m in ("plain", "lookup")},
+        "load_paired_ratio_median": round(
+            med(h / g for h, g in zip(loads["hf"], loads["gguf"], strict=True)), 3),
         "raw": {"load_s": loads, "tok_s": {f"{k}/{m}": [round(x, 2) for x in v]
                                            for (k, m), v in speed.items()}},
         "same_tokens": all(outputs[("hf", m)] == outputs[("gguf", m)]
