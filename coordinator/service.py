@@ -31,8 +31,10 @@ class ServiceConfig:
     """Everything ``specd serve`` configures.
 
     Attributes:
-        model: a ``.gguf`` path, ``None`` for the default SmolLM2, or ``tiny-random[:...]``
-            (a random test model).
+        model: a ``.gguf`` path, a Hugging Face model directory, ``None`` for the default
+            SmolLM2, or ``tiny-random[:...]`` (a random test model).
+        dtype: the target's weights/compute dtype, ``"auto"`` (float32 on CPU, bfloat16 on
+            GPU), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         host, port: where the Generation API listens (port 0 picks a free one).
         address: a Ray address to join (``"auto"`` or ``HOST:PORT``); None embeds a local Ray.
         drafter: ``"prompt-lookup"``, ``"eagle"``, ``"eagle+lookup"`` or ``"none"``.
@@ -63,6 +65,7 @@ class ServiceConfig:
     """
 
     model: str | None = None
+    dtype: str = "auto"
     host: str = "127.0.0.1"
     port: int = 50051
     address: str | None = None
@@ -178,7 +181,8 @@ class CoordinatorActor:
         loop = asyncio.get_running_loop()
         # May block (placement groups): off the event loop, which keeps serving.
         creating = loop.run_in_executor(None, lambda: create_target_replica(
-            cfg.model, tp=cfg.tp, max_slots=cfg.max_active, num_threads=self._threads))
+            cfg.model, tp=cfg.tp, max_slots=cfg.max_active, num_threads=self._threads,
+            dtype=cfg.dtype))
         try:
             handle = await asyncio.shield(creating)
         except asyncio.CancelledError:  # a cancelled restart: destroy it once it exists
@@ -367,6 +371,9 @@ class Service:
                 config.target_timeout_s, int | float) or not config.target_timeout_s > 0:
             raise ValueError(
                 f"target_timeout_s must be a positive number, got {config.target_timeout_s!r}")
+        from target_worker.loader import resolve_dtype
+
+        resolve_dtype(config.dtype)  # names a bad --dtype before anything starts
         for name in ("tp", "max_active"):
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -395,6 +402,7 @@ class Service:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        from target_worker.loader import validate_model
         from target_worker.tp import validate_tp
 
         cfg = self.config
@@ -406,7 +414,8 @@ class Service:
             from target_worker import default_model_path
 
             default_model_path()
-        validate_tp(cfg.model, cfg.tp)  # before any actor starts
+        validate_model(cfg.model)  # config, weights' shapes, tokenizer: before any actor starts
+        validate_tp(cfg.model, cfg.tp)
         if not ray.is_initialized():
             if cfg.address is None:
                 init_embedded_ray()

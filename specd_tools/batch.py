@@ -140,7 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--input", required=True, type=Path)
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--server", default=None, metavar="HOST:PORT")
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--model", default=None,
+                        help="a .gguf file or a Hugging Face model directory")
+    parser.add_argument("--dtype", default="auto",
+                        choices=("auto", "float32", "bfloat16", "float16"))
     parser.add_argument("--drafter", default="prompt-lookup")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=8)
@@ -157,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         ray_address = "auto" if os.environ.get("RAY_ADDRESS") else None
         service = Service(ServiceConfig(model=args.model, port=0, address=ray_address,
-                                        drafter=args.drafter, max_active=args.concurrency))
+                                        drafter=args.drafter, max_active=args.concurrency,
+                                        dtype=args.dtype))
         address = service.start()
     try:
         ran = run_batch(address, jobs, args.output, args.concurrency, args.max_new_tokens,

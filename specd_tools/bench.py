@@ -312,9 +312,9 @@ def _quiet_hf(hf):
 
 
 def load_hf_model(model: str | None, decoder=None):
-    """transformers' own load of the GGUF file (``from_pretrained(dir, gguf_file=...)``),
-    float32, eval mode. A tiny-random model has no GGUF file: with its ``decoder`` given and
-    dense, its `hf_twin`; else None.
+    """transformers' own load of the GGUF file (``from_pretrained(dir, gguf_file=...)``) or of
+    a Hugging Face directory, float32, eval mode. A tiny-random model has no GGUF file: with
+    its ``decoder`` given and dense, its `hf_twin`; else None.
 
     Raises:
         ImportError: transformers cannot load GGUF files here (accelerate missing).
@@ -332,8 +332,11 @@ def load_hf_model(model: str | None, decoder=None):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     path = model_path(model)
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                              dtype=torch.float32)
+    if path.is_dir():  # a Hugging Face checkpoint directory: transformers reads it as is
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                  dtype=torch.float32)
     return _quiet_hf(hf)
 
 

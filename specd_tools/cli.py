@@ -106,7 +106,7 @@ def _generate_in_process(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.target_threads)
-    decoder, tokenizer = load_model(args.model)
+    decoder, tokenizer = load_model(args.model, args.dtype)
     # Built after the model: an EAGLE head shares the target's embedding and LM head.
     head = drafter_spec(args.drafter).has_head
     drafter = build_drafter(
@@ -204,7 +204,8 @@ def embedded_service_config(args: argparse.Namespace):
     from coordinator.service import ServiceConfig
 
     return ServiceConfig(
-        model=args.model, port=0, drafter=args.drafter, ngram_size=args.ngram_size,
+        model=args.model, dtype=args.dtype, port=0, drafter=args.drafter,
+        ngram_size=args.ngram_size,
         max_draft_len=args.max_draft_len, adaptive=not args.no_adaptive,
         drafter_path=args.drafter_path, target_threads=args.target_threads,
         pipeline=not args.no_pipeline)
@@ -223,7 +224,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from coordinator.service import Service, ServiceConfig
 
     service = Service(ServiceConfig(
-        model=args.model, host=args.host, port=args.port, address=args.address,
+        model=args.model, dtype=args.dtype, host=args.host, port=args.port,
+        address=args.address,
         drafter=args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len,
         drafter_path=args.drafter_path,
         max_active=args.max_active, target_threads=args.target_threads,
@@ -279,8 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     _add_sampling_flags(gen)
     _add_drafter_flags(gen)
-    gen.add_argument("--model", default=None,
-                     help="path to a Llama-family .gguf (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--model", default=None, help=MODEL_HELP)
+    _add_dtype_flag(gen)
     gen.add_argument("--server", default=None, metavar="HOST:PORT",
                      help="use a running `specd serve` instead of starting one")
     gen.add_argument("--in-process", action="store_true",
@@ -302,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=50051)
     serve.add_argument("--address", default=None, metavar="auto|HOST:PORT",
                        help="join this Ray cluster (default: an embedded local Ray)")
-    serve.add_argument("--model", default=None)
+    serve.add_argument("--model", default=None, help=MODEL_HELP)
+    _add_dtype_flag(serve)
     _add_drafter_flags(serve)
     serve.add_argument("--max-active", type=int, default=32,
                        help="requests decoding at once, per target replica")
@@ -403,8 +406,7 @@ def _add_bench_parser(sub) -> None:
         "bench", help="benchmark specd (plain, fixed, adaptive) against HF transformers, or a "
                       "running service (--service)")
     bench.add_argument("--out", default="bench-out", help="report directory (default bench-out)")
-    bench.add_argument("--model", default=None,
-                       help="a Llama-family .gguf or a tiny-random spec (default SmolLM2)")
+    bench.add_argument("--model", default=None, help=MODEL_HELP + " or a tiny-random spec")
     bench.add_argument("--workloads", type=_csv, default=None, metavar="A,B",
                        help="comma-separated (default all: code_edit,summarise,chat,"
                             "open_question)")
@@ -521,7 +523,7 @@ def _add_train_drafter_parser(sub) -> None:
                                               "offline on this machine")
     tr.add_argument("--out", required=True, help="head file to write (.safetensors); a .json "
                                                  "recipe and a .png of the curves go next to it")
-    tr.add_argument("--model", default=None, help="target .gguf (default: SmolLM2-135M-Instruct)")
+    tr.add_argument("--model", default=None, help=MODEL_HELP)
     tr.add_argument("--data-dir", default=d.data_dir,
                     help="cache of the target's hidden states (reused when the recipe matches)")
     tr.add_argument("--max-prompts", type=int, default=d.max_prompts,
@@ -577,6 +579,19 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     print(json.dumps({"out": args.out, "timings_s": summary["timings_s"],
                       "data": summary["data"], "final_epoch": last}, indent=2))
     return 0
+
+
+MODEL_HELP = ("the target: a Llama-family .gguf file or a Hugging Face model directory "
+              "(Llama, Mistral, Qwen2, Mixtral; config.json + safetensors + tokenizer) "
+              "(default: SmolLM2-135M-Instruct, GGUF)")
+
+
+def _add_dtype_flag(p: argparse.ArgumentParser) -> None:
+    from target_worker.loader import DTYPES
+
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="target weights/compute dtype (default auto: float32 on CPU, "
+                        "bfloat16 on GPU); norms, softmax and probabilities stay float32")
 
 
 def _add_drafter_flags(p: argparse.ArgumentParser) -> None:

@@ -43,6 +43,34 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.x RoPE frequency scaling (``rope_type: "llama3"`` in a Hugging Face config).
+
+    Wavelengths shorter than ``original_max_position_embeddings / high_freq_factor`` keep their
+    frequency, longer than ``original_max_position_embeddings / low_freq_factor`` are divided by
+    ``factor``, and those between are interpolated (transformers'
+    ``_compute_llama3_parameters``; Meta's ``apply_scaling`` in llama-models).
+
+    Raises:
+        ValueError: naming the field when a value is out of range.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "factor", "low_freq_factor", "high_freq_factor",
+                          "original_max_position_embeddings")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"high_freq_factor ({self.high_freq_factor}) must exceed "
+                f"low_freq_factor ({self.low_freq_factor})"
+            )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Decoder hyper-parameters (Llama family: RMSNorm, RoPE, GQA attention, SwiGLU FFN).
 
@@ -60,6 +88,7 @@ class ModelConfig:
         tie_embeddings: whether the LM head shares the token-embedding matrix.
         moe: mixture-of-experts FFN settings, or None for a dense FFN.
         qkv_bias: whether the Q/K/V projections have biases (Qwen2-style checkpoints).
+        rope_scaling: Llama 3.x RoPE frequency scaling, or None for plain RoPE.
 
     Raises:
         ValueError: naming the field and value when a setting is out of range.
@@ -78,6 +107,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     moe: MoEConfig | None = None
     qkv_bias: bool = False
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -101,6 +131,9 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim!r}")
         if self.moe is not None and not isinstance(self.moe, MoEConfig):
             raise ValueError(f"moe must be a MoEConfig or None, got {type(self.moe).__name__}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            kind = type(self.rope_scaling).__name__
+            raise ValueError(f"rope_scaling must be a RopeScaling or None, got {kind}")
 
     @classmethod
     def tiny_test(cls, vocab_size: int, n_layers: int = 2) -> ModelConfig:

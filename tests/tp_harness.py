@@ -107,6 +107,15 @@ def _rank_main(rank, tp, store, spec, weights, vocab_parallel, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp)
     try:
+        if spec is not None and Path(spec).is_dir():  # a HF checkpoint: the production reader
+            from target_worker.tp import load_shard
+
+            shard = load_shard(spec, rank, tp, vocab_parallel=vocab_parallel)
+            config = shard.config
+            result = engine_script(shard, config.vocab_size)
+            result["param_counts"] = rank_parameter_counts(shard)
+            torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+            return
         config, _ = tiny_random_config(spec) if weights is None else (None, None)
         if weights is None:
             source = StateDictSource(load_tiny_random(spec)[0].state_dict())

@@ -6,6 +6,8 @@ directory; transformers' reference load takes ~20-30 s every run.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -117,3 +119,32 @@ def test_warm_load_reads_the_safetensors_cache(loaded):
     for (name, a), (_, b) in zip(warm.state_dict().items(), cold.state_dict().items(),
                                  strict=True):
         assert torch.equal(a, b), name
+
+
+def test_hf_directory_converted_from_the_gguf_gives_the_same_model(loaded, hf_model,
+                                                                   prompt_ids, tmp_path):
+    """transformers' GGUF conversion saved as an HF directory (its own Q/K un-permutation)
+    loads through the HF path to the same weights and logits as specd's GGUF path: both
+    sources land on the one rotate-half RoPE layout."""
+    from transformers import AutoModelForCausalLM
+
+    model, tok = loaded
+    config = hf_model.config
+    if hasattr(config, "quantization_config"):  # transformers will not save a GGUF-loaded model
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(hf_model.state_dict())
+    plain.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    from_dir, dir_tok = load_model(tmp_path)
+    # transformers writes the float32 GGUF epsilon as 9.999999747e-06: the same float32 value.
+    eps = from_dir.config.rms_norm_eps
+    assert torch.tensor(eps, dtype=torch.float32) == torch.tensor(1e-5, dtype=torch.float32)
+    assert dataclasses.replace(from_dir.config, rms_norm_eps=1e-5) == model.config
+    for (name, a), (_, b) in zip(model.state_dict().items(), from_dir.state_dict().items(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+    ours = model.forward_batch(prompt_ids, 0, model.new_cache())
+    assert torch.equal(from_dir.forward_batch(prompt_ids, 0, from_dir.new_cache()), ours)
+    assert dir_tok.get_chat_template() == tok.get_chat_template()
+    assert dir_tok(MESSAGES[0]["content"])["input_ids"] == tok(MESSAGES[0]["content"])["input_ids"]
