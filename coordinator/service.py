@@ -56,6 +56,9 @@ class ServiceConfig:
             port; None: off). Needs prometheus_client.
         max_prompt_bytes: refuse prompts over this many UTF-8 bytes before tokenizing; None
             derives it so the context stays reachable (`server.default_max_prompt_bytes`).
+        http_port: serve the OpenAI-compatible HTTP API (`coordinator.http_api`) on
+            ``host:http_port`` (0 picks a port; None: off), same token and TLS as gRPC. It
+            listens from the start of the coordinator, answering 503 until the replicas serve.
     """
 
     model: str | None = None
@@ -79,6 +82,7 @@ class ServiceConfig:
     auth_token: str | None = None
     metrics_port: int | None = None
     max_prompt_bytes: int | None = None
+    http_port: int | None = None
 
 
 def default_target_threads(replicas: int, tp: int = 1, cpus: int | None = None) -> int:
@@ -157,6 +161,9 @@ class CoordinatorActor:
         self.router = None
         self.metrics_server = None
         self.metrics_port: int | None = None
+        self.http_api = None
+        self.http_server = None
+        self.http_port: int | None = None
         self._drafter_actors: dict[str, object] = {}
         self._replica_handles: dict[str, object] = {}
         self._threads = config.target_threads or default_target_threads(
@@ -245,6 +252,8 @@ class CoordinatorActor:
         from .server import GenerationServicer, start_generation_server
 
         cfg = self.config
+        if cfg.http_port is not None:
+            await self._start_http()
         tokenizer = load_tokenizer_for(cfg.model)
         with_drafter = cfg.drafter != "none"
         self.router = Router(self._start_replica,
@@ -263,14 +272,41 @@ class CoordinatorActor:
         key = Path(cfg.tls_key).read_bytes() if cfg.tls_key else None
         self.server, port = await start_generation_server(
             servicer, cfg.host, cfg.port, cert, key, cfg.auth_token)
-        if cfg.metrics_port is not None:
+        registry = None
+        if cfg.metrics_port is not None or cfg.http_port is not None:
             import asyncio
 
+            from .metrics import router_registry
+
+            try:
+                registry = router_registry(self.router, asyncio.get_running_loop())
+            except ImportError:
+                if cfg.metrics_port is not None:
+                    raise
+        if cfg.metrics_port is not None:
             from .metrics import start_exporter
 
             self.metrics_server, self.metrics_port = start_exporter(
-                self.router, asyncio.get_running_loop(), cfg.host, cfg.metrics_port)
+                self.router, asyncio.get_running_loop(), cfg.host, cfg.metrics_port, registry)
+        if self.http_api is not None:
+            self.http_api.registry = registry
+            self.http_api.servicer = servicer  # /health and /v1 answer from now on
         return port
+
+    async def _start_http(self) -> None:
+        """Starts the OpenAI HTTP API before the replicas: 503 until they serve."""
+        from .http_api import OpenAIApi, start_http_server
+
+        cfg = self.config
+        self.http_api = OpenAIApi(auth_token=cfg.auth_token)
+        self.http_server, self.http_port = await start_http_server(
+            self.http_api, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
+
+    def http_address(self) -> str | None:
+        """``host:port`` of the OpenAI HTTP API, or None when off."""
+        if self.http_port is None:
+            return None
+        return f"{self.config.host}:{self.http_port}"
 
     def metrics_address(self) -> str | None:
         """``host:port`` of the Prometheus endpoint, or None when off."""
@@ -310,6 +346,8 @@ class CoordinatorActor:
             if self.servicer is not None:
                 await self.servicer.drain(grace_s)
             await self.server.stop(grace=0.5)  # what outlived the grace period is cancelled
+        if self.http_server is not None:
+            await self.http_server.stop()
         if self.router is not None:
             await self.router.close()
 
@@ -380,6 +418,8 @@ class Service:
         cfg = self.config
         if cfg.port != 0:
             _check_port_free(cfg.host, cfg.port)
+        if cfg.http_port:
+            _check_port_free(cfg.host, cfg.http_port)
         if cfg.model is None:
             # Fetch the default model here, once, with the progress bar in this terminal (the
             # actors' output is not forwarded), rather than racing in several actors.
@@ -412,6 +452,13 @@ class Service:
         import ray
 
         return ray.get(self.coordinator.metrics_address.remote())
+
+    @property
+    def http_address(self) -> str | None:
+        """``host:port`` of the OpenAI HTTP API, or None when off."""
+        import ray
+
+        return ray.get(self.coordinator.http_address.remote())
 
     def status(self) -> dict:
         """See `CoordinatorActor.status`."""

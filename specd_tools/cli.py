@@ -231,7 +231,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         target_timeout_s=args.target_timeout,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
-        max_prompt_bytes=args.max_prompt_bytes,
+        max_prompt_bytes=args.max_prompt_bytes, http_port=args.http_port,
     ))
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
@@ -244,6 +244,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"[specd] serving specd.v1.Generation on {address} (Ctrl-C to stop)", flush=True)
         if args.metrics_port is not None:
             print(f"[specd] Prometheus metrics on http://{service.metrics_address}/metrics",
+                  flush=True)
+        if args.http_port is not None:
+            scheme = "https" if args.tls_cert else "http"
+            print(f"[specd] serving the OpenAI API on {scheme}://{service.http_address}/v1",
                   flush=True)
         # The coordinator is not replicated: if it dies, exit non-zero so a process
         # supervisor restarts the service, rather than serve a dead address forever.
@@ -313,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a target call (prefill or verify of a batch) slower than this "
                             "counts as a dead replica: its requests fail, it is re-created "
                             "(default 600; a replica whose process dies is found at once)")
+    serve.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                       help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
+                            "/v1/completions, /v1/models, /health, /metrics) on --host:PORT, "
+                            "with the same auth token and TLS (0 picks a port; default: off)")
     serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                        help="serve Prometheus /metrics on --host:PORT (0 picks one)")
     serve.add_argument("--max-prompt-bytes", type=int, default=None, metavar="BYTES",

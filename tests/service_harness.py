@@ -41,7 +41,7 @@ class LocalService:
                  auth_token: str | None = None, drafter_timeout_s: float = 2.0,
                  replicas: int = 1, drafters: int = 1, adaptive: bool = False,
                  cost_model=None, target_timeout_s: float | None = None,
-                 restart_delay_s: float = 1.0, model: str = MODEL):
+                 restart_delay_s: float = 1.0, model: str = MODEL, http: bool = False):
         # Fixed draft lengths by default: adaptive choices depend on measured time, and
         # tests asserting that drafts were verified need them not to. Adaptive has its own
         # tests (test_adaptive_service.py).
@@ -59,6 +59,8 @@ class LocalService:
         self.cost_model = cost_model
         self.target_timeout_s = target_timeout_s
         self.restart_delay_s = restart_delay_s
+        self.http = http  # also the OpenAI HTTP API (``http_address``)
+        self.http_server = None
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -99,6 +101,14 @@ class LocalService:
         self.server, port = await start_generation_server(
             servicer, "127.0.0.1", 0, auth_token=self.auth_token)
         self.address = f"127.0.0.1:{port}"
+        if self.http:
+            from coordinator.http_api import OpenAIApi, start_http_server
+            from coordinator.metrics import router_registry
+
+            self.http_api = OpenAIApi(servicer, auth_token=self.auth_token,
+                                      registry=router_registry(self.router, self.loop))
+            self.http_server, http_port = await start_http_server(self.http_api)
+            self.http_address = f"127.0.0.1:{http_port}"
 
     def start(self) -> LocalService:
         self.thread.start()
@@ -124,6 +134,8 @@ class LocalService:
             self.call(server.stop(None))
 
     async def _stop(self) -> None:
+        if self.http_server is not None:
+            await self.http_server.stop()
         await self.server.stop(None)
         await self.router.close()
 
