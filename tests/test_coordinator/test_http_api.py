@@ -231,3 +231,51 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(service):
         time.sleep(0.01)
     assert service.engine.used_slots == 0
     assert len(submitted[0].decode.generated) < 200
+
+
+class SplitCharTokenizer:
+    """The tiny tokenizer's encoding, but odd ids decode to the first two bytes of "€"
+    (E2 82 AC) and even ids to "a": an output that ends on an odd id ends inside a character,
+    as when the length limit splits an emoji's byte tokens."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.eos_token_id = inner.eos_token_id
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        raw = b"".join(b"\xe2\x82" if i % 2 else b"a" for i in ids
+                       if not (skip_special_tokens and i == self.eos_token_id))
+        return raw.decode("utf-8", errors="replace")
+
+
+def test_streamed_text_never_ends_in_a_partial_character():
+    svc = LocalService(http=True)
+    svc.tokenizer = SplitCharTokenizer(svc.tokenizer)
+    svc.start()
+    try:
+        cut = 0
+        with openai.OpenAI(base_url=f"http://{svc.http_address}/v1", api_key="x",
+                           max_retries=0) as c:
+            for seed in range(8):
+                req = generation_pb2.GenerateRequest(text="hello", max_new_tokens=6,
+                                                     ignore_eos=True, seed=seed)
+                req.sampling.temperature = 1.0
+                channel, stub = svc.stub()
+                with channel:
+                    chunks = list(stub.Generate(req, timeout=60))
+                    unary = stub.GenerateUnary(req, timeout=60)
+                grpc_text = "".join(ch.text for ch in chunks)
+                ids = [t for ch in chunks for t in ch.token_ids]
+                cut += svc.tokenizer.decode(ids).endswith("\ufffd")
+                http = "".join(ch.choices[0].text for ch in c.completions.create(
+                    model=MODEL, prompt="hello", max_tokens=6, temperature=1.0, seed=seed,
+                    stream=True, extra_body={"ignore_eos": True}))
+                for text in (grpc_text, unary.text, http):
+                    assert not text.endswith("\ufffd"), (seed, text)
+                assert grpc_text == unary.text == http
+        assert cut, "no output ended inside a character: the case was not exercised"
+    finally:
+        svc.stop()
