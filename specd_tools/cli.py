@@ -349,9 +349,38 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                        help="give up waiting after this long (the scale still completes)")
     scale.set_defaults(func=cmd_scale)
+    status = sub.add_parser("status", help="show a running service's replicas, drafters, "
+                                           "requests, tok/s and acceptance")
+    status.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
+                        help="the service's gRPC address")
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
+                        help=_AUTH_HELP.format(what=""))
+    status.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
+    status.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="give up waiting for the answer after this long")
+    status.set_defaults(func=cmd_status)
     _add_bench_parser(sub)
     _add_train_drafter_parser(sub)
     return parser
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Prints the Status RPC's answer as tables (or JSON)."""
+    from .client import get_status, status_dict, status_table
+
+    import grpc
+
+    try:
+        status = get_status(args.server, args.auth_token, args.tls_ca, args.timeout)
+    except grpc.RpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise RuntimeError(
+                f"no specd service answered at {args.server} ({exc.code().name}); start one "
+                f"with 'specd serve' or give its address with --server HOST:PORT") from None
+        raise
+    print(json.dumps(status_dict(status), indent=2) if args.json else status_table(status))
+    return 0
 
 
 def _add_scale_flags(p: argparse.ArgumentParser) -> None:
