@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,6 +168,8 @@ class CoordinatorActor:
         self.http_port: int | None = None
         self._drafter_actors: dict[str, object] = {}
         self._replica_handles: dict[str, object] = {}
+        #: Start-up phases done, in order: (message, seconds it took), for `startup_events`.
+        self._events: list[tuple[str, float]] = []
         self._threads = config.target_threads or default_target_threads(
             config.target_replicas, config.tp)
 
@@ -178,6 +182,7 @@ class CoordinatorActor:
 
         cfg = self.config
         loop = asyncio.get_running_loop()
+        began = time.monotonic()
         # May block (placement groups): off the event loop, which keeps serving.
         creating = loop.run_in_executor(None, lambda: create_target_replica(
             cfg.model, tp=cfg.tp, max_slots=cfg.max_active, num_threads=self._threads))
@@ -196,6 +201,7 @@ class CoordinatorActor:
             await loop.run_in_executor(None, destroy_target_replica, handle)
             raise
         self._replica_handles[name] = handle
+        self._events.append((f"{name}: model loaded", time.monotonic() - began))
         info.update(tp=cfg.tp, num_threads=self._threads)
 
         async def stop() -> None:
@@ -211,6 +217,7 @@ class CoordinatorActor:
         from drafter_worker.client import DrafterClient
 
         cfg = self.config
+        began = time.monotonic()
         actor = DrafterActor.options(num_cpus=0).remote(
             cfg.drafter, cfg.ngram_size, cfg.max_draft_len, cfg.model, cfg.drafter_path)
         # Embedded: loopback only. On a cluster the actor may land on another node; it binds
@@ -225,6 +232,7 @@ class CoordinatorActor:
             ray.kill(actor)
             raise
         self._drafter_actors[name] = actor
+        self._events.append((f"{name}: drafter ready", time.monotonic() - began))
 
         async def stop() -> None:
             self._drafter_actors.pop(name, None)
@@ -307,6 +315,10 @@ class CoordinatorActor:
         if self.http_port is None:
             return None
         return f"{self.config.host}:{self.http_port}"
+
+    def startup_events(self, since: int = 0) -> list[tuple[str, float]]:
+        """Start-up phases done so far from index ``since``: ``(message, seconds)``."""
+        return self._events[since:]
 
     def metrics_address(self) -> str | None:
         """``host:port`` of the Prometheus endpoint, or None when off."""
@@ -408,8 +420,13 @@ class Service:
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
-    def start(self) -> str:
-        """Starts everything; returns the API address ``host:port``."""
+    def start(self, progress: Callable[[str, int, int], None] | None = None) -> str:
+        """Starts everything; returns the API address ``host:port``.
+
+        ``progress(message, done, total)`` is called after each start-up phase (Ray up, each
+        replica's model loaded, each drafter ready), ``message`` naming it with its time;
+        ``done`` / ``total`` count the workers (replicas + drafters) started so far.
+        """
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -427,12 +444,16 @@ class Service:
 
             default_model_path()
         validate_tp(cfg.model, cfg.tp)  # before any actor starts
+        began = time.monotonic()
+        workers = cfg.target_replicas + (cfg.drafters if cfg.drafter != "none" else 0)
         if not ray.is_initialized():
             if cfg.address is None:
                 init_embedded_ray()
             else:
                 ray.init(address=cfg.address, log_to_driver=False)
             self._owns_ray = True
+            if progress is not None:
+                progress(f"Ray up ({time.monotonic() - began:.1f} s)", 0, workers)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                               soft=False)
         try:
@@ -440,11 +461,32 @@ class Service:
             # it starts the replicas and drafter workers itself.
             self.coordinator = ray.remote(num_cpus=0)(CoordinatorActor).options(
                 scheduling_strategy=here).remote(cfg)
-            self.port = ray.get(self.coordinator.start.remote())
+            starting = self.coordinator.start.remote()
+            if progress is not None:
+                self._report_startup(starting, progress, workers)
+            self.port = ray.get(starting)
         except BaseException:
             self.stop()
             raise
         return self.address
+
+    def _report_startup(self, starting, progress, workers: int) -> None:
+        """Relays the coordinator's start-up phases to ``progress`` until ``starting`` (its
+        `CoordinatorActor.start`) is done or failed (``ray.get`` then raises its error)."""
+        import ray
+
+        seen = 0
+        while True:
+            done, _ = ray.wait([starting], timeout=0.5)
+            try:
+                events = ray.get(self.coordinator.startup_events.remote(seen), timeout=30)
+            except Exception:  # a dead coordinator: the caller's ray.get says why
+                return
+            for message, seconds in events:
+                seen += 1
+                progress(f"{message} ({seconds:.1f} s)", seen, workers)
+            if done:
+                return
 
     @property
     def metrics_address(self) -> str | None:

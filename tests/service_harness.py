@@ -176,7 +176,9 @@ def serve_process(*args: str):
         env={**os.environ, "RAY_TMPDIR": tmp})
     try:
         line = ""
+        proc.startup_output = []  # what it printed before serving (stderr included)
         for line in proc.stdout:
+            proc.startup_output.append(line)
             if "serving specd.v1.Generation on" in line:
                 break
         assert "serving" in line, "the server never came up"

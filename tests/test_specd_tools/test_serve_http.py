@@ -5,6 +5,7 @@ shows the service as a table and as JSON."""
 from __future__ import annotations
 
 import json
+import re
 
 import grpc
 import openai
@@ -31,11 +32,18 @@ def served():
                 http = line.rsplit("://", 1)[1].split("/")[0]
                 break
         assert http, "the HTTP API was not announced"
-        yield address, http
+        yield address, http, proc.startup_output
+
+
+def test_start_up_reports_each_phase_with_its_time(served):
+    lines = [line.strip() for line in served[2]]
+    for phase in (r"Ray up \(\d+\.\d s\)", r"replica-0: model loaded \(\d+\.\d s\)",
+                  r"drafter-0: drafter ready \(\d+\.\d s\)", r"ready in \d+\.\d s"):
+        assert any(re.fullmatch(r"\[specd\] " + phase, line) for line in lines), (phase, lines)
 
 
 def test_the_openai_api_serves_the_grpc_apis_tokens_through_ray(served):
-    address, http = served
+    address, http, _ = served
     assert httpx.get(f"http://{http}/health").status_code == 200
     req = generation_pb2.GenerateRequest(text="abab", max_new_tokens=16, ignore_eos=True,
                                          seed=5)
@@ -55,7 +63,7 @@ def test_the_openai_api_serves_the_grpc_apis_tokens_through_ray(served):
 
 
 def test_specd_status_prints_a_table_and_json(served, capsys):
-    address, _http = served
+    address, _http, _ = served
     assert cli.main(["status", "--server", address]) == 0
     table = capsys.readouterr().out
     assert f"model {MODEL}" in table
