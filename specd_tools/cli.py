@@ -730,7 +730,8 @@ def user_flags(message: str, parser: argparse.ArgumentParser,
     def flag(m: re.Match) -> str:
         return flags.get(m.group(2), m.group(0))
 
-    return re.sub(r"(SamplingParams\.|\b)([a-z][a-z0-9_]*)(?=[:=]| must)", flag, message)
+    return re.sub(r"(SamplingParams\.|sampling\.|\b)([a-z][a-z0-9_]*)(?=[:=]| must)", flag,
+                  message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -752,7 +753,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         import grpc
 
         if isinstance(exc, grpc.RpcError):
-            parser.exit(1, f"specd: error: {exc.code().name}: {exc.details()}\n")
+            parser.exit(1, f"specd: error: {exc.code().name}: "
+                           f"{user_flags(exc.details() or '', parser, args)}\n")
         raise
 
 

@@ -86,3 +86,40 @@ def test_specd_status_without_a_server_names_the_address(capsys):
     assert info.value.code == 1
     err = capsys.readouterr().err
     assert "127.0.0.1:1" in err and "UNAVAILABLE" in err
+
+
+@pytest.mark.slow
+def test_smollm2_over_the_openai_api_equals_the_grpc_api():
+    """The real model through a real ``specd serve --http-port``: models list, chat and
+    completion unary and streamed, greedy and seeded text equal to the gRPC API's."""
+    with serve_process("--http-port", "0") as (proc, address, _tmp):
+        http = next(line for line in proc.stdout if "OpenAI API on" in line)
+        http = http.rsplit("://", 1)[1].split("/")[0]
+        with openai.OpenAI(base_url=f"http://{http}/v1", api_key="x", max_retries=0,
+                           timeout=300) as client, grpc.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            (model,) = [m.id for m in client.models.list()]
+            assert model == "SmolLM2-135M-Instruct"
+            question = "Name three rivers in Europe."
+            for sampling in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 42}):
+                req = generation_pb2.GenerateRequest(max_new_tokens=40)
+                req.chat.messages.add(role="user", content=question)
+                req.sampling.temperature = sampling["temperature"]
+                if "seed" in sampling:
+                    req.seed = sampling["seed"]
+                grpc_text = stub.GenerateUnary(req, timeout=300).text
+                kw = dict(model=model, messages=[{"role": "user", "content": question}],
+                          max_tokens=40, **sampling)
+                unary = client.chat.completions.create(**kw).choices[0].message.content
+                streamed = "".join(c.choices[0].delta.content or ""
+                                   for c in client.chat.completions.create(stream=True, **kw))
+                assert unary == grpc_text == streamed and unary.strip()
+            raw = generation_pb2.GenerateRequest(text="def fibonacci(n):", max_new_tokens=32)
+            raw.sampling.temperature = 0.0
+            completion = client.completions.create(model=model, prompt="def fibonacci(n):",
+                                                   max_tokens=32, temperature=0)
+            streamed = "".join(c.choices[0].text for c in client.completions.create(
+                model=model, prompt="def fibonacci(n):", max_tokens=32, temperature=0,
+                stream=True))
+            assert completion.choices[0].text == stub.GenerateUnary(raw, timeout=300).text \
+                == streamed
