@@ -1,4 +1,4 @@
-"""Times 'specd generate' with 1 and 2 torch threads, with no load of ours and
+"""Times 'specd generate' with 1 and 2 torch threads, with no load of ours and beside one
 CPU-burning process, interleaved (README, "Threads on a busy machine").
 
     python scripts/threads_under_load.py [--repeats 2] [--max-new-tokens 64] [--no-service]
