@@ -84,9 +84,24 @@ class RouterCollector:
                 yield family
 
 
+def router_registry(router, loop: asyncio.AbstractEventLoop):
+    """A private prometheus_client registry holding a `RouterCollector`: the one registry
+    both ``--metrics-port`` and the HTTP API's ``/metrics`` serve.
+
+    Raises:
+        ImportError: prometheus_client is not installed (``pip install 'specd[metrics]'``).
+    """
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RouterCollector(router, loop))
+    return registry
+
+
 def start_exporter(router, loop: asyncio.AbstractEventLoop, host: str = "127.0.0.1",
-                   port: int = 0):
-    """Serves ``/metrics`` on ``host:port`` (0 picks a free port) from a private registry.
+                   port: int = 0, registry=None):
+    """Serves ``/metrics`` on ``host:port`` (0 picks a free port) from ``registry`` (default
+    a new `router_registry`).
 
     Returns:
         ``(server, bound_port)``; stop with ``server.shutdown()``.
@@ -95,9 +110,9 @@ def start_exporter(router, loop: asyncio.AbstractEventLoop, host: str = "127.0.0
         ImportError: prometheus_client is not installed (``pip install 'specd[metrics]'``).
         OSError: the port cannot be bound.
     """
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import start_http_server
 
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(RouterCollector(router, loop))
+    if registry is None:
+        registry = router_registry(router, loop)
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return server, server.server_port

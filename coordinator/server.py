@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -28,7 +29,14 @@ from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
 from specd_core.sampling import SamplingParams
 from specd_core.text import TextStream, encode_chat, encode_prompt
 
-from .errors import client_status
+from .errors import (
+    ReplicaUnavailable,
+    RequestError,
+    RequestFailed,
+    RequestInvalid,
+    ServiceStopping,
+    client_status,
+)
 from .scheduler import REQUEST_FAILED, Scheduler, ServiceRequest
 
 log = logging.getLogger(__name__)
@@ -142,6 +150,29 @@ def _final_fields(req: ServiceRequest, result: SpeculativeDecodeResult) -> dict:
     }
 
 
+def _with_max_new_tokens(request: generation_pb2.GenerateRequest, n: int
+                         ) -> generation_pb2.GenerateRequest:
+    copy = generation_pb2.GenerateRequest()
+    copy.CopyFrom(request)
+    copy.max_new_tokens = n
+    return copy
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One step's output of a request (`GenerationServicer.stream`).
+
+    Attributes:
+        token_ids: the tokens emitted (empty on the final chunk).
+        text: their stable text delta (the final chunk flushes the rest).
+        result: the request's counters, on the final chunk only.
+    """
+
+    token_ids: list[int]
+    text: str
+    result: SpeculativeDecodeResult | None = None
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """``specd.v1.Generation`` over a scheduler.
 
@@ -219,13 +250,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 f"{kind}: the prompt is over {self.max_prompt_bytes} bytes, more than the "
                 f"model's context of {self.max_seq_len} tokens can hold")
 
-    def parse(self, request: generation_pb2.GenerateRequest
+    def parse(self, request: generation_pb2.GenerateRequest,
+              default_max_new_tokens: bool = False,
               ) -> tuple[list[int], SpeculativeOptions, bool, int | None]:
         """(prompt ids, options, speculate, max_draft_len) or `InvalidRequest`. Tokenizes:
-        blocking (the server calls it in a worker thread)."""
+        blocking (the server calls it in a worker thread). ``default_max_new_tokens``: an
+        unset (0) ``max_new_tokens`` takes the rest of the model's context."""
         _check_stops(request)  # cheap, before tokenizing
         prompt = self._prompt_tokens(request)
         sampling = sampling_from_proto(request.sampling)
+        if default_max_new_tokens and request.max_new_tokens == 0:
+            request = _with_max_new_tokens(request, max(1, self.max_seq_len - len(prompt) + 1))
         if request.max_new_tokens <= 0:
             raise InvalidRequest("max_new_tokens: must be >= 1")
         if len(prompt) >= self.max_seq_len:
@@ -292,29 +327,82 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             log.warning("%d call(s) still in flight after the %g s grace period",
                         self._in_flight, grace_s)
 
-    async def _submit(self, request, context) -> ServiceRequest:
+    async def submit(self, request: generation_pb2.GenerateRequest,
+                     default_max_new_tokens: bool = False) -> ServiceRequest:
+        """Parses, validates and queues ``request``: the one path both front ends (gRPC and
+        the OpenAI HTTP API, `coordinator.http_api`) take.
+
+        ``default_max_new_tokens``: an unset (0) ``max_new_tokens`` means "the rest of the
+        model's context" instead of an error (OpenAI's chat default).
+
+        Raises:
+            RequestInvalid: a bad field (the message names it).
+            ServiceStopping: the server is draining.
+            ReplicaUnavailable: no replica can serve now.
+            RequestFailed: tokenizing failed (the cause is logged, not shown).
+        """
         if self._draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the service is shutting down")
+            raise ServiceStopping("the service is shutting down")
         try:
             # Off the event loop: tokenizing a big prompt (or rendering a chat template) must
             # not stall every other stream's steps. Hugging Face fast tokenizers release the
             # GIL while encoding, and encode/decode with fixed settings are thread-safe.
             prompt, options, speculate, max_draft_len = await asyncio.to_thread(
-                self.parse, request)
+                self.parse, request, default_max_new_tokens)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise  # abort raises; keeps type checkers honest
-        except Exception:  # the tokenizer failed: no internals to the client
+            raise RequestInvalid(str(exc)) from exc
+        except Exception as exc:  # the tokenizer failed: no internals to the client
             log.exception("parsing a request failed")
-            await context.abort(grpc.StatusCode.INTERNAL, REQUEST_FAILED)
-            raise
+            raise RequestFailed(REQUEST_FAILED) from exc
         try:
             return self.scheduler.submit(prompt, options, speculate, max_draft_len)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise
+            raise RequestInvalid(str(exc)) from exc
         except RuntimeError as exc:  # a router with no serving replica
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            raise ReplicaUnavailable(str(exc)) from exc
+
+    async def stream(self, req: ServiceRequest) -> AsyncIterator[StreamChunk]:
+        """The chunks of a submitted request, in order; the last carries its result. Text
+        deltas never end inside a UTF-8 character (`TextStream`). Closing the iterator early
+        (a client gone) cancels the request, which frees its slot at the next step.
+
+        Raises:
+            RequestError: the request failed (the message is client-safe); a detokenizer
+                failure is `RequestFailed` (the cause is logged).
+        """
+        text = TextStream(self.tokenizer)
+        try:
+            while True:
+                event = await req.events.get()
+                if isinstance(event, list):
+                    try:
+                        delta = text.push(event)
+                    except Exception as exc:  # detokenizing failed: this stream alone ends
+                        log.exception("streaming request %s failed", req.id)
+                        raise RequestFailed(REQUEST_FAILED) from exc
+                    yield StreamChunk(list(event), delta)
+                elif isinstance(event, SpeculativeDecodeResult):
+                    try:
+                        delta = text.flush()
+                    except Exception as exc:
+                        log.exception("streaming request %s failed", req.id)
+                        raise RequestFailed(REQUEST_FAILED) from exc
+                    yield StreamChunk([], delta, event)
+                    return
+                elif isinstance(event, RequestError):
+                    raise event
+                else:  # not meant for the client: logged, answered generically
+                    log.error("request %s failed: %r", req.id, event)
+                    raise RequestFailed(client_status(event)[1])
+        finally:
+            # Client cancel, deadline, or a dropped stream: free the slot at the next step.
+            self.scheduler.cancel(req)
+
+    async def _submit(self, request, context) -> ServiceRequest:
+        try:
+            return await self.submit(request)
+        except RequestError as exc:
+            await _abort_failed(context, exc)
             raise
 
     # ---- RPCs ----
@@ -322,54 +410,45 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         with self._tracked():
             req = await self._submit(request, context)
-            text = TextStream(self.tokenizer)
             try:
-                while True:
-                    event = await req.events.get()
-                    if isinstance(event, list):
-                        yield generation_pb2.GenerateResponse(token_ids=event,
-                                                              text=text.push(event))
-                    elif isinstance(event, SpeculativeDecodeResult):
-                        yield generation_pb2.GenerateResponse(
-                            text=text.flush(),
-                            **_final_fields(req, event),
-                        )
-                        return
-                    else:
-                        await _abort_failed(context, event)
-            except grpc.aio.AbortError:
-                raise
-            except Exception:  # detokenizing its text failed: this stream alone ends
-                log.exception("streaming request %s failed", req.id)
-                await context.abort(grpc.StatusCode.INTERNAL, REQUEST_FAILED)
-            finally:
-                # Client cancel, deadline, or a dropped stream: free the slot at the next step.
-                self.scheduler.cancel(req)
+                async with contextlib.aclosing(self.stream(req)) as chunks:
+                    async for chunk in chunks:
+                        if chunk.result is None:
+                            yield generation_pb2.GenerateResponse(token_ids=chunk.token_ids,
+                                                                  text=chunk.text)
+                        else:
+                            yield generation_pb2.GenerateResponse(
+                                text=chunk.text, **_final_fields(req, chunk.result))
+            except RequestError as exc:
+                await _abort_failed(context, exc)
 
     async def GenerateUnary(self, request, context):
         with self._tracked():
             req = await self._submit(request, context)
-            tokens: list[int] = []
             try:
-                while True:
-                    event = await req.events.get()
-                    if isinstance(event, list):
-                        tokens.extend(event)
-                    elif isinstance(event, SpeculativeDecodeResult):
-                        return generation_pb2.GenerateResult(
-                            text=self._detokenize(tokens),
-                            token_ids=tokens,
-                            **_final_fields(req, event),
-                        )
-                    else:
-                        await _abort_failed(context, event)
-            except grpc.aio.AbortError:
-                raise
-            except Exception:
-                log.exception("answering request %s failed", req.id)
-                await context.abort(grpc.StatusCode.INTERNAL, REQUEST_FAILED)
-            finally:
-                self.scheduler.cancel(req)
+                tokens, text, result = await self.collect(req)
+            except RequestError as exc:
+                await _abort_failed(context, exc)
+            return generation_pb2.GenerateResult(text=text, token_ids=tokens,
+                                                 **_final_fields(req, result))
+
+    async def collect(self, req: ServiceRequest
+                      ) -> tuple[list[int], str, SpeculativeDecodeResult]:
+        """(token ids, text, result) of a submitted request: the text is the streamed
+        deltas joined, so a unary answer equals the concatenated stream.
+
+        Raises:
+            RequestError: as `stream`.
+        """
+        tokens: list[int] = []
+        parts: list[str] = []
+        async with contextlib.aclosing(self.stream(req)) as chunks:
+            async for chunk in chunks:
+                tokens.extend(chunk.token_ids)
+                parts.append(chunk.text)
+                if chunk.result is not None:
+                    return tokens, "".join(parts), chunk.result
+        raise RequestFailed(REQUEST_FAILED)  # pragma: no cover - stream always ends so
 
     async def Status(self, request, context):
         refresh = getattr(self.scheduler, "refresh", None)  # a Router: replicas' own stats
@@ -572,6 +651,7 @@ __all__ = [
     "BearerTokenInterceptor",
     "GenerationServicer",
     "InvalidRequest",
+    "StreamChunk",
     "default_max_prompt_bytes",
     "generation_handlers",
     "sampling_from_proto",

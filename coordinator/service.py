@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +64,9 @@ class ServiceConfig:
             (`coordinator.scheduler`); False keeps the serial step (``--no-pipeline``).
         drafter_threads: torch threads of each drafter worker (EAGLE's head); None: 1,
             so a drafter beside the target never oversubscribes the cores.
+        http_port: serve the OpenAI-compatible HTTP API (`coordinator.http_api`) on
+            ``host:http_port`` (0 picks a port; None: off), same token and TLS as gRPC. It
+            listens from the start of the coordinator, answering 503 until the replicas serve.
     """
 
     model: str | None = None
@@ -88,6 +93,7 @@ class ServiceConfig:
     max_prompt_bytes: int | None = None
     pipeline: bool = True
     drafter_threads: int | None = None
+    http_port: int | None = None
 
 
 def default_target_threads(replicas: int, tp: int = 1, cpus: int | None = None) -> int:
@@ -166,8 +172,13 @@ class CoordinatorActor:
         self.router = None
         self.metrics_server = None
         self.metrics_port: int | None = None
+        self.http_api = None
+        self.http_server = None
+        self.http_port: int | None = None
         self._drafter_actors: dict[str, object] = {}
         self._replica_handles: dict[str, object] = {}
+        #: Start-up phases done, in order: (message, seconds it took), for `startup_events`.
+        self._events: list[tuple[str, float]] = []
         self._threads = config.target_threads or default_target_threads(
             config.target_replicas, config.tp)
 
@@ -179,6 +190,7 @@ class CoordinatorActor:
 
         cfg = self.config
         loop = asyncio.get_running_loop()
+        began = time.monotonic()
         # May block (placement groups): off the event loop, which keeps serving.
         creating = loop.run_in_executor(None, lambda: create_target_replica(
             cfg.model, tp=cfg.tp, max_slots=cfg.max_active, num_threads=self._threads,
@@ -207,6 +219,7 @@ class CoordinatorActor:
             await loop.run_in_executor(None, destroy_target_replica, handle)
             raise
         self._replica_handles[name] = handle
+        self._events.append((f"{name}: model loaded", time.monotonic() - began))
         info.update(tp=cfg.tp, num_threads=self._threads)
 
         async def stop() -> None:
@@ -222,6 +235,7 @@ class CoordinatorActor:
         from drafter_worker.client import DrafterClient
 
         cfg = self.config
+        began = time.monotonic()
         actor = DrafterActor.options(num_cpus=0).remote(
             cfg.drafter, cfg.ngram_size, cfg.max_draft_len, cfg.model, cfg.drafter_path,
             cfg.drafter_threads or 1)
@@ -237,6 +251,7 @@ class CoordinatorActor:
             ray.kill(actor)
             raise
         self._drafter_actors[name] = actor
+        self._events.append((f"{name}: drafter ready", time.monotonic() - began))
 
         async def stop() -> None:
             self._drafter_actors.pop(name, None)
@@ -264,6 +279,8 @@ class CoordinatorActor:
         from .server import GenerationServicer, start_generation_server
 
         cfg = self.config
+        if cfg.http_port is not None:
+            await self._start_http()
         tokenizer = load_tokenizer_for(cfg.model)
         with_drafter = cfg.drafter != "none"
         self.router = Router(self._start_replica,
@@ -282,14 +299,45 @@ class CoordinatorActor:
         key = Path(cfg.tls_key).read_bytes() if cfg.tls_key else None
         self.server, port = await start_generation_server(
             servicer, cfg.host, cfg.port, cert, key, cfg.auth_token)
-        if cfg.metrics_port is not None:
+        registry = None
+        if cfg.metrics_port is not None or cfg.http_port is not None:
             import asyncio
 
+            from .metrics import router_registry
+
+            try:
+                registry = router_registry(self.router, asyncio.get_running_loop())
+            except ImportError:
+                if cfg.metrics_port is not None:
+                    raise
+        if cfg.metrics_port is not None:
             from .metrics import start_exporter
 
             self.metrics_server, self.metrics_port = start_exporter(
-                self.router, asyncio.get_running_loop(), cfg.host, cfg.metrics_port)
+                self.router, asyncio.get_running_loop(), cfg.host, cfg.metrics_port, registry)
+        if self.http_api is not None:
+            self.http_api.registry = registry
+            self.http_api.servicer = servicer  # /health and /v1 answer from now on
         return port
+
+    async def _start_http(self) -> None:
+        """Starts the OpenAI HTTP API before the replicas: 503 until they serve."""
+        from .http_api import OpenAIApi, start_http_server
+
+        cfg = self.config
+        self.http_api = OpenAIApi(auth_token=cfg.auth_token)
+        self.http_server, self.http_port = await start_http_server(
+            self.http_api, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
+
+    def http_address(self) -> str | None:
+        """``host:port`` of the OpenAI HTTP API, or None when off."""
+        if self.http_port is None:
+            return None
+        return f"{self.config.host}:{self.http_port}"
+
+    def startup_events(self, since: int = 0) -> list[tuple[str, float]]:
+        """Start-up phases done so far from index ``since``: ``(message, seconds)``."""
+        return self._events[since:]
 
     def metrics_address(self) -> str | None:
         """``host:port`` of the Prometheus endpoint, or None when off."""
@@ -329,6 +377,8 @@ class CoordinatorActor:
             if self.servicer is not None:
                 await self.servicer.drain(grace_s)
             await self.server.stop(grace=0.5)  # what outlived the grace period is cancelled
+        if self.http_server is not None:
+            await self.http_server.stop()
         if self.router is not None:
             await self.router.close()
 
@@ -397,8 +447,13 @@ class Service:
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
-    def start(self) -> str:
-        """Starts everything; returns the API address ``host:port``."""
+    def start(self, progress: Callable[[str, int, int], None] | None = None) -> str:
+        """Starts everything; returns the API address ``host:port``.
+
+        ``progress(message, done, total)`` is called after each start-up phase (Ray up, each
+        replica's model loaded, each drafter ready), ``message`` naming it with its time;
+        ``done`` / ``total`` count the workers (replicas + drafters) started so far.
+        """
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -408,6 +463,8 @@ class Service:
         cfg = self.config
         if cfg.port != 0:
             _check_port_free(cfg.host, cfg.port)
+        if cfg.http_port:
+            _check_port_free(cfg.host, cfg.http_port)
         if cfg.model is None:
             # Fetch the default model here, once, with the progress bar in this terminal (the
             # actors' output is not forwarded), rather than racing in several actors.
@@ -416,12 +473,16 @@ class Service:
             default_model_path()
         validate_model(cfg.model)  # config, weights' shapes, tokenizer: before any actor starts
         validate_tp(cfg.model, cfg.tp)
+        began = time.monotonic()
+        workers = cfg.target_replicas + (cfg.drafters if cfg.drafter != "none" else 0)
         if not ray.is_initialized():
             if cfg.address is None:
                 init_embedded_ray()
             else:
                 ray.init(address=cfg.address, log_to_driver=False)
             self._owns_ray = True
+            if progress is not None:
+                progress(f"Ray up ({time.monotonic() - began:.1f} s)", 0, workers)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                               soft=False)
         try:
@@ -429,11 +490,32 @@ class Service:
             # it starts the replicas and drafter workers itself.
             self.coordinator = ray.remote(num_cpus=0)(CoordinatorActor).options(
                 scheduling_strategy=here).remote(cfg)
-            self.port = ray.get(self.coordinator.start.remote())
+            starting = self.coordinator.start.remote()
+            if progress is not None:
+                self._report_startup(starting, progress, workers)
+            self.port = ray.get(starting)
         except BaseException:
             self.stop()
             raise
         return self.address
+
+    def _report_startup(self, starting, progress, workers: int) -> None:
+        """Relays the coordinator's start-up phases to ``progress`` until ``starting`` (its
+        `CoordinatorActor.start`) is done or failed (``ray.get`` then raises its error)."""
+        import ray
+
+        seen = 0
+        while True:
+            done, _ = ray.wait([starting], timeout=0.5)
+            try:
+                events = ray.get(self.coordinator.startup_events.remote(seen), timeout=30)
+            except Exception:  # a dead coordinator: the caller's ray.get says why
+                return
+            for message, seconds in events:
+                seen += 1
+                progress(f"{message} ({seconds:.1f} s)", seen, workers)
+            if done:
+                return
 
     @property
     def metrics_address(self) -> str | None:
@@ -441,6 +523,13 @@ class Service:
         import ray
 
         return ray.get(self.coordinator.metrics_address.remote())
+
+    @property
+    def http_address(self) -> str | None:
+        """``host:port`` of the OpenAI HTTP API, or None when off."""
+        import ray
+
+        return ray.get(self.coordinator.http_address.remote())
 
     def status(self) -> dict:
         """See `CoordinatorActor.status`."""

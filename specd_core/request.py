@@ -125,11 +125,12 @@ class SpeculativeDecodeResult:
             self.accepted_tokens += 1
 
     def to_dict(self) -> dict:
-        """Every field and derived metric, JSON-ready."""
+        """Every field and derived metric, JSON-ready. The keys say what they hold, in the
+        API's words: ``token_ids`` (the generated ids), ``completion_tokens`` (their count)."""
         return {
-            "generated_tokens": list(self.generated_tokens),
+            "token_ids": list(self.generated_tokens),
             "finish_reason": self.finish_reason,
-            "tokens_generated": self.tokens_generated,
+            "completion_tokens": self.tokens_generated,
             "forward_calls": self.forward_calls,
             "verification_steps": self.verification_steps,
             "drafted_tokens": self.drafted_tokens,

@@ -64,7 +64,10 @@ class TextStream:
         return delta
 
     def flush(self) -> str:
-        """Everything not yet returned, partial characters included."""
-        text = self.text()
-        delta, self.sent = text[self.sent:], len(text)
+        """Everything not yet returned, at the end of the output: a trailing partial UTF-8
+        character (the length limit cut a multi-byte character's tokens) is dropped, so the
+        text never ends in U+FFFD. (A genuine trailing U+FFFD is dropped too: the decoded
+        text cannot tell them apart.)"""
+        text = self.text().rstrip("\ufffd")
+        delta, self.sent = text[self.sent:], max(self.sent, len(text))
         return delta

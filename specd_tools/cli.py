@@ -1,8 +1,9 @@
-"""``specd`` command line.
+"""specd command line.
 
-``specd generate "PROMPT"`` runs one request through the service (an embedded one unless
-``--server``; ``--in-process`` skips Ray and gRPC); ``specd serve`` runs the service;
-``specd scale`` changes a running service's replica and drafter counts."""
+'specd generate "PROMPT"' runs one request through the service (an embedded one unless
+--server; --in-process skips Ray and gRPC); 'specd serve' runs the service (gRPC, and the
+OpenAI HTTP API with --http-port); 'specd status' shows a running one; 'specd scale' changes
+its replica and drafter counts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -49,9 +51,52 @@ def metrics_line(result, seconds: float) -> str:
     )
 
 
+class StartupReport:
+    """Prints each start-up phase to stderr with its time (`Service.start`'s ``progress``),
+    with a progress bar over the workers (replicas + drafters) while they start, then the
+    total time. A context manager: the bar is closed however the start ends."""
+
+    def __init__(self):
+        self.began = time.monotonic()
+        self.bar = None
+
+    def __call__(self, message: str, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None and total:
+            # disable=None: no bar when stderr is not a terminal (the lines still print).
+            self.bar = tqdm(total=total, desc="[specd] workers ready", unit="worker",
+                            file=sys.stderr, leave=False, disable=None)
+        line = f"[specd] {message}"
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+            self.bar.update(done - self.bar.n)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def __enter__(self) -> StartupReport:
+        return self
+
+    def __exit__(self, exc_type, *_exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if exc_type is None:
+            print(f"[specd] ready in {time.monotonic() - self.began:.1f} s", file=sys.stderr,
+                  flush=True)
+
+
+def in_process_threads() -> int:
+    """``generate --in-process``'s torch threads when --threads is not given: the cores less
+    one (at least 1), as for the service's target (`default_target_threads`): two threads on 2
+    cores beside one busy process fell from 53 to ~N tok/s (README, "Threads")."""
+    from coordinator.service import default_target_threads
+
+    return default_target_threads(1)
+
+
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 disables")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
@@ -92,7 +137,7 @@ def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None
             "seconds": seconds,
             "tokens_per_second": result.tokens_generated / seconds if seconds else 0.0,
             "drafter": args.drafter,
-            **result.to_dict(),
+            **result.to_dict(),  # token_ids, completion_tokens, finish_reason, counters
         }))
     print(metrics_line(result, seconds), file=sys.stderr)
 
@@ -102,10 +147,9 @@ def _generate_in_process(args: argparse.Namespace) -> int:
 
     sampling = sampling_from_args(args)
     check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path)
-    if args.target_threads is not None:
-        import torch
+    import torch
 
-        torch.set_num_threads(args.target_threads)
+    torch.set_num_threads(args.target_threads or in_process_threads())
     decoder, tokenizer = load_model(args.model, args.dtype)
     # Built after the model: an EAGLE head shares the target's embedding and LM head.
     head = drafter_spec(args.drafter).has_head
@@ -122,9 +166,11 @@ def _generate_in_process(args: argparse.Namespace) -> int:
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
     )
     stream = TextStream(tokenizer)
+    parts: list[str] = []
 
     def on_tokens(tokens: list[int]) -> None:
         delta = stream.push(tokens)
+        parts.append(delta)
         if not args.json:
             sys.stdout.write(delta)
             sys.stdout.flush()
@@ -138,10 +184,10 @@ def _generate_in_process(args: argparse.Namespace) -> int:
     result = speculative_decode_with(decoder, prompt, decoder.new_cache(), drafter, options,
                                      on_tokens=on_tokens, adaptive=adaptive)
     seconds = time.perf_counter() - start
-    tail = stream.flush()
+    tail = stream.flush()  # never ends inside a UTF-8 character
     if not args.json:
         print(tail)
-    _report(args, stream.text(), result, len(prompt), seconds)
+    _report(args, "".join(parts) + tail, result, len(prompt), seconds)
     return 0
 
 
@@ -160,8 +206,10 @@ def _generate_via_service(args: argparse.Namespace) -> int:
     address = args.server
     if address is None:
         service = Service(embedded_service_config(args))
-        print("[specd] starting an embedded service (Ray + gRPC)...", file=sys.stderr)
-        address = service.start()
+        print("[specd] starting an embedded service (Ray + gRPC)...", file=sys.stderr,
+              flush=True)
+        with StartupReport() as report:
+            address = service.start(progress=report)
     try:
         request = generate_request(args, sampling_from_args(args))
         start = time.perf_counter()
@@ -235,18 +283,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
         max_prompt_bytes=args.max_prompt_bytes, pipeline=not args.no_pipeline,
+        http_port=args.http_port,
     ))
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
     stop = threading.Event()
     try:
-        address = service.start()
+        print("[specd] starting the service...", file=sys.stderr, flush=True)
+        with StartupReport() as report:
+            address = service.start(progress=report)
         # Installed after Ray starts: ray.init replaces the process's SIGTERM handler.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         print(f"[specd] serving specd.v1.Generation on {address} (Ctrl-C to stop)", flush=True)
         if args.metrics_port is not None:
             print(f"[specd] Prometheus metrics on http://{service.metrics_address}/metrics",
+                  flush=True)
+        if args.http_port is not None:
+            scheme = "https" if args.tls_cert else "http"
+            print(f"[specd] serving the OpenAI API on {scheme}://{service.http_address}/v1",
                   flush=True)
         # The coordinator is not replicated: if it dies, exit non-zero so a process
         # supervisor restarts the service, rather than serve a dead address forever.
@@ -269,7 +324,7 @@ COORDINATOR_CHECK_S = 5.0
 
 #: The --auth-token help: a flag's value is visible to every local user in `ps`.
 _AUTH_HELP = ("bearer token{what} (default $SPECD_AUTH_TOKEN); a value given here is visible "
-              "to every local user in `ps` and /proc: prefer the environment variable")
+              "to every local user in ps and /proc: prefer the environment variable")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -284,16 +339,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help=MODEL_HELP)
     _add_dtype_flag(gen)
     gen.add_argument("--server", default=None, metavar="HOST:PORT",
-                     help="use a running `specd serve` instead of starting one")
+                     help="use a running 'specd serve' instead of starting one")
     gen.add_argument("--in-process", action="store_true",
                      help="run the core loop in this process (no Ray, no gRPC)")
     gen.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
                      help=_AUTH_HELP.format(what=" for --server"))
     gen.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
-    gen.add_argument("--target-threads", type=_positive_int, default=None, metavar="N",
-                     help="torch threads of the target model (default: the embedded "
-                          "service's target gets the cores less one for the coordinator, "
-                          "drafter and gRPC; --in-process: torch's default, all cores)")
+    gen.add_argument("--threads", "--target-threads", dest="target_threads",
+                     type=_positive_int, default=None, metavar="N",
+                     help="torch threads of the target model (default: this machine's cores "
+                          "less one, at least 1, which stays fast beside a busy process; "
+                          "ignored with --server)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.set_defaults(func=cmd_generate)
@@ -309,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_drafter_flags(serve)
     serve.add_argument("--max-active", type=int, default=32,
                        help="requests decoding at once, per target replica")
-    serve.add_argument("--target-threads", type=int, default=None,
+    serve.add_argument("--threads", "--target-threads", dest="target_threads",
+                       type=_positive_int, default=None, metavar="N",
                        help="torch threads per target rank (default: this machine's cores "
                             "less one, divided among all replicas x tp ranks, at least 1)")
     _add_scale_flags(serve)
@@ -317,14 +374,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a target call (prefill or verify of a batch) slower than this "
                             "counts as a dead replica: its requests fail, it is re-created "
                             "(default 600; a replica whose process dies is found at once)")
+    serve.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                       help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
+                            "/v1/completions, /v1/models, /health, /metrics) on --host:PORT, "
+                            "with the same auth token and TLS (0 picks a port; default: off)")
     serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                       help="serve Prometheus /metrics on --host:PORT (0 picks one)")
+                       help="serve Prometheus /metrics on --host:PORT (0 picks one; default: off)")
     serve.add_argument("--max-prompt-bytes", type=int, default=None, metavar="BYTES",
                        help="refuse prompts (text, or all chat contents) over BYTES of UTF-8 "
                             "before tokenizing (default: the context length x the longest "
                             "token's bytes, which keeps the whole context reachable)")
-    serve.add_argument("--tls-cert", default=None)
-    serve.add_argument("--tls-key", default=None)
+    serve.add_argument("--tls-cert", default=None, metavar="CERT.pem",
+                       help="TLS certificate for the gRPC and HTTP APIs (default: no TLS)")
+    serve.add_argument("--tls-key", default=None, metavar="KEY.pem",
+                       help="the certificate's private key (with --tls-cert)")
     serve.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
                        help=_AUTH_HELP.format(what=" every call must carry"))
     serve.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
@@ -345,9 +408,56 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                        help="give up waiting after this long (the scale still completes)")
     scale.set_defaults(func=cmd_scale)
+    status = sub.add_parser("status", help="show a running service's replicas, drafters, "
+                                           "requests, tok/s and acceptance")
+    status.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
+                        help="the service's gRPC address")
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
+                        help=_AUTH_HELP.format(what=""))
+    status.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
+    status.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="give up waiting for the answer after this long")
+    status.set_defaults(func=cmd_status)
     _add_bench_parser(sub)
     _add_train_drafter_parser(sub)
+    for p in (parser, *sub.choices.values()):
+        _show_defaults(p)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option's --help line names its default: appended as "(default: X)" unless the
+    help already says it; options whose default is None or off say nothing more."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    for action in parser._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS:
+            continue
+        help_text = action.help or ""
+        default = action.default
+        if ("default" in help_text or default is None or default is False
+                or default is argparse.SUPPRESS or (isinstance(default, list) and not default)):
+            continue
+        shown = ",".join(default) if isinstance(default, list | tuple) else default
+        action.help = (help_text + " " if help_text else "") + f"(default: {shown})"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Prints the Status RPC's answer as tables (or JSON)."""
+    import grpc
+
+    from .client import get_status, status_dict, status_table
+
+    try:
+        status = get_status(args.server, args.auth_token, args.tls_ca, args.timeout)
+    except grpc.RpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise RuntimeError(
+                f"no specd service answered at {args.server} ({exc.code().name}); start one "
+                f"with 'specd serve' or give its address with --server HOST:PORT") from None
+        raise
+    print(json.dumps(status_dict(status), indent=2) if args.json else status_table(status))
+    return 0
 
 
 def _add_scale_flags(p: argparse.ArgumentParser) -> None:
@@ -428,12 +538,12 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--no-plots", action="store_true", help="JSON and Markdown only")
     bench.add_argument("--threads", type=int, default=None, help="torch threads")
     bench.add_argument("--default-path", action="store_true",
-                       help="time the default user path (the embedded service `specd "
-                            "generate` starts) beside transformers plain and prompt lookup, "
+                       help="time the default user path (the embedded service 'specd "
+                            "generate' starts) beside transformers plain and prompt lookup, "
                             "after the forward timing (default workloads code_edit,"
                             "open_question)")
     bench.add_argument("--target-threads", type=_positive_int, default=None, metavar="N",
-                       help="--default-path: `specd generate --target-threads`")
+                       help="--default-path: 'specd generate --threads'")
     bench.add_argument("--forward-ks", type=_csv, default=("1", "2", "4", "8", "32"),
                        metavar="1,2,4,8,32",
                        help="forward timing block sizes, specd vs transformers ('' skips it)")
@@ -444,7 +554,7 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--no-thread-check", action="store_true",
                        help="--default-path: skip timing 1 vs 2 threads beside a busy process")
     bench.add_argument("--service", default=None, metavar="HOST:PORT",
-                       help="benchmark a running `specd serve` instead")
+                       help="benchmark a running 'specd serve' instead")
     bench.add_argument("--concurrency", type=_csv, default=("1", "4", "8", "16"),
                        metavar="1,4,8,16", help="--service: concurrent streams per level")
     bench.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
@@ -612,7 +722,35 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
                         "the next block while the target verifies this one")
     p.add_argument("--drafter-path", default=None, metavar="FILE",
                    help="EAGLE head for --drafter eagle / eagle+lookup (default: the head "
-                        "shipped for SmolLM2; train one with `specd train-drafter`)")
+                        "shipped for SmolLM2; train one with 'specd train-drafter')")
+
+
+#: Configuration names whose flag is not the name with dashes.
+_FLAG_OF = {"target_timeout_s": "--target-timeout", "target_threads": "--threads",
+            "num_threads": "--threads"}
+
+
+def user_flags(message: str, parser: argparse.ArgumentParser,
+               args: argparse.Namespace) -> str:
+    """``message`` with the internal names it starts a clause with (a config field such as
+    ``target_replicas:``, ``SamplingParams.top_p=``) replaced by the command's flag
+    (``--target-replicas``, ``--top-p``), so an error names what the user typed."""
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)),
+               None)
+    command = sub.choices.get(args.command) if sub is not None else None
+    flags = dict(_FLAG_OF)
+    for action in command._actions if command is not None else ():
+        longest = max(action.option_strings, key=len, default=None)
+        if longest and longest.startswith("--"):
+            flags.setdefault(action.dest, f"--{action.dest.replace('_', '-')}"
+                             if f"--{action.dest.replace('_', '-')}" in action.option_strings
+                             else longest)
+
+    def flag(m: re.Match) -> str:
+        return flags.get(m.group(2), m.group(0))
+
+    return re.sub(r"(SamplingParams\.|sampling\.|\b)([a-z][a-z0-9_]*)(?=[:=]| must)", flag,
+                  message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -625,7 +763,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, OSError) as exc:  # bad flags, a missing or unreadable model file
-        parser.exit(2, f"specd: error: {exc}\n")
+        parser.exit(2, f"specd: error: {user_flags(str(exc), parser, args)}\n")
     except RuntimeError as exc:  # e.g. the model fetch failed its checksum
         parser.exit(1, f"specd: error: {exc}\n")
     except KeyboardInterrupt:
@@ -634,7 +772,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         import grpc
 
         if isinstance(exc, grpc.RpcError):
-            parser.exit(1, f"specd: error: {exc.code().name}: {exc.details()}\n")
+            parser.exit(1, f"specd: error: {exc.code().name}: "
+                           f"{user_flags(exc.details() or '', parser, args)}\n")
         raise
 
 

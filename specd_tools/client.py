@@ -57,6 +57,68 @@ class _Stream:
         self._call.cancel()
 
 
+def get_status(address: str, auth_token: str | None = None, tls_ca: str | None = None,
+               timeout_s: float | None = 10.0) -> generation_pb2.StatusResponse:
+    """The service's ``Status`` (replicas, drafters, counters).
+
+    Raises:
+        grpc.RpcError: the server's status (UNAVAILABLE: nothing listens there).
+    """
+    metadata = [("authorization", f"Bearer {auth_token}")] if auth_token else None
+    with open_channel(address, tls_ca) as channel:
+        return generation_pb2_grpc.GenerationStub(channel).Status(
+            generation_pb2.StatusRequest(), metadata=metadata, timeout=timeout_s)
+
+
+def status_dict(status: generation_pb2.StatusResponse) -> dict:
+    """``status`` as plain JSON types, every field present (proto field names)."""
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(status, preserving_proto_field_name=True,
+                         always_print_fields_with_no_presence=True)
+
+
+def _table(headers: list[str], rows: list[list]) -> list[str]:
+    cells = [headers, *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+            for r in cells]
+
+
+def status_table(status: generation_pb2.StatusResponse) -> str:
+    """A readable summary: the service line, then a replica table and a drafter table.
+    ``tok/step`` is tokens emitted per verification step: the mean acceptance length with
+    the bonus token (1.0 without drafts)."""
+    s = status
+    per_step = s.tokens_generated / s.steps if s.steps else 0.0
+    lines = [
+        f"model {s.model}   drafter {s.drafter}",
+        f"requests: {s.active_requests} active, {s.waiting_requests} waiting, {s.failed} "
+        f"failed   slots {s.used_slots}/{s.total_slots}   tokens {s.tokens_generated}   "
+        f"steps {s.steps}   tok/step {per_step:.2f}   drafter failures {s.drafter_failures}",
+        "",
+    ]
+    lines += _table(
+        ["replica", "state", "tp", "active", "waiting", "slots", "tok/s", "tok/step",
+         "step ms", "tokens", "restarts", "failed"],
+        [[r.name, r.state, r.tp, r.active_requests, r.waiting_requests,
+          f"{r.used_slots}/{r.total_slots}", f"{r.tokens_per_second:.1f}",
+          f"{r.tokens_emitted / r.steps:.2f}" if r.steps else "-",
+          f"{r.step_seconds * 1e3:.1f}", r.tokens_emitted, r.restarts, r.failed]
+         for r in s.replicas]) or ["(no replicas)"]
+    lines.append("")
+    if s.drafters:
+        lines += _table(
+            ["drafter", "state", "calls", "errors", "mean ms", "requests", "in flight",
+             "restarts"],
+            [[d.name, d.state, d.calls, d.errors, f"{d.mean_latency_seconds * 1e3:.1f}",
+              d.assigned_requests, d.in_flight, d.restarts] for d in s.drafters])
+    else:
+        lines.append("(no drafter workers)")
+    return "\n".join(lines)
+
+
 def generate_request(args, sampling: SamplingParams) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from ``specd generate`` arguments."""
     request = generation_pb2.GenerateRequest(

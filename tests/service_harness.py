@@ -41,7 +41,8 @@ class LocalService:
                  auth_token: str | None = None, drafter_timeout_s: float = 2.0,
                  replicas: int = 1, drafters: int = 1, adaptive: bool = False,
                  cost_model=None, target_timeout_s: float | None = None,
-                 restart_delay_s: float = 1.0, model: str = MODEL, pipeline: bool = False):
+                 restart_delay_s: float = 1.0, model: str = MODEL, pipeline: bool = False,
+                 http: bool = False):
         # Fixed draft lengths by default: adaptive choices depend on measured time, and
         # tests asserting that drafts were verified need them not to. Adaptive has its own
         # tests (test_adaptive_service.py).
@@ -60,6 +61,8 @@ class LocalService:
         self.target_timeout_s = target_timeout_s
         self.restart_delay_s = restart_delay_s
         self.pipeline = pipeline
+        self.http = http  # also the OpenAI HTTP API (``http_address``)
+        self.http_server = None
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -100,6 +103,14 @@ class LocalService:
         self.server, port = await start_generation_server(
             servicer, "127.0.0.1", 0, auth_token=self.auth_token)
         self.address = f"127.0.0.1:{port}"
+        if self.http:
+            from coordinator.http_api import OpenAIApi, start_http_server
+            from coordinator.metrics import router_registry
+
+            self.http_api = OpenAIApi(servicer, auth_token=self.auth_token,
+                                      registry=router_registry(self.router, self.loop))
+            self.http_server, http_port = await start_http_server(self.http_api)
+            self.http_address = f"127.0.0.1:{http_port}"
 
     def start(self) -> LocalService:
         self.thread.start()
@@ -125,6 +136,8 @@ class LocalService:
             self.call(server.stop(None))
 
     async def _stop(self) -> None:
+        if self.http_server is not None:
+            await self.http_server.stop()
         await self.server.stop(None)
         await self.router.close()
 
@@ -165,7 +178,9 @@ def serve_process(*args: str):
         env={**os.environ, "RAY_TMPDIR": tmp})
     try:
         line = ""
+        proc.startup_output = []  # what it printed before serving (stderr included)
         for line in proc.stdout:
+            proc.startup_output.append(line)
             if "serving specd.v1.Generation on" in line:
                 break
         assert "serving" in line, "the server never came up"

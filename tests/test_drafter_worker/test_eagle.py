@@ -546,8 +546,8 @@ def test_cli_in_process_eagle_gives_the_plain_greedy_output(tmp_path, capsys):
         assert main(args) == 0
         outputs[drafter] = json.loads(capsys.readouterr().out)
     assert outputs["eagle"]["drafted_tokens"] > 0
-    assert outputs["eagle"]["generated_tokens"] == outputs["none"]["generated_tokens"]
-    assert outputs["eagle+lookup"]["generated_tokens"] == outputs["none"]["generated_tokens"]
+    assert outputs["eagle"]["token_ids"] == outputs["none"]["token_ids"]
+    assert outputs["eagle+lookup"]["token_ids"] == outputs["none"]["token_ids"]
     with pytest.raises(SystemExit) as exc:
         main(["generate", "x", "--in-process", "--drafter", "eagle",
               "--drafter-path", str(tmp_path / "missing.safetensors")])

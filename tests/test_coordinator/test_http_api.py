@@ -1,0 +1,281 @@
+"""The OpenAI-compatible HTTP API, driven by the official ``openai`` client against a live
+server (the tiny random model): models, chat and completions unary and streamed, equality with
+the gRPC API, OpenAI-shaped errors, and a disconnect freeing the request's slot."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+import pytest
+from service_harness import MODEL, LocalService
+
+from coordinator.http_api import OpenAIApi, start_http_server
+from coordinator.scheduler import LocalTarget
+from specd.v1 import generation_pb2
+
+try:  # the HTTP library the installed openai client uses
+    import httpx2 as httpx
+except ImportError:  # openai < 3
+    import httpx
+
+TOKEN = "s3cret-token"
+
+
+class GatedTarget(LocalTarget):
+    """A target whose verify calls wait while ``gate`` is clear (the test holds a request
+    mid-generation, deterministically)."""
+
+    def __init__(self, engine, gate: asyncio.Event):
+        super().__init__(engine)
+        self.gate = gate
+
+    async def verify(self, items: list) -> list:
+        await self.gate.wait()
+        return await super().verify(items)
+
+
+class GatedService(LocalService):
+    async def _start_replica(self, name: str):
+        self.gate = asyncio.Event()
+        self.gate.set()
+        target, stop, info = await super()._start_replica(name)
+        return GatedTarget(target.engine, self.gate), stop, info
+
+
+@pytest.fixture(scope="module")
+def service():
+    svc = GatedService(http=True, auth_token=TOKEN).start()
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    with openai.OpenAI(base_url=f"http://{service.http_address}/v1", api_key=TOKEN,
+                       max_retries=0, timeout=60) as c:
+        yield c
+
+
+def grpc_unary(service, req: generation_pb2.GenerateRequest) -> generation_pb2.GenerateResult:
+    channel, stub = service.stub()
+    with channel:
+        return stub.GenerateUnary(req, metadata=[("authorization", f"Bearer {TOKEN}")],
+                                  timeout=60)
+
+
+MESSAGES = [{"role": "user", "content": "abcabcabcabc"}]
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0},
+                                      {"temperature": 0.9, "seed": 7, "top_p": 0.95}])
+def test_chat_streamed_deltas_equal_the_unary_text(client, sampling):
+    unary = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=30,
+                                           extra_body={"ignore_eos": True}, **sampling)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=30, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, **sampling)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert unary.choices[0].message.content and text == unary.choices[0].message.content
+    assert unary.choices[0].finish_reason == "length"
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices
+              and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    usage = chunks[-1].usage  # the include_usage chunk comes last, with no choices
+    assert chunks[-1].choices == [] and usage.completion_tokens == 30
+    assert usage.total_tokens == usage.prompt_tokens + 30
+    assert usage.model_dump() == unary.usage.model_dump()
+    spec = unary.model_extra["speculation"]
+    assert spec["verification_steps"] >= 1 and spec["accepted_tokens"] <= spec["drafted_tokens"]
+
+
+def test_completion_streamed_deltas_equal_the_unary_text(client):
+    kw = dict(model=MODEL, prompt="xyzxyzxyzxyz", max_tokens=25, temperature=1.0, seed=3,
+              extra_body={"ignore_eos": True, "top_k": 20})
+    unary = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == unary.choices[0].text
+    assert unary.usage.completion_tokens == 25 and len(unary.choices[0].text) == 25
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "speculation" in chunks[-1].model_extra
+
+
+def test_greedy_and_seeded_text_equal_the_grpc_apis(service, client):
+    for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 11, "min_p": 0.02}):
+        req = generation_pb2.GenerateRequest(max_new_tokens=20, ignore_eos=True)
+        req.chat.messages.add(role="user", content=MESSAGES[0]["content"])
+        for name, value in sampling.items():
+            if name == "seed":
+                req.seed = value
+            else:
+                setattr(req.sampling, name, value)
+        grpc_text = grpc_unary(service, req).text
+        extra = {"ignore_eos": True, **({"min_p": 0.02} if "min_p" in sampling else {})}
+        http = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=20, temperature=sampling["temperature"],
+            seed=sampling.get("seed"), extra_body=extra)
+        assert http.choices[0].message.content == grpc_text
+        # A raw-text completion is the gRPC API's ``text`` prompt.
+        raw = generation_pb2.GenerateRequest(text="hello hello", max_new_tokens=12,
+                                             ignore_eos=True)
+        raw.sampling.temperature = sampling["temperature"]
+        if "seed" in sampling:
+            raw.seed = sampling["seed"]
+        completion = client.completions.create(
+            model=MODEL, prompt="hello hello", max_tokens=12, temperature=sampling["temperature"],
+            seed=sampling.get("seed"), extra_body={"ignore_eos": True})
+        assert completion.choices[0].text == grpc_unary(service, raw).text
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"top_p": 2.0}, "top_p"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"max_tokens": 100_000}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"seed": -1}, "seed"),
+    ({"stop": [""]}, "stop"),
+    ({"extra_body": {"repetition_penalty": 0.0}}, "repetition_penalty"),
+    ({"extra_body": {"speculation": {"drafter": "nope"}}}, "speculation.drafter"),
+    ({"n": 2}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
+    ({"messages": []}, "messages"),
+])
+def test_bad_or_unsupported_fields_get_400_naming_them(client, kwargs, param):
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**body)
+    error = info.value.body
+    assert info.value.status_code == 400
+    assert error["param"] == param and error["message"].startswith(param)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404_and_the_server_keeps_serving(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4", messages=MESSAGES, max_tokens=3)
+    assert info.value.body["param"] == "model" and info.value.body["code"] == "model_not_found"
+    assert client.completions.create(model=MODEL, prompt="ab", max_tokens=3).choices[0].text
+
+
+def test_a_bad_token_is_401_and_health_needs_none(service):
+    base = f"http://{service.http_address}"
+    with openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError) as info:
+            bad.models.list()
+    assert info.value.status_code == 401
+    assert set(info.value.body) == {"message", "type", "param", "code"}
+    missing = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "a"})
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(base + "/health").status_code == 200
+    assert httpx.get(base + "/metrics").status_code == 401
+    metrics = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert metrics.status_code == 200 and "specd_replica_tokens_total" in metrics.text
+
+
+def test_503_until_the_service_is_ready(service):
+    """An API whose servicer is not set yet (the coordinator is still starting replicas)."""
+    api = OpenAIApi(servicer=None)
+    server, port = service.call(start_http_server(api))
+    try:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                           max_retries=0) as c:
+            with pytest.raises(openai.InternalServerError) as info:
+                c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+            assert info.value.status_code == 503
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503
+        api.servicer = service.http_api.servicer
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    finally:
+        service.call(server.stop())
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(service):
+    submitted = []
+    submit = service.router.submit
+
+    def recording_submit(*args, **kwargs):
+        submitted.append(submit(*args, **kwargs))
+        return submitted[-1]
+
+    service.router.submit = recording_submit
+    service.loop.call_soon_threadsafe(service.gate.clear)  # no step completes now
+    try:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "stream": True,
+                "temperature": 0, "ignore_eos": True}
+        with httpx.stream("POST", f"http://{service.http_address}/v1/chat/completions",
+                          json=body, headers={"Authorization": f"Bearer {TOKEN}"},
+                          timeout=30) as response:
+            assert response.status_code == 200
+            first = next(response.iter_lines())
+            assert first.startswith("data: ")  # the role chunk: the request is running
+        # The connection is closed: the server must cancel the request (the gate holds every
+        # step, so it cannot have finished on its own).
+        deadline = time.monotonic() + 20
+        while not (submitted and submitted[0].cancelled) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert submitted and submitted[0].cancelled
+    finally:
+        service.router.submit = submit
+        service.loop.call_soon_threadsafe(service.gate.set)
+    deadline = time.monotonic() + 20
+    while service.engine.used_slots and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.engine.used_slots == 0
+    assert len(submitted[0].decode.generated) < 200
+
+
+class SplitCharTokenizer:
+    """The tiny tokenizer's encoding, but odd ids decode to the first two bytes of "€"
+    (E2 82 AC) and even ids to "a": an output that ends on an odd id ends inside a character,
+    as when the length limit splits an emoji's byte tokens."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.eos_token_id = inner.eos_token_id
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        raw = b"".join(b"\xe2\x82" if i % 2 else b"a" for i in ids
+                       if not (skip_special_tokens and i == self.eos_token_id))
+        return raw.decode("utf-8", errors="replace")
+
+
+def test_streamed_text_never_ends_in_a_partial_character():
+    svc = LocalService(http=True)
+    svc.tokenizer = SplitCharTokenizer(svc.tokenizer)
+    svc.start()
+    try:
+        cut = 0
+        with openai.OpenAI(base_url=f"http://{svc.http_address}/v1", api_key="x",
+                           max_retries=0) as c:
+            for seed in range(8):
+                req = generation_pb2.GenerateRequest(text="hello", max_new_tokens=6,
+                                                     ignore_eos=True, seed=seed)
+                req.sampling.temperature = 1.0
+                channel, stub = svc.stub()
+                with channel:
+                    chunks = list(stub.Generate(req, timeout=60))
+                    unary = stub.GenerateUnary(req, timeout=60)
+                grpc_text = "".join(ch.text for ch in chunks)
+                ids = [t for ch in chunks for t in ch.token_ids]
+                cut += svc.tokenizer.decode(ids).endswith("\ufffd")
+                http = "".join(ch.choices[0].text for ch in c.completions.create(
+                    model=MODEL, prompt="hello", max_tokens=6, temperature=1.0, seed=seed,
+                    stream=True, extra_body={"ignore_eos": True}))
+                for text in (grpc_text, unary.text, http):
+                    assert not text.endswith("\ufffd"), (seed, text)
+                assert grpc_text == unary.text == http
+        assert cut, "no output ended inside a character: the case was not exercised"
+    finally:
+        svc.stop()

@@ -1,0 +1,118 @@
+"""The command line a user sees: defaults in every --help, no markup, --json keys that say
+what they hold, errors naming the user's flag, --threads, and printed text that never ends
+inside a UTF-8 character."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from coordinator.service import default_target_threads
+from specd_tools import cli
+from target_worker.testing import load_tiny_random
+
+TINY = "tiny-random:vocab=64,seed=0,layers=2"
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {"": parser, **sub.choices}
+
+
+@pytest.mark.parametrize("command", sorted(_subparsers()))
+def test_every_help_names_defaults_and_has_no_markup(command):
+    parser = _subparsers()[command]
+    text = parser.format_help()
+    assert "`" not in text and "``" not in text
+    for action in parser._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS:
+            continue
+        default = action.default
+        if default is None or default is False or default == [] or default == argparse.SUPPRESS:
+            continue
+        if action.dest in ("auth_token",):  # from the environment: never printed
+            continue
+        assert "default" in (action.help or ""), (command, action.option_strings)
+
+
+def test_the_auth_token_from_the_environment_is_not_shown(monkeypatch):
+    monkeypatch.setenv("SPECD_AUTH_TOKEN", "do-not-print-me")
+    for parser in _subparsers().values():
+        assert "do-not-print-me" not in parser.format_help()
+
+
+def test_json_keys_say_what_they_hold(capsys):
+    assert cli.main(["generate", "abcabc", "--model", TINY, "--in-process", "--json",
+                     "--max-new-tokens", "7"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == out["completion_tokens"] == 7
+    assert "generated_tokens" not in out and "tokens_generated" not in out
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "x", "--in-process", "--top-p", "2"], "--top-p"),
+    (["generate", "x", "--in-process", "--repetition-penalty", "0"], "--repetition-penalty"),
+    (["serve", "--target-replicas", "0"], "--target-replicas"),
+    (["serve", "--drafters", "-1"], "--drafters"),
+])
+def test_errors_name_the_users_flag(capsys, argv, flag):
+    with pytest.raises(SystemExit) as info:
+        cli.main([*argv, "--model", TINY])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag}" in err and "SamplingParams" not in err, err
+
+
+def test_in_process_threads_default_to_the_cores_less_one(monkeypatch):
+    threads = torch.get_num_threads()
+    try:
+        seen = []
+        real = torch.set_num_threads
+        monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n)))
+        assert cli.main(["generate", "ab", "--model", TINY, "--in-process",
+                         "--max-new-tokens", "2"]) == 0
+        assert cli.main(["generate", "ab", "--model", TINY, "--in-process",
+                         "--max-new-tokens", "2", "--threads", "3"]) == 0
+        assert seen == [default_target_threads(1), 3]
+    finally:
+        torch.set_num_threads(threads)
+
+
+class SplitCharTokenizer:
+    """Odd ids decode to the first two bytes of a three-byte character, even ids to "a"."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.eos_token_id = inner.eos_token_id
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        raw = b"".join(b"\xe2\x82" if i % 2 else b"a" for i in ids
+                       if not (skip_special_tokens and i == self.eos_token_id))
+        return raw.decode("utf-8", errors="replace")
+
+
+def test_printed_text_never_ends_inside_a_character(monkeypatch, capsys):
+    import target_worker
+
+    decoder, tokenizer = load_tiny_random(TINY)
+    split = SplitCharTokenizer(tokenizer)
+    monkeypatch.setattr(target_worker, "load_model", lambda _model: (decoder, split))
+    cut = 0
+    for seed in range(6):
+        base = ["generate", "hello", "--model", TINY, "--in-process", "--raw",
+                "--temperature", "1", "--seed", str(seed), "--max-new-tokens", "5"]
+        assert cli.main(base) == 0
+        printed = capsys.readouterr().out
+        assert cli.main([*base, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        cut += split.decode(out["token_ids"]).endswith("\ufffd")
+        assert not printed.rstrip("\n").endswith("\ufffd")
+        assert not out["text"].endswith("\ufffd") and printed.rstrip("\n") == out["text"]
+    assert cut, "no output ended inside a character: the case was not exercised"
