@@ -103,7 +103,7 @@ def test_printed_text_never_ends_inside_a_character(monkeypatch, capsys):
 
     decoder, tokenizer = load_tiny_random(TINY)
     split = SplitCharTokenizer(tokenizer)
-    monkeypatch.setattr(target_worker, "load_model", lambda _model: (decoder, split))
+    monkeypatch.setattr(target_worker, "load_model", lambda _model, _dtype=None: (decoder, split))
     cut = 0
     for seed in range(6):
         base = ["generate", "hello", "--model", TINY, "--in-process", "--raw",
