@@ -8,6 +8,7 @@ whole history, so a proposal is always the drafter's proposal for the true histo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -133,6 +134,9 @@ class DrafterClient:
         channel_credentials: ``grpc.ChannelCredentials`` for TLS, or None for plaintext.
         secret: the worker's shared secret, sent as `SECRET_METADATA_KEY` metadata on every
             call; None sends none (a worker started without one).
+        stream: send proposals over one persistent ``ProposeStream`` (a round trip costs
+            ~0.15-0.2 ms on loopback here against ~0.45-0.5 ms per unary ``Propose``);
+            False: a unary call each. The deadline is ``timeout_s`` per proposal either way.
 
     Attributes:
         stats: ``{"calls": int, "errors": int, "latency_s": float}``: `propose` calls made,
@@ -149,6 +153,7 @@ class DrafterClient:
         hidden_dtype: str = "float32",
         channel_credentials: grpc.ChannelCredentials | None = None,
         secret: str | None = None,
+        stream: bool = True,
     ):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -166,6 +171,9 @@ class DrafterClient:
         # request id -> number of history tokens the worker holds for it.
         self._known: dict[str, int] = {}
         self.stats: dict = {"calls": 0, "errors": 0, "latency_s": 0.0}
+        self.stream = stream
+        self._stream = None
+        self._stream_lock: asyncio.Lock | None = None
 
     def _get_stub(self) -> drafter_pb2_grpc.DrafterStub:
         # Created on first use, inside the event loop that will drive it.
@@ -247,9 +255,12 @@ class DrafterClient:
         self.stats["calls"] += 1
         start = time.perf_counter()
         try:
-            reply = await self._get_stub().Propose(request, timeout=self.timeout_s,
-                                                   metadata=self._metadata)
-        except grpc.RpcError as e:
+            if self.stream:
+                reply = await self._over_stream(request)
+            else:
+                reply = await self._get_stub().Propose(request, timeout=self.timeout_s,
+                                                       metadata=self._metadata)
+        except (grpc.RpcError, DrafterUnavailable) as e:
             self.stats["errors"] += 1
             raise DrafterUnavailable(
                 f"drafter {self.address}: Propose failed: {_describe(e)}"
@@ -279,6 +290,57 @@ class DrafterClient:
             blocks.append(block)
         return blocks
 
+    async def _over_stream(self, request: drafter_pb2.ProposeRequest
+                           ) -> drafter_pb2.ProposeResponse:
+        """One request/response on the persistent ``ProposeStream``, opened on first use.
+        A stream that fails is cancelled and dropped, so a late answer can never be read as
+        another call's. A stream that had worked and fails (a restarted worker) is retried
+        once on a new one: safe, since a proposal applied twice only asks for a resync.
+
+        Raises:
+            DrafterUnavailable: no answer within ``timeout_s`` (DEADLINE_EXCEEDED), or the
+                stream failed (the gRPC status named).
+        """
+        if self._stream_lock is None:
+            self._stream_lock = asyncio.Lock()
+        async with self._stream_lock:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    for attempt in range(2):
+                        fresh = self._stream is None or self._stream.done()
+                        if fresh:
+                            self._stream = self._get_stub().ProposeStream(
+                                metadata=self._metadata)
+                        stream = self._stream
+                        try:
+                            await stream.write(request)
+                            reply = await stream.read()
+                        except (grpc.RpcError, grpc.aio.UsageError,
+                                asyncio.InvalidStateError) as e:
+                            self._drop_stream()
+                            if fresh or attempt:
+                                raise DrafterUnavailable(_describe(e)) from e
+                            continue
+                        if reply is grpc.aio.EOF:
+                            self._drop_stream()
+                            if fresh or attempt:
+                                raise DrafterUnavailable("the stream ended")
+                            continue
+                        return reply
+            except TimeoutError as e:
+                self._drop_stream()
+                raise DrafterUnavailable(
+                    f"DEADLINE_EXCEEDED: no answer within {self.timeout_s} s") from e
+            except asyncio.CancelledError:
+                self._drop_stream()
+                raise
+        raise DrafterUnavailable("the stream ended")  # pragma: no cover - loop returns
+
+    def _drop_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.cancel()
+
     async def release(self, request_ids: Sequence[str]) -> None:
         """Tells the worker to forget the ids (and forgets them locally). Best effort: errors
         are logged, never raised."""
@@ -295,6 +357,7 @@ class DrafterClient:
 
     async def close(self) -> None:
         """Closes the channel; a later call opens a new one."""
+        self._drop_stream()
         channel, self._channel, self._stub = self._channel, None, None
         if channel is not None:
             await channel.close()
@@ -309,4 +372,6 @@ class DrafterClient:
 def _describe(e: BaseException) -> str:
     if isinstance(e, grpc.aio.AioRpcError):
         return f"{e.code().name}: {e.details()}"
+    if isinstance(e, DrafterUnavailable):
+        return str(e)
     return repr(e)

@@ -181,6 +181,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         except ProposeRefused as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
+    async def ProposeStream(self, request_iterator, context):  # noqa: N802
+        async for request in request_iterator:
+            try:
+                response = await self._run(self.propose_batch, request)
+            except ProposeRefused as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            yield response
+
     async def Release(self, request, context):  # noqa: N802
         await self._run(self.release_ids, list(request.request_ids))
         return drafter_pb2.ReleaseResponse()

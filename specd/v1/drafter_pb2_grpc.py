@@ -39,6 +39,11 @@ class DrafterStub:
                 request_serializer=specd_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/specd.v1.Drafter/ProposeStream',
+                request_serializer=specd_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specd.v1.Drafter/Release',
                 request_serializer=specd_dot_v1_dot_drafter__pb2.ReleaseRequest.SerializeToString,
@@ -60,6 +65,15 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeStream(self, request_iterator, context):
+        """The same as Propose over one long-lived stream: one response per request, in order (a
+        round trip costs ~0.15-0.2 ms here against ~0.45-0.5 ms for a unary call). A refused
+        request ends the stream with INVALID_ARGUMENT, as Propose would answer it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -77,6 +91,11 @@ def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
+                    request_deserializer=specd_dot_v1_dot_drafter__pb2.ProposeRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_drafter__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
                     request_deserializer=specd_dot_v1_dot_drafter__pb2.ProposeRequest.FromString,
                     response_serializer=specd_dot_v1_dot_drafter__pb2.ProposeResponse.SerializeToString,
             ),
@@ -116,6 +135,33 @@ class Drafter:
             request,
             target,
             '/specd.v1.Drafter/Propose',
+            specd_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
+            specd_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specd.v1.Drafter/ProposeStream',
             specd_dot_v1_dot_drafter__pb2.ProposeRequest.SerializeToString,
             specd_dot_v1_dot_drafter__pb2.ProposeResponse.FromString,
             options,

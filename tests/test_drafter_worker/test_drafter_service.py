@@ -31,6 +31,7 @@ from drafter_worker.server import (
 )
 from drafter_worker.wire import block_from_proto, block_to_proto, tensor_from_proto, tensor_to_proto
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
+from specd_core.draft import propose_ahead
 from specd_core.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -552,3 +553,52 @@ def test_module_entry_point_serves_and_stops_cleanly_on_sigterm():
             proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+
+
+class CountingServicer(RecordingServicer):
+    """Counts calls of each RPC."""
+
+    def __init__(self, drafter):
+        super().__init__(drafter)
+        self.unary = self.streams = 0
+
+    async def Propose(self, request, context):  # noqa: N802
+        self.unary += 1
+        return await super().Propose(request, context)
+
+    async def ProposeStream(self, request_iterator, context):  # noqa: N802
+        self.streams += 1
+        async for reply in super().ProposeStream(request_iterator, context):
+            yield reply
+
+
+def test_the_persistent_stream_answers_as_unary_calls_do_over_one_stream():
+    history = [1, 2, 3, 1, 2, 3, 1, 2, 3, 4, 1, 2]
+
+    async def main():
+        results = {}
+        for stream in (True, False):
+            servicer = CountingServicer(lookup())
+            server, address = await serve(servicer)
+            try:
+                async with DrafterClient(address, timeout_s=5, stream=stream) as client:
+                    got = []
+                    for end in range(4, len(history) + 1):
+                        got.append(await client.propose([ProposeJob("r", history[:end], 3),
+                                                         ProposeJob("s", history[:end], 2)]))
+                    # A run-ahead job: drafted after history + assumed, stored without it.
+                    ahead = await client.propose([ProposeJob("r", history, 3, ahead=True,
+                                                             assumed=(3,))])
+                    got.append(ahead)
+                    assert servicer.history("r") == history
+                results[stream] = (got, servicer.unary, servicer.streams)
+            finally:
+                await server.stop(None)
+        return results
+
+    results = run(main())
+    assert results[True][0] == results[False][0]
+    assert results[True][1:] == (0, 1)  # every proposal over one stream
+    assert results[False][1:] == (len(results[False][0]) * 1, 0)
+    ahead = results[True][0][-1][0]
+    assert ahead == propose_ahead(lookup(), [1, 2, 3, 1, 2, 3, 1, 2, 3, 4, 1, 2], None, (3,), 3)
