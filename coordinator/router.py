@@ -268,12 +268,10 @@ class ReplicaScheduler(Scheduler):
         if self._task is not None:
             await self._task
 
-    async def _after_step(self, req: ServiceRequest) -> None:
-        before = req.emitted
-        await super()._after_step(req)
-        if req.emitted > before:
-            self.tokens_emitted += req.emitted - before
-            self.meter.add(req.emitted - before)
+    def _emitted(self, n: int) -> None:
+        if n:
+            self.tokens_emitted += n
+            self.meter.add(n)
 
     async def _release(self, req: ServiceRequest, count: bool = True) -> None:
         if self.target.failed:

@@ -185,11 +185,14 @@ class ServiceRequest:
     #: Pipelined: the adaptive choice for this request's next step was not to draft.
     chose_no_draft: bool = False
 
-    def push_new_tokens(self) -> None:
+    def push_new_tokens(self) -> int:
+        """Puts the tokens committed since the last push on ``events``; returns how many."""
         generated = self.decode.generated
-        if len(generated) > self.emitted:
+        new = len(generated) - self.emitted
+        if new > 0:
             self.events.put_nowait(list(generated[self.emitted:]))
             self.emitted = len(generated)
+        return max(new, 0)
 
 
 @dataclass
@@ -265,6 +268,9 @@ class Scheduler:
         self._closed = False
         #: Drafter calls in flight (cancelled on close).
         self._drafting: set[asyncio.Task] = set()
+        #: Decoding requests whose new tokens wait to be streamed until the next target call
+        #: is sent (`_flush`), so the streaming work overlaps the target's forward.
+        self._unsent: list[ServiceRequest] = []
         #: Mean wall time of one drafter call, seconds (EMA; None until one finished).
         self.drafter_latency_s: float | None = None
 
@@ -286,6 +292,7 @@ class Scheduler:
                 pass
         for task in list(self._drafting):
             task.cancel()
+        self._flush()
         for req in [*self.waiting, *self._admitting, *self.active]:
             req.events.put_nowait(ServiceStopping("the service is shutting down"))
 
@@ -330,10 +337,12 @@ class Scheduler:
         their requests, as in the service's loop."""
         while self.waiting or self._admitting or self.active:
             await self._admit()
+            self._flush()
             if after_step is not None:
                 after_step()
             if self.active:
                 await self._step()
+                self._flush()
                 if after_step is not None:
                     after_step()
 
@@ -344,6 +353,7 @@ class Scheduler:
             try:
                 await self._admit()
                 if not self.active:
+                    self._flush()
                     self._wakeup.clear()
                     if not self.waiting:
                         await self._wakeup.wait()
@@ -355,6 +365,7 @@ class Scheduler:
                 # Last resort (a scheduler bug, or `_on_target_failure` raised): requests and
                 # target calls fail alone inside the step. Fail what is in flight, keep serving.
                 log.exception("scheduler step failed")
+                self._flush()
                 for req in [*self._admitting, *self.active]:
                     await self._fail(req, exc)
 
@@ -488,8 +499,8 @@ class Scheduler:
                 still.append(req)
         self.active = still
 
-    async def _target_call(self, call, requests: list[ServiceRequest], items: list
-                           ) -> tuple[list, bool]:
+    async def _target_call(self, call, requests: list[ServiceRequest], items: list,
+                           sent: Callable[[], None] | None = None) -> tuple[list, bool]:
         """``call(items)`` (the target's batched prefill or verify) for ``requests``, one item
         each. Returns (outputs, whether the batched call succeeded); an output is None for a
         request that failed (already answered and released).
@@ -498,13 +509,24 @@ class Scheduler:
         item is fed at absolute positions after a rollback, so a retry is safe) retries the
         items one at a time: only the offending request fails. Any other exception is a
         failure of the target itself: `_on_target_failure` for the requests not yet answered.
+
+        ``sent()`` runs once the call is on its way (its first step scheduled), before it is
+        awaited; then the tokens of the previous step are streamed (`_flush`): work the
+        loop does while the target computes.
         """
         if not items:
             return [], False
+        task = asyncio.ensure_future(call(items))
         try:
-            outputs = list(await call(items))
+            if sent is not None:
+                sent()
+            self._flush()
+            outputs = list(await task)
             self.stats.forward_calls += 1
             return outputs, True
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
         except Exception as exc:
             if not isinstance(exc, ValueError):
                 await self._on_target_failure(exc, requests)
@@ -550,6 +572,7 @@ class Scheduler:
         if error is None:
             error = exc if isinstance(exc, RequestError) else RequestFailed(REQUEST_FAILED)
         log.error("request %s failed: %r", req.id, exc, exc_info=exc)
+        self._push(req)  # what it committed before failing still reaches its client
         req.cause = exc
         self.stats.failed += 1
         if req in self.active:
@@ -801,11 +824,25 @@ class Scheduler:
         return self.wants_hidden and req.speculate
 
     async def _after_step(self, req: ServiceRequest) -> None:
-        req.push_new_tokens()
-        if req.decode.finished:
-            self.stats.tokens_generated += len(req.decode.generated)
-            req.events.put_nowait(req.decode.result)
-            await self._release(req)
+        if not req.decode.finished:
+            self._unsent.append(req)  # streamed once the next target call is sent
+            return
+        self._push(req)
+        self.stats.tokens_generated += len(req.decode.generated)
+        req.events.put_nowait(req.decode.result)
+        await self._release(req)
+
+    def _push(self, req: ServiceRequest) -> None:
+        self._emitted(req.push_new_tokens())
+
+    def _emitted(self, n: int) -> None:
+        """Called with the count of tokens each push streamed (a hook for metering)."""
+
+    def _flush(self) -> None:
+        """Streams every decoding request's tokens not yet streamed."""
+        unsent, self._unsent = self._unsent, []
+        for req in unsent:
+            self._push(req)
 
     def _take_slot(self, req: ServiceRequest) -> int | None:
         """Takes ``req``'s slot off it and out of the held count; returns it (None: none)."""
@@ -841,6 +878,7 @@ class Scheduler:
             await self._finish_cancelled(req)
 
     async def _finish_cancelled(self, req: ServiceRequest) -> None:
+        self._push(req)
         self.stats.cancelled += 1
         req.events.put_nowait(asyncio.CancelledError("cancelled by the client"))
         # Awaited, not left to a task: the slot must be free before admission reuses it.
