@@ -5,10 +5,12 @@ Two embedded services on one local Ray, identical but for ``pipeline`` (``specd 
 interleaved (the order alternates) so machine drift hits both alike; then the in-process core
 (`speculative_decode_with`, the same drafter, adaptive) runs the 1-stream requests. Printed per
 mode and stream count: aggregate tok/s (median over rounds), and the step budget from the
-replica's own counters over that level: ms per step spent waiting for drafts, in the verify
-call (of which the replica's own forward + rows), and the rest (the rule, streaming, the
-loop); run-ahead hits and misses; the target busy fraction. Greedy outputs must be identical
-in every mode, round and stream (checked).
+replica's own counters over that level, in ms per verification step: waiting for drafts
+before the verify could start, the verify call as the coordinator sees it (transport
+included), prefill calls spread over the steps, and the rest (the rule, bookkeeping, the
+loop); beside it the replica's own compute (forward + rows, prefills included); run-ahead
+hits and misses; the target busy fraction (that compute over the loop's busy time). Greedy
+outputs must be identical in every mode, round and stream (checked).
 
     python benchmarks/pipeline.py                      # tiny model, prompt lookup
     python benchmarks/pipeline.py --model default --drafter eagle+lookup --streams 8 \\
@@ -58,7 +60,8 @@ def _level(address: str, reqs: list) -> tuple[float, list[list[int]]]:
 def _counters(service) -> dict:
     replica = service.status()["replicas"][0]
     keys = ("steps", "active_seconds", "draft_wait_seconds", "target_verify_seconds",
-            "target_verify_calls", "runahead_hits", "runahead_misses", "tokens_emitted")
+            "target_verify_calls", "target_prefill_seconds", "runahead_hits",
+            "runahead_misses", "tokens_emitted")
     return {k: float(replica.get(k, 0)) for k in keys}
 
 
@@ -76,9 +79,11 @@ def _budget(before: dict, after: dict, busy: float) -> dict:
     verify = d["target_verify_seconds"] / max(d["target_verify_calls"], 1.0)
     step = d["active_seconds"] / steps
     wait = d["draft_wait_seconds"] / steps
+    prefill = d["target_prefill_seconds"] / steps
     return {
         "step_ms": step * 1e3, "wait_ms": wait * 1e3, "verify_ms": verify * 1e3,
-        "compute_ms": busy / steps * 1e3, "rest_ms": (step - wait - verify) * 1e3,
+        "prefill_ms": prefill * 1e3, "compute_ms": busy / steps * 1e3,
+        "rest_ms": (step - wait - verify - prefill) * 1e3,
         "hits": int(d["runahead_hits"]), "misses": int(d["runahead_misses"]),
         "busy": busy / d["active_seconds"] if d["active_seconds"] else 0.0,
         "tokens_per_step": d["tokens_emitted"] / steps,
@@ -145,14 +150,16 @@ def main() -> None:
     print(f"\nmodel {args.model}, drafter {args.drafter}, {args.max_new_tokens} new tokens, "
           f"median of {args.rounds} rounds, target threads {args.target_threads}")
     print(f"{'mode':10} {'streams':>7} {'tok/s':>8} {'step ms':>8} {'wait':>6} {'verify':>7} "
-          f"{'compute':>8} {'rest':>6} {'tok/step':>8} {'hits':>6} {'misses':>6} {'busy':>5}")
+          f"{'prefill':>8} {'rest':>6} {'compute':>8} {'tok/step':>8} {'hits':>6} "
+          f"{'misses':>6} {'busy':>5}")
     for n in streams:
         for mode in services:
             b = {k: statistics.median(x[k] for x in budgets[mode, n]) for k in budgets[mode, n][0]}
             print(f"{mode:10} {n:>7} {statistics.median(rates[mode, n]):>8.0f} "
                   f"{b['step_ms']:>8.2f} {b['wait_ms']:>6.2f} {b['verify_ms']:>7.2f} "
-                  f"{b['compute_ms']:>8.2f} {b['rest_ms']:>6.2f} {b['tokens_per_step']:>8.2f} "
-                  f"{b['hits']:>6} {b['misses']:>6} {b['busy']:>5.2f}")
+                  f"{b['prefill_ms']:>8.2f} {b['rest_ms']:>6.2f} {b['compute_ms']:>8.2f} "
+                  f"{b['tokens_per_step']:>8.2f} {b['hits']:>6.0f} {b['misses']:>6.0f} "
+                  f"{b['busy']:>5.2f}")
     print()
     for n in streams:
         ratio = statistics.median(rates["pipelined", n]) / statistics.median(rates["serial", n])
