@@ -449,7 +449,7 @@ class Scheduler:
 
     async def _verify(self, active: list[ServiceRequest], drafts: list[DraftBlock]) -> None:
         """One batched verify of ``drafts`` (one per request), the rule per request; when
-        pipelined, each request's run-ahead is launched before the verify is awaited."""
+        pipelined, each request's run-ahead is launched while the verify runs."""
         from target_worker.engine import VerifyItem
 
         batch, items = [], []
@@ -469,11 +469,12 @@ class Scheduler:
         chose_none = {r for r, d in batch if r.chose_no_draft and not len(d)}
         for r, _ in batch:
             r.chose_no_draft = False
-        if self.pipeline:
-            self._run_ahead(batch)
         began = time.perf_counter()
-        outputs, whole = await self._target_call(self.target.verify, [r for r, _ in batch],
-                                                 items)
+        # Pipelined: the run-ahead is launched once the verify is on its way (so building it
+        # does not delay the verify), to draft while the target computes.
+        outputs, whole = await self._target_call(
+            self.target.verify, [r for r, _ in batch], items,
+            sent=(lambda: self._run_ahead(batch)) if self.pipeline else None)
         if whole and self.cost_model is not None:
             self.cost_model.observe(sum(len(item.tokens) for item in items),
                                     time.perf_counter() - began)
