@@ -191,3 +191,21 @@ def serve_process(*args: str):
             proc.wait()
         proc.stdout.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class SplitCharTokenizer:
+    """The tiny tokenizer's encoding, but odd ids decode to the first two bytes of "€"
+    (E2 82 AC) and even ids to "a": an output that ends on an odd id ends inside a character,
+    as when the length limit splits an emoji's byte tokens."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.eos_token_id = inner.eos_token_id
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        raw = b"".join(b"\xe2\x82" if i % 2 else b"a" for i in ids
+                       if not (skip_special_tokens and i == self.eos_token_id))
+        return raw.decode("utf-8", errors="replace")

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from service_harness import SplitCharTokenizer
 
 from coordinator.service import default_target_threads
 from specd_tools import cli
@@ -82,20 +83,6 @@ def test_in_process_threads_default_to_the_cores_less_one(monkeypatch):
         torch.set_num_threads(threads)
 
 
-class SplitCharTokenizer:
-    """Odd ids decode to the first two bytes of a three-byte character, even ids to "a"."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.eos_token_id = inner.eos_token_id
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        raw = b"".join(b"\xe2\x82" if i % 2 else b"a" for i in ids
-                       if not (skip_special_tokens and i == self.eos_token_id))
-        return raw.decode("utf-8", errors="replace")
 
 
 def test_printed_text_never_ends_inside_a_character(monkeypatch, capsys):
