@@ -61,8 +61,10 @@ REPLICA_FAILED = "the target replica failed while serving this request; retry it
 
 
 class Target(Protocol):
-    """What the scheduler needs from a target replica (a Ray actor handle wrapped by
-    `RayTarget`, or a `target_worker.engine.TargetEngine` wrapped by `LocalTarget`)."""
+    """What the scheduler needs from a target replica: the service's
+    `target_worker.channel.ChannelTarget` (the replica's step socket), a Ray actor handle
+    wrapped by `RayTarget`, or a `target_worker.engine.TargetEngine` wrapped by
+    `LocalTarget`."""
 
     async def allocate(self) -> int: ...
     async def free(self, slot: int) -> None: ...
