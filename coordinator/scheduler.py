@@ -275,6 +275,8 @@ class Scheduler:
         self._unsent: list[ServiceRequest] = []
         #: Mean wall time of one drafter call, seconds (EMA; None until one finished).
         self.drafter_latency_s: float | None = None
+        #: Share of run-aheads that were used (EMA over request-steps; pipelined).
+        self.runahead_hit_rate = 0.5
 
     # ---- public ----
 
@@ -678,13 +680,15 @@ class Scheduler:
         """
         began = time.perf_counter()
         await asyncio.sleep(0)  # lets drafter calls that have answered finish
-        # Wait for run-ahead calls still in flight, at most about one step (a drafter slower
-        # than that is stalled, not late): one whose assumed block was committed whole is
-        # worth its guess, and a stale one must finish before its request's next call.
+        # Wait for run-ahead calls still in flight, for at most a step's cost times the
+        # run-ahead hit rate (what waiting is expected to buy; a drafter slower than a step
+        # is stalled, not late): one whose assumed block was committed whole may hit, and a
+        # stale one must finish before its request's next call.
         late = {r.ahead.task for r in active
                 if r.ahead is not None and not r.ahead.task.done()}
         if late:
-            budget = None if self.cost_model is None else self.cost_model.cost(len(active))
+            budget = None if self.cost_model is None else (
+                self.cost_model.cost(len(active)) * self.runahead_hit_rate)
             await asyncio.wait(late, timeout=budget)
         drafts = [DraftBlock.empty() for _ in active]
         misses = []
@@ -699,8 +703,10 @@ class Scheduler:
                 drafts[i] = self._usable(req, DraftBlock(block.tokens[1:], block.dists[1:]))
                 req.ahead = None
                 self.stats.runahead_hits += 1
+                self.runahead_hit_rate += 0.05 * (1.0 - self.runahead_hit_rate)
                 continue
             self.stats.runahead_misses += 1
+            self.runahead_hit_rate -= 0.05 * self.runahead_hit_rate
             if ahead.task.done():
                 req.ahead = None
                 if req.speculate:
