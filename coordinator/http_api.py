@@ -342,6 +342,17 @@ class OpenAIApi:
         async def api_error(_request, exc: ApiError):
             return exc.response()
 
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            # Before routing and body parsing: a caller without the token learns nothing
+            # about the request it sent (a malformed body is 401, not 400).
+            if request.url.path != "/health":
+                try:
+                    self._check_auth(request)
+                except ApiError as exc:
+                    return exc.response()
+            return await call_next(request)
+
         @app.exception_handler(RequestValidationError)
         async def invalid_body(_request, exc: RequestValidationError):
             return _validation_error(exc).response()

@@ -176,6 +176,12 @@ def test_a_bad_token_is_401_and_health_needs_none(service):
     assert set(info.value.body) == {"message", "type", "param", "code"}
     missing = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "a"})
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    # Checked before the body is read: a malformed or incomplete body without the token is
+    # 401 too, never a 400 that describes the request.
+    for body in ({"model": "x"}, {"bogus": 1}):
+        assert httpx.post(base + "/v1/chat/completions", json=body).status_code == 401
+    assert httpx.post(base + "/v1/completions", content=b"{x",
+                      headers={"Content-Type": "application/json"}).status_code == 401
     assert httpx.get(base + "/health").status_code == 200
     assert httpx.get(base + "/metrics").status_code == 401
     metrics = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
