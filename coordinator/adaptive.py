@@ -436,8 +436,7 @@ class AdaptiveDraftLength:
             drafter_max: the drafter's own limit, or None for none.
             batch_tokens: other requests' tokens in the same forward, >= 0.
         """
-        limit = max(0, budget if drafter_max is None else min(budget, drafter_max))
-        k = choose_draft_len(self.tracker.rates(limit), self.cost_model, limit, batch_tokens)
+        k = self.choose(budget, drafter_max, batch_tokens)
         self.chosen.append(k)
         self.awaiting_update = True
         return k

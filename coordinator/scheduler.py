@@ -779,12 +779,9 @@ class Scheduler:
                 req.chose_no_draft = policy is not None and budget > 0
                 continue
             try:
-                jobs.append(ProposeJob(
-                    request_id=req.id, history=list(req.decode.history), max_len=k + 1,
-                    hidden_log=req.decode.hidden_log() if self.wants_hidden else None,
-                    sampling=req.decode.sampling,
-                    seed=0 if req.decode.options.seed is None else req.decode.options.seed,
-                    ahead=True, assumed=tuple(draft.tokens)))
+                # A snapshot: the rule appends to the history before this job is sent.
+                jobs.append(self._job(ProposeJob, req, list(req.decode.history), k + 1,
+                                      ahead=True, assumed=tuple(draft.tokens)))
             except Exception as exc:
                 self._stop_drafting(req, exc)
                 continue
@@ -803,24 +800,24 @@ class Scheduler:
     def _propose_job(self, req: ServiceRequest, step_tokens: int, job_type):
         """``req``'s `ProposeJob` for this step, or None when it drafts nothing now.
         ``step_tokens``: tokens already in this step's forward (for the adaptive choice)."""
-        budget = req.decode.draft_budget()
-        if req.max_draft_len is not None:
-            budget = min(budget, req.max_draft_len)
-        if not req.speculate or budget <= 0:
+        budget = self._usable_len(req)
+        if budget <= 0:
             return None
-        if self.adaptive and self.cost_model is not None:
-            if req.adaptive is None:
-                req.adaptive = AdaptiveDraftLength(self.cost_model)
-            budget = req.adaptive.next_len(budget, self.drafter_max_len,
-                                           batch_tokens=step_tokens - 1)
+        policy = self._policy(req)
+        if policy is not None:
+            budget = policy.next_len(budget, self.drafter_max_len, batch_tokens=step_tokens - 1)
             if budget <= 0:
                 return None
+        return self._job(job_type, req, req.decode.history, budget)
+
+    def _job(self, job_type, req: ServiceRequest, history, max_len: int, **extra):
+        """A `ProposeJob` (``job_type``) for ``req`` over ``history``: its hidden rows when
+        the drafter wants them, its sampling and seed; ``extra``: the run-ahead fields."""
         return job_type(
-            request_id=req.id, history=req.decode.history, max_len=budget,
+            request_id=req.id, history=history, max_len=max_len,
             hidden_log=req.decode.hidden_log() if self.wants_hidden else None,
             sampling=req.decode.sampling,
-            seed=0 if req.decode.options.seed is None else req.decode.options.seed,
-        )
+            seed=0 if req.decode.options.seed is None else req.decode.options.seed, **extra)
 
     def _stop_drafting(self, req: ServiceRequest, exc: BaseException) -> None:
         """Drafting for ``req`` failed on its own (not the drafter's fault): it decodes

@@ -436,16 +436,10 @@ class EagleSession:
         self._feature = out[-1:]
         self.tokens = list(history)
 
-    @torch.inference_mode()
     def propose(self, history: Sequence[int], target_hidden: torch.Tensor | None,
                 max_len: int) -> DraftBlock:
         """See the class docstring and `Drafter`. Empty block when there are no rows yet."""
-        if target_hidden is not None:
-            self._ingest(history, target_hidden)
-        elif list(history) != self.tokens:
-            self.reset()
-            return DraftBlock.empty()
-        return self._draft(max_len)
+        return self.propose_ahead(history, target_hidden, (), max_len)
 
     @torch.inference_mode()
     def propose_ahead(self, history: Sequence[int], target_hidden: torch.Tensor | None,

@@ -85,26 +85,38 @@ def test_pipelined_greedy_tokens_equal_serial_in_process_and_plain(model, adapti
     assert sum(r.accepted_tokens for r in piped) > 0
 
 
+def pipelined_marginals(decoder, prompt, drafter_for, params, seeds, max_new, batch=250):
+    """Per-position output marginals ``[max_new, vocab]`` of ``seeds`` seeded requests through
+    the pipelined scheduler, ``batch`` per scheduler (``drafter_for(start)`` makes each one's
+    drafter), and the run-ahead hits summed over them."""
+    counts = np.zeros((max_new, decoder.config.vocab_size))
+    hits = 0
+    for start in range(0, seeds, batch):
+        opts = [SpeculativeOptions(max_new_tokens=max_new, sampling=params, seed=s)
+                for s in range(start, start + batch)]
+        results, sched = run(decoder, drafter_for(start), [prompt] * batch, opts,
+                             max_active=batch)
+        hits += sched.stats.runahead_hits
+        for r in results:
+            for i, token in enumerate(r.generated_tokens):
+                counts[i, token] += 1
+    return counts / seeds, hits
+
+
+def assert_marginals_exact(got, exact, seeds):
+    for i in range(len(exact)):
+        tv = np.abs(got[i] - exact[i]).sum() / 2
+        assert tv < tv_tolerance(exact[i], seeds), (i, tv)
+
+
 def test_pipelined_marginals_at_t1_are_exact_with_a_point_mass_drafter():
     # The core's statistical test, through the pipelined scheduler: per-position marginals
     # of the output against the target's exactly enumerated ones.
     decoder = tiny_decoder(6, seed=1)
     prompt, params, seeds, max_new = [1, 2, 3, 1, 2], SamplingParams(temperature=1.0), 3000, 5
-    counts = np.zeros((max_new, 6))
-    hits = 0
-    opts = [SpeculativeOptions(max_new_tokens=max_new, sampling=params, seed=s)
-            for s in range(seeds)]
-    for start in range(0, seeds, 250):  # 250 requests batched per scheduler
-        results, sched = run(decoder, PromptLookupSpeculator(1, 3), [prompt] * 250,
-                             opts[start:start + 250], max_active=250)
-        hits += sched.stats.runahead_hits
-        for r in results:
-            for i, token in enumerate(r.generated_tokens):
-                counts[i, token] += 1
-    exact = exact_marginals(decoder, prompt, params, max_new)
-    for i in range(max_new):
-        tv = np.abs(counts[i] / seeds - exact[i]).sum() / 2
-        assert tv < tv_tolerance(exact[i], seeds), (i, tv)
+    got, hits = pipelined_marginals(decoder, prompt, lambda _: PromptLookupSpeculator(1, 3),
+                                    params, seeds, max_new)
+    assert_marginals_exact(got, exact_marginals(decoder, prompt, params, max_new), seeds)
     assert hits > 0
 
 
@@ -132,24 +144,14 @@ def test_pipelined_marginals_are_exact_with_a_sampling_drafter():
     # often; a q paired with the wrong token then shows as a TV beyond the tolerance.
     decoder = tiny_decoder(6, seed=1)
     prompt, params, seeds, max_new = [1, 2, 3, 1, 2], SamplingParams(temperature=0.5), 4000, 6
-    counts = np.zeros((max_new, 6))
-    hits = 0
     exact = exact_marginals(decoder, prompt, params, max_new)
     # Near the target (guesses hit) but tilted towards a different token at each position
     # (so a q taken from the wrong position would bias the output), full support.
     tables = 0.5 * exact + 0.4 * np.eye(6)[[(2 * i) % 6 for i in range(max_new)]] + 0.1 / 6
-    for start in range(0, seeds, 250):
-        opts = [SpeculativeOptions(max_new_tokens=max_new, sampling=params, seed=s)
-                for s in range(start, start + 250)]
-        results, sched = run(decoder, SamplingLookahead(len(prompt), tables, start),
-                             [prompt] * 250, opts, max_active=250)
-        hits += sched.stats.runahead_hits
-        for r in results:
-            for i, token in enumerate(r.generated_tokens):
-                counts[i, token] += 1
-    for i in range(max_new):
-        tv = np.abs(counts[i] / seeds - exact[i]).sum() / 2
-        assert tv < tv_tolerance(exact[i], seeds), (i, tv)
+    got, hits = pipelined_marginals(
+        decoder, prompt, lambda start: SamplingLookahead(len(prompt), tables, start),
+        params, seeds, max_new)
+    assert_marginals_exact(got, exact, seeds)
     assert hits > seeds // 10  # a real share of requests verified a run-ahead block
 
 
