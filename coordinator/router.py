@@ -44,6 +44,7 @@ from target_worker.channel import ChannelClosed
 from .drafter_pool import DrafterPool
 from .errors import ReplicaUnavailable
 from .scheduler import Scheduler, ServiceRequest, Target
+from .step_plan import ChunkPolicy
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,9 @@ class MeteredTarget:
     async def allocate(self) -> int:
         return await self._guarded("allocate", self.inner.allocate)
 
+    async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
+        return await self._guarded("allocate", lambda: self.inner.allocate_prefix(tokens))
+
     async def free(self, slot: int) -> None:
         await self._guarded("free", lambda: self.inner.free(slot))
 
@@ -217,9 +221,11 @@ class ReplicaScheduler(Scheduler):
                  max_active: int = 32, wants_hidden: bool = False, adaptive: bool = False,
                  cost_model=None, pipeline: bool = False,
                  on_failure: Callable[[ReplicaScheduler, list[ServiceRequest]], None]
-                 | None = None):
+                 | None = None, chunking: ChunkPolicy | None = None,
+                 prefix_caching: bool = True):
         super().__init__(target, drafter, max_active=max_active, wants_hidden=wants_hidden,
-                         adaptive=adaptive, cost_model=cost_model, pipeline=pipeline)
+                         adaptive=adaptive, cost_model=cost_model, pipeline=pipeline,
+                         chunking=chunking, prefix_caching=prefix_caching)
         self.name = name
         self._ids = ids
         self.on_failure = on_failure
@@ -365,6 +371,8 @@ class Router:
         restart_delay_s: wait after a failed re-creation attempt (doubling, at most
             `MAX_RESTART_DELAY_S`), seconds.
         pipeline: pipelined drafting in every replica's loop (`Scheduler` ``pipeline``).
+        chunking, prefix_caching: every replica loop's chunked prefill policy and prefix
+            reuse (`Scheduler`).
     """
 
     def __init__(self, replica_factory: ReplicaFactory,
@@ -372,12 +380,15 @@ class Router:
                  drafter_pool: DrafterPool | None = None, adaptive: bool = True,
                  cost_model=None, target_timeout_s: float | None = None,
                  probe_interval_s: float | None = 5.0, restart_delay_s: float = 1.0,
-                 pipeline: bool = False):
+                 pipeline: bool = False, chunking: ChunkPolicy | None = None,
+                 prefix_caching: bool = True):
         if target_timeout_s is not None and not target_timeout_s > 0:
             raise ValueError(f"target_timeout_s must be > 0, got {target_timeout_s!r}")
         self.replica_factory = replica_factory
         self.adaptive = adaptive
         self.pipeline = pipeline
+        self.chunking = chunking
+        self.prefix_caching = prefix_caching
         self.cost_model = cost_model
         self.drafter_factory = drafter_factory
         self.max_active = max_active
@@ -628,7 +639,9 @@ class Router:
                                      max_active=self.max_active, wants_hidden=self.wants_hidden,
                                      adaptive=self.adaptive, cost_model=self.cost_model,
                                      pipeline=self.pipeline,
-                                     on_failure=self._on_replica_failure)
+                                     on_failure=self._on_replica_failure,
+                                     chunking=self.chunking,
+                                     prefix_caching=self.prefix_caching)
         scheduler.drafter_max_len = self.drafter_max_len
         return metered, scheduler
 

@@ -51,6 +51,8 @@ from target_worker.engine import SlotsExhausted
 
 from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target, expected_tokens
 from .errors import ReplicaUnavailable, RequestError, RequestFailed, ServiceStopping
+from .latency import LatencyHistograms
+from .step_plan import ChunkPolicy, plan_prefill_chunks
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class Target(Protocol):
     `LocalTarget`."""
 
     async def allocate(self) -> int: ...
+    async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]: ...
     async def free(self, slot: int) -> None: ...
     async def prefill(self, items: list) -> list: ...
     async def verify(self, items: list) -> list: ...
@@ -80,6 +83,9 @@ class LocalTarget:
 
     async def allocate(self) -> int:
         return self.engine.allocate()
+
+    async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
+        return self.engine.allocate_prefix(tokens)
 
     async def free(self, slot: int) -> None:
         self.engine.free(slot)
@@ -103,6 +109,9 @@ class CacheTarget(LocalTarget):
     async def allocate(self) -> int:
         return self.engine.adopt(self.cache)
 
+    async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
+        return self.engine.adopt(self.cache), 0
+
 
 class RayTarget:
     """A `target_worker.actor.TargetActor` Ray actor handle behind the `Target` interface."""
@@ -112,6 +121,9 @@ class RayTarget:
 
     async def allocate(self) -> int:
         return await self.handle.allocate.remote()
+
+    async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
+        return tuple(await self.handle.allocate_prefix.remote(tokens))
 
     async def free(self, slot: int) -> None:
         await self.handle.free.remote(slot)
@@ -186,6 +198,15 @@ class ServiceRequest:
     ahead: RunAhead | None = None
     #: Pipelined: the adaptive choice for this request's next step was not to draft.
     chose_no_draft: bool = False
+    #: Prompt tokens its slot holds (reused from a warm prefix, or computed by chunks).
+    prefilled: int = 0
+    #: Hidden rows of the prompt chunks computed so far (drafters that want them).
+    prompt_hidden: list = field(default_factory=list)
+    #: `time.monotonic` when its first prompt chunk was sent, its first and its latest
+    #: token streamed (None until then): the latency metrics.
+    prefill_started_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
 
     def push_new_tokens(self) -> int:
         """Puts the tokens committed since the last push on ``events``; returns how many."""
@@ -241,14 +262,24 @@ class Scheduler:
             carries; the in-process path keeps float32, what the target computes).
         pipeline: draft the next block while the target verifies this one (see the module
             docstring); False: the serial step (propose, then verify). Output is the same.
+        chunking: how a step shares its forward between verify blocks and prefill chunks
+            (`coordinator.step_plan.ChunkPolicy`; default: whole prompts, no budget).
+        prefix_caching: start a prompt from the target's warm slot sharing its longest prefix
+            (`target_worker.engine.TargetEngine.allocate_prefix`); never for a request whose
+            drafter wants hidden rows (a reused prefix has none) or that continues a
+            context (``start_pos``). Output is the same either way.
     """
 
     def __init__(self, target: Target, drafter=None, max_active: int = 32,
                  wants_hidden: bool = False, adaptive: bool = True,
                  cost_model: ForwardCostModel | None = None,
                  drafter_max_len: int | None = None,
-                 hidden_dtype: torch.dtype = torch.float16, pipeline: bool = False):
+                 hidden_dtype: torch.dtype = torch.float16, pipeline: bool = False,
+                 chunking: ChunkPolicy | None = None, prefix_caching: bool = True):
         self.target = target
+        self.chunking = chunking or ChunkPolicy()
+        self.prefix_caching = prefix_caching
+        self.latency = LatencyHistograms()
         self.pipeline = pipeline and drafter is not None
         self.drafter = drafter
         self.max_active = max_active
@@ -259,7 +290,7 @@ class Scheduler:
         self.cost_model = cost_model
         self.waiting: deque[ServiceRequest] = deque()
         self.active: list[ServiceRequest] = []
-        #: Requests holding a slot whose prefill has not been consumed yet.
+        #: Requests holding a slot whose prompt is not computed whole yet (FIFO).
         self._admitting: list[ServiceRequest] = []
         #: Slots allocated and not yet freed, whoever holds them (what Status reports).
         self._slots_held = 0
@@ -328,10 +359,12 @@ class Scheduler:
     def status(self) -> dict:
         return {
             "active_requests": len(self.active),
+            "prefilling_requests": len(self._admitting),
             "waiting_requests": len(self.waiting),
             "used_slots": self._slots_held,
             "total_slots": self.max_active,
             **vars(self.stats),
+            "latency": self.latency.snapshot(),
         }
 
     async def run_until_idle(self, after_step: Callable[[], None] | None = None) -> None:
@@ -344,7 +377,7 @@ class Scheduler:
             self._flush()
             if after_step is not None:
                 after_step()
-            if self.active:
+            if self.active or self._admitting:
                 await self._step()
                 self._flush()
                 if after_step is not None:
@@ -356,7 +389,7 @@ class Scheduler:
         while not self._closed:
             try:
                 await self._admit()
-                if not self.active:
+                if not self.active and not self._admitting:
                     self._flush()
                     self._wakeup.clear()
                     if not self.waiting:
@@ -389,7 +422,7 @@ class Scheduler:
                 await self._finish_cancelled(req)
                 continue
             try:
-                slot = await self.target.allocate()
+                slot, req.prefilled = await self._allocate(req)
             except SlotsExhausted as exc:
                 if not (self.active or self._admitting):  # none will ever free: say so
                     await self._fail(req, exc)
@@ -404,45 +437,30 @@ class Scheduler:
                 continue
             req.slot = slot
             self._slots_held += 1
+            # Anew: a request moved off a failed replica may have computed chunks there.
+            req.prompt_hidden, req.prefill_started_at = [], None
             self._admitting.append(req)
-        if not self._admitting:
-            return
-        from target_worker.engine import PrefillItem
 
-        admitted, items = [], []
-        for r in list(self._admitting):
-            try:
-                items.append(PrefillItem(slot=r.slot, tokens=r.decode.prefill_tokens(),
-                                         sampling=r.decode.sampling,
-                                         want_hidden=self._hidden_for(r),
-                                         start_pos=r.decode.options.start_pos))
-                admitted.append(r)
-            except Exception as exc:
-                await self._fail(r, exc)
-        began = time.perf_counter()
-        outputs, _ = await self._target_call(self.target.prefill, admitted, items)
-        self.stats.active_seconds += time.perf_counter() - began
-        for req, out in zip(admitted, outputs, strict=True):
-            if out is None:  # failed with its call
-                continue
-            try:
-                req.decode.on_prefill(out.rows, out.hidden)
-            except Exception as exc:
-                await self._fail(req, exc)
-                continue
-            self._admitting.remove(req)
-            await self._after_step(req)
-            if not req.decode.finished:
-                self.active.append(req)
+    async def _allocate(self, req: ServiceRequest) -> tuple[int, int]:
+        """A slot for ``req`` and the prompt positions it already holds (a warm prefix)."""
+        options = req.decode.options
+        if self.prefix_caching and options.start_pos == 0 and not self._hidden_for(req):
+            allocate_prefix = getattr(self.target, "allocate_prefix", None)
+            if allocate_prefix is not None:
+                slot, reused = await allocate_prefix(req.decode.prefill_tokens())
+                return slot, reused
+        return await self.target.allocate(), 0
 
     async def _step(self) -> None:
         await self._drop_cancelled()
-        if not self.active:
+        if not self.active and not self._admitting:
             return
         began = time.perf_counter()
         try:
             active = list(self.active)
-            if self.pipeline:
+            if not active:
+                drafts = []
+            elif self.pipeline:
                 drafts = await self._pipelined_drafts(active)
             else:
                 drafts = await self._propose(active)
@@ -451,9 +469,39 @@ class Scheduler:
         finally:
             self.stats.active_seconds += time.perf_counter() - began
 
+    def _prefill_items(self, verify_tokens: int) -> tuple[list[ServiceRequest], list]:
+        """This step's prompt chunks (`plan_prefill_chunks` under the chunk policy): the
+        requests and their `PrefillItem`s."""
+        from target_worker.engine import PrefillItem
+
+        waiting = list(self._admitting)
+        if not waiting:
+            return [], []
+        prompts = [r.decode.prefill_tokens() for r in waiting]
+        chunks = plan_prefill_chunks(
+            [len(p) - r.prefilled for r, p in zip(waiting, prompts, strict=True)],
+            [r.prefill_started_at is not None for r in waiting], verify_tokens, self.chunking)
+        owners, items = [], []
+        now = time.monotonic()
+        for req, prompt, n in zip(waiting, prompts, chunks, strict=True):
+            if not n:
+                continue
+            lo = req.prefilled
+            items.append(PrefillItem(slot=req.slot, tokens=prompt[lo:lo + n],
+                                     sampling=req.decode.sampling,
+                                     want_hidden=self._hidden_for(req),
+                                     start_pos=req.decode.options.start_pos, offset=lo,
+                                     last=lo + n == len(prompt)))
+            owners.append(req)
+            if req.prefill_started_at is None:
+                req.prefill_started_at = now
+        return owners, items
+
     async def _verify(self, active: list[ServiceRequest], drafts: list[DraftBlock]) -> None:
-        """One batched verify of ``drafts`` (one per request), the rule per request; when
-        pipelined, each request's run-ahead is launched while the verify runs."""
+        """One target call for the step: a verify block per decoding request (``drafts``,
+        one per request) and the prompt chunks the plan gives (`_prefill_items`), in one
+        packed forward; then the rule per verified request and the chunks' bookkeeping.
+        When pipelined, each request's run-ahead is launched while the forward runs."""
         from target_worker.engine import VerifyItem
 
         batch, items = [], []
@@ -466,7 +514,9 @@ class Scheduler:
                 batch.append((r, d))
             except Exception as exc:
                 await self._fail(r, exc)
-        if not batch:
+        verify_tokens = sum(len(item.tokens) for item in items)
+        prefilling, chunk_items = self._prefill_items(verify_tokens)
+        if not batch and not prefilling:
             return
         # Requests whose adaptive choice was to verify this step undrafted (recorded below,
         # so acceptance unknown there fades to the prior); `_run_ahead` sets the flag anew.
@@ -476,12 +526,18 @@ class Scheduler:
         began = time.perf_counter()
         # Pipelined: the run-ahead is launched once the verify is on its way (so building it
         # does not delay the verify), to draft while the target computes.
+        call = self.target.verify if batch else self.target.prefill
         outputs, whole = await self._target_call(
-            self.target.verify, [r for r, _ in batch], items,
-            sent=(lambda: self._run_ahead(batch)) if self.pipeline else None)
-        if whole and self.cost_model is not None:
-            self.cost_model.observe(sum(len(item.tokens) for item in items),
-                                    time.perf_counter() - began)
+            call, [r for r, _ in batch] + prefilling, items + chunk_items,
+            sent=(lambda: self._run_ahead(batch)) if self.pipeline and batch else None)
+        # The cost model prices verify steps (what drafting adds to): a prompt chunk's
+        # tokens would stretch it to sizes no draft reaches.
+        if whole and batch and not prefilling and self.cost_model is not None:
+            self.cost_model.observe(verify_tokens, time.perf_counter() - began)
+        await self._prefilled(prefilling, chunk_items, outputs[len(batch):])
+        if not batch:
+            return
+        outputs = outputs[:len(batch)]
         self.stats.steps += 1
         still = []
         for (req, draft), out in zip(batch, outputs, strict=True):
@@ -502,7 +558,37 @@ class Scheduler:
             await self._after_step(req)
             if not req.decode.finished:
                 still.append(req)
-        self.active = still
+        # Requests whose last prompt chunk was in this step joined `active` in `_prefilled`:
+        # they verify from the next step on.
+        self.active = still + [r for r in self.active if r not in active]
+
+    async def _prefilled(self, requests: list[ServiceRequest], items: list,
+                         outputs: list) -> None:
+        """Books this step's prompt chunks: a request whose last chunk was computed samples
+        its first token (`DecodeRequest.on_prefill`, with every chunk's hidden rows) and
+        decodes from the next step on."""
+        for req, item, out in zip(requests, items, outputs, strict=True):
+            if out is None:  # failed with its call
+                continue
+            req.prefilled += len(item.tokens)
+            if out.hidden is not None:
+                req.prompt_hidden.append(out.hidden)
+            if not item.last:
+                continue
+            hidden, req.prompt_hidden = req.prompt_hidden, []
+            try:
+                req.decode.on_prefill(
+                    out.rows, None if not hidden else
+                    hidden[0] if len(hidden) == 1 else torch.cat(hidden))
+            except Exception as exc:
+                await self._fail(req, exc)
+                continue
+            if req.prefill_started_at is not None:
+                self.latency.prefill.observe(time.monotonic() - req.prefill_started_at)
+            self._admitting.remove(req)
+            await self._after_step(req)
+            if not req.decode.finished:
+                self.active.append(req)
 
     async def _target_call(self, call, requests: list[ServiceRequest], items: list,
                            sent: Callable[[], None] | None = None) -> tuple[list, bool]:
@@ -839,7 +925,16 @@ class Scheduler:
         await self._release(req)
 
     def _push(self, req: ServiceRequest) -> None:
-        self._emitted(req.push_new_tokens())
+        n = req.push_new_tokens()
+        if n:
+            now = time.monotonic()
+            if req.first_token_at is None:
+                req.first_token_at = now
+                self.latency.ttft.observe(now - req.submitted_at)
+            else:
+                self.latency.itl.observe(now - req.last_token_at)
+            req.last_token_at = now
+        self._emitted(n)
 
     def _emitted(self, n: int) -> None:
         """Called with the count of tokens each push streamed (a hook for metering)."""
@@ -881,6 +976,9 @@ class Scheduler:
     async def _drop_cancelled(self) -> None:
         for req in [r for r in self.active if r.cancelled]:
             self.active.remove(req)
+            await self._finish_cancelled(req)
+        for req in [r for r in self._admitting if r.cancelled]:  # mid-prefill
+            self._admitting.remove(req)
             await self._finish_cancelled(req)
 
     async def _finish_cancelled(self, req: ServiceRequest) -> None:

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from drafter_worker.registry import DEFAULT_NGRAM_SIZE, LOOKUP_DRAFT_LEN, check_drafter
+from target_worker.engine import DEFAULT_PREFIX_CACHE_TOKENS
+
+from .step_plan import DEFAULT_MAX_BATCHED_TOKENS, ChunkPolicy
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,11 @@ class ServiceConfig:
             (`coordinator.scheduler`); False keeps the serial step (``--no-pipeline``).
         drafter_threads: torch threads of each drafter worker (EAGLE's head); None: 1,
             so a drafter beside the target never oversubscribes the cores.
+        max_batched_tokens: tokens one replica step feeds at most: verify blocks first, then
+            prompt chunks (chunked prefill, `coordinator.step_plan`); None: whole prompts.
+        max_partial_prefills: prompts a replica may hold partly computed at once.
+        prefix_caching: reuse a finished request's warm KV slot for a prompt that starts
+            with its tokens (`TargetEngine.allocate_prefix`); False: off, nothing kept warm.
         http_port: serve the OpenAI-compatible HTTP API (`coordinator.http_api`) on
             ``host:http_port`` (0 picks a port; None: off), same token and TLS as gRPC. It
             listens from the start of the coordinator, answering 503 until the replicas serve.
@@ -94,6 +102,9 @@ class ServiceConfig:
     pipeline: bool = True
     drafter_threads: int | None = None
     http_port: int | None = None
+    max_batched_tokens: int | None = DEFAULT_MAX_BATCHED_TOKENS
+    max_partial_prefills: int = 1
+    prefix_caching: bool = True
 
 
 def default_target_threads(replicas: int, tp: int = 1, cpus: int | None = None) -> int:
@@ -194,7 +205,8 @@ class CoordinatorActor:
         # May block (placement groups): off the event loop, which keeps serving.
         creating = loop.run_in_executor(None, lambda: create_target_replica(
             cfg.model, tp=cfg.tp, max_slots=cfg.max_active, num_threads=self._threads,
-            dtype=cfg.dtype))
+            dtype=cfg.dtype,
+            prefix_cache_tokens=DEFAULT_PREFIX_CACHE_TOKENS if cfg.prefix_caching else 0))
         try:
             handle = await asyncio.shield(creating)
         except asyncio.CancelledError:  # a cancelled restart: destroy it once it exists
@@ -286,7 +298,10 @@ class CoordinatorActor:
         self.router = Router(self._start_replica,
                              self._start_drafter if with_drafter else None,
                              max_active=cfg.max_active, adaptive=cfg.adaptive,
-                             target_timeout_s=cfg.target_timeout_s, pipeline=cfg.pipeline)
+                             target_timeout_s=cfg.target_timeout_s, pipeline=cfg.pipeline,
+                             chunking=ChunkPolicy(cfg.max_batched_tokens,
+                                                  cfg.max_partial_prefills),
+                             prefix_caching=cfg.prefix_caching)
         await self.router.scale(target_replicas=cfg.target_replicas,
                                 drafters=cfg.drafters if with_drafter else 0)
         info = self.router.model_info()

@@ -1,5 +1,6 @@
-"""What one target step takes and returns: the items of a batched prefill or verify call and
-their outputs (the types the coordinator, the target engine and its Ray actor share)."""
+"""What one target step takes and returns: the items of a batched target call (verify blocks and
+prefill chunks, fed in one packed forward) and their outputs (the types the coordinator, the
+target engine and its Ray actor share)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,18 @@ __all__ = ["PrefillItem", "StepOutput", "VerifyItem", "payload_bytes"]
 
 @dataclass(frozen=True)
 class PrefillItem:
-    """Start a request in ``slot``: feed ``tokens`` (the prompt, non-empty) at ``start_pos``
-    (0 for a fresh request; the slot's length to continue the context it holds, as
-    `SpeculativeOptions.start_pos`).
+    """Feed a request's prompt, or one chunk of it, in ``slot``.
 
-    ``want_hidden`` asks for the target's final hidden rows of every prompt position (for a
+    The prompt starts at ``start_pos`` (0 for a fresh request; the slot's length to continue
+    the context it holds, as `SpeculativeOptions.start_pos`). ``tokens`` (non-empty) are its
+    positions ``[offset, offset + len(tokens))``: ``offset`` 0 starts the prompt (the slot
+    keeps its first ``start_pos`` positions and forgets the rest); a later chunk (chunked
+    prefill, or a prompt whose first ``offset`` tokens the slot already holds from prefix
+    reuse) continues it, and the slot must then hold exactly ``start_pos + offset``
+    positions. ``last`` marks the chunk that ends the prompt: only it gets logits (the rows
+    for the prompt's last position).
+
+    ``want_hidden`` asks for the target's final hidden rows of every position fed (for a
     drafter that conditions on them).
     """
 
@@ -30,6 +38,8 @@ class PrefillItem:
     sampling: SamplingParams
     want_hidden: bool = False
     start_pos: int = 0
+    offset: int = 0
+    last: bool = True
 
 
 @dataclass(frozen=True)
@@ -55,13 +65,13 @@ class StepOutput:
 
     Attributes:
         rows: what the rule needs per fed position (`specd_core.rule.target_rows`, compacted
-            by `compact_rows`): 1 row for a prefill (its last prompt position), ``len(tokens)``
-            rows for a verification.
-        hidden: float32 ``[n, hidden_size]`` final hidden rows of every fed position (all
-            prompt rows for a prefill), or None unless the item asked for them.
+            by `compact_rows`): 1 row for a prefill's last chunk (its last prompt position),
+            None for an earlier chunk, ``len(tokens)`` rows for a verification.
+        hidden: float32 ``[n, hidden_size]`` final hidden rows of every fed position (the
+            chunk's rows for a prefill), or None unless the item asked for them.
     """
 
-    rows: GreedyRows | ProbRows | SparseProbRows
+    rows: GreedyRows | ProbRows | SparseProbRows | None
     hidden: torch.Tensor | None
 
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 
 from coordinator.speculative import SpeculativeOptions, speculative_decode_with
+from coordinator.step_plan import DEFAULT_MAX_BATCHED_TOKENS
 from drafter_worker.registry import (
     DEFAULT_NGRAM_SIZE,
     DRAFTERS,
@@ -256,7 +257,20 @@ def embedded_service_config(args: argparse.Namespace):
         ngram_size=args.ngram_size,
         max_draft_len=args.max_draft_len, adaptive=not args.no_adaptive,
         drafter_path=args.drafter_path, target_threads=args.target_threads,
-        pipeline=not args.no_pipeline)
+        pipeline=not args.no_pipeline, **_prefill_config(args))
+
+
+def _prefill_config(args: argparse.Namespace) -> dict:
+    """`ServiceConfig` fields of the chunked-prefill and prefix-caching flags (their
+    defaults where ``args`` has none of them, e.g. `specd bench`'s)."""
+    budget = getattr(args, "max_batched_tokens", DEFAULT_MAX_BATCHED_TOKENS)
+    partial = getattr(args, "max_partial_prefills", 1)
+    if budget < 0:
+        raise ValueError(f"--max-batched-tokens must be >= 0, got {budget}")
+    if partial < 1:
+        raise ValueError(f"--max-partial-prefills must be >= 1, got {partial}")
+    return {"max_batched_tokens": budget or None, "max_partial_prefills": partial,
+            "prefix_caching": not getattr(args, "no_prefix_caching", False)}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -283,7 +297,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
         max_prompt_bytes=args.max_prompt_bytes, pipeline=not args.no_pipeline,
-        http_port=args.http_port,
+        http_port=args.http_port, **_prefill_config(args),
     ))
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
@@ -720,6 +734,16 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pipeline", action="store_true",
                    help="the serial service step (propose, then verify) instead of drafting "
                         "the next block while the target verifies this one")
+    p.add_argument("--max-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
+                   metavar="N",
+                   help="tokens one replica step feeds at most: verify blocks first, then "
+                        "chunks of waiting prompts (chunked prefill); 0: every prompt whole "
+                        "in one step")
+    p.add_argument("--max-partial-prefills", type=int, default=1, metavar="N",
+                   help="prompts a replica may hold partly computed at once")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="never reuse a finished request's KV cache for a prompt that starts "
+                        "with its tokens (and keep none warm)")
     p.add_argument("--drafter-path", default=None, metavar="FILE",
                    help="EAGLE head for --drafter eagle / eagle+lookup (default: the head "
                         "shipped for SmolLM2; train one with 'specd train-drafter')")

@@ -12,7 +12,13 @@ from collections.abc import Sequence
 
 import torch
 
-from .engine import PrefillItem, StepOutput, TargetEngine, VerifyItem
+from .engine import (
+    DEFAULT_PREFIX_CACHE_TOKENS,
+    PrefillItem,
+    StepOutput,
+    TargetEngine,
+    VerifyItem,
+)
 from .loader import load_decoder
 
 __all__ = ["TargetActor"]
@@ -28,21 +34,25 @@ class TargetActor:
         max_slots: the most requests held at once.
         num_threads: torch intra-op threads for this process (Ray starts actors with
             ``OMP_NUM_THREADS=1``, which would otherwise leave torch on one thread).
+        prefix_cache_tokens: positions freed slots keep warm for prefix reuse (0: none;
+            `TargetEngine`).
 
     Raises:
         ValueError: a bad ``model`` source, ``max_slots`` or ``num_threads``.
     """
 
     #: What `open_channel` serves: the per-step calls.
-    CHANNEL_METHODS = ("allocate", "free", "prefill", "verify")
+    CHANNEL_METHODS = ("allocate", "allocate_prefix", "free", "prefill", "verify")
 
-    def __init__(self, model: str | None = None, max_slots: int = 64, num_threads: int = 2):
+    def __init__(self, model: str | None = None, max_slots: int = 64, num_threads: int = 2,
+                 prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS):
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
         torch.set_num_threads(num_threads)
         decoder = load_decoder(model)
         self.model = model
-        self.engine = TargetEngine(decoder, max_slots=max_slots)
+        self.engine = TargetEngine(decoder, max_slots=max_slots,
+                                   prefix_cache_tokens=prefix_cache_tokens)
 
     def open_channel(self, host: str = "127.0.0.1", secret: str = "") -> str:
         """Starts serving `CHANNEL_METHODS` on a `target_worker.channel.ChannelServer`
@@ -70,6 +80,10 @@ class TargetActor:
     def allocate(self) -> int:
         """A free slot id. Raises RuntimeError when every slot is in use."""
         return self.engine.allocate()
+
+    def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
+        """``(slot, reused positions)``; see `TargetEngine.allocate_prefix`."""
+        return self.engine.allocate_prefix(tokens)
 
     def free(self, slot: int) -> None:
         """Releases ``slot``. Raises ValueError for an unknown slot."""

@@ -4,7 +4,8 @@ A Ray actor call costs ~1 ms round trip on a 2-core machine (measured: 935-977 u
 method returning its 50-int argument, sync or async actor), more than a tiny model's whole
 forward; a round trip over an open TCP connection costs ~80 us. So the coordinator keeps Ray
 for what it is good at (placement, lifecycle, death reports) and sends each step's
-``allocate`` / ``free`` / ``prefill`` / ``verify`` over one connection per replica.
+``allocate`` / ``allocate_prefix`` / ``free`` / ``prefill`` / ``verify`` over one connection
+per replica.
 
 Wire: each frame is an 8-byte little-endian length, then that many bytes. The client's first
 frame is the replica's secret (compared in constant time; anything else closes the
@@ -196,6 +197,9 @@ class ChannelTarget:
 
     async def allocate(self) -> int:
         return await self.call("allocate")
+
+    async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
+        return tuple(await self.call("allocate_prefix", tokens))
 
     async def free(self, slot: int) -> None:
         await self.call("free", slot)

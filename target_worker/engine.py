@@ -6,16 +6,20 @@ only argmax ints or sparse probability rows cross the process boundary, never ``
 logits. Each slot also keeps the token ids its cache holds and its prompt length, which is all
 the penalties need: the coordinator never ships a request's history.
 
-All verifications of a step run as one `Decoder.forward_packed` call, so every weight matrix is
-read once per step however many requests are active. Pure torch: the Ray actor
+All verify blocks and prefill chunks of a step run as one `Decoder.forward_packed` call
+(`TargetEngine.step`), so every weight matrix is read once per step however many requests are
+active or prefilling. Pure torch: the Ray actor
 (`target_worker.actor`) wraps it.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from specd_core.rule import compact_rows, target_rows
@@ -31,10 +35,15 @@ class SlotsExhausted(RuntimeError):
     """Every slot of the engine is in use (the caller admits the request later)."""
 
 
-class _Slot:
-    __slots__ = ("cache", "tokens", "num_prompt_tokens", "offset")
+#: Positions the warm slots of an engine keep by default for prefix reuse (SmolLM2-135M:
+#: 46 KB of float32 keys and values per position, so ~1.5 GB).
+DEFAULT_PREFIX_CACHE_TOKENS = 32768
 
-    def __init__(self, cache: KvCache) -> None:
+
+class _Slot:
+    __slots__ = ("cache", "tokens", "num_prompt_tokens", "offset", "owned")
+
+    def __init__(self, cache: KvCache, owned: bool = True) -> None:
         self.cache = cache
         #: Token ids at cache positions [offset, cache.seq_len), kept equal in length to them;
         #: positions before ``offset`` are context the slot was given (`TargetEngine.adopt`)
@@ -42,6 +51,8 @@ class _Slot:
         self.tokens: list[int] = []
         self.num_prompt_tokens = 0
         self.offset = cache.seq_len
+        #: False for a caller's cache (`TargetEngine.adopt`): never kept warm for reuse.
+        self.owned = owned
 
     def start(self, start_pos: int) -> None:
         """Keeps the first ``start_pos`` positions as context and forgets every token id."""
@@ -54,32 +65,71 @@ class _Slot:
         del self.tokens[length - self.offset:]
 
 
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if diff.size else n
+
+
 class TargetEngine:
-    """Slots of per-request KV caches over one `Decoder`, verified in packed batches.
+    """Slots of per-request KV caches over one `Decoder`; every call is one packed forward.
+
+    A target step (`step`) feeds verify blocks and prefill chunks of several requests in one
+    `Decoder.forward_packed`, so every weight matrix is read once per step however many
+    requests are active or prefilling.
+
+    Prefix reuse (after vLLM's automatic prefix caching and SGLang's RadixAttention, on whole
+    slots): a freed slot's cache stays *warm* with the token ids it holds, least recently
+    freed evicted first once the warm slots hold more than ``prefix_cache_tokens`` positions.
+    `allocate_prefix` gives a new request the warm cache sharing the longest prefix with its
+    prompt, so its prefill computes only the rest.
 
     Not thread-safe: one caller (the actor's method loop) at a time.
 
     Attributes:
         decoder: the target model.
         max_slots: the most requests held at once.
-        stats: counters for metrics: ``forward_calls``, ``prefill_calls``, ``verify_calls``,
-            ``tokens_fed`` (all segments' tokens), ``forward_seconds`` (wall time inside the
-            decoder's forward, float seconds), ``rows_seconds`` (turning logits into rows).
+        prefix_cache_tokens: positions warm slots may keep (0: prefix reuse off).
+        stats: counters for metrics: ``forward_calls``, ``prefill_calls`` and
+            ``verify_calls`` (calls carrying a prefill chunk / a verify block),
+            ``tokens_fed`` (all segments' tokens), ``prefill_tokens``, ``forward_seconds``
+            (wall time inside the decoder's forward, float seconds), ``rows_seconds``
+            (turning logits into rows), ``prefix_queries`` / ``prefix_hits`` (allocations
+            that looked for / reused a warm prefix), ``prefix_query_tokens`` /
+            ``prefix_hit_tokens`` (prompt tokens looked up / reused).
     """
 
-    def __init__(self, decoder: Decoder, max_slots: int = 64) -> None:
+    def __init__(self, decoder: Decoder, max_slots: int = 64,
+                 prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS) -> None:
         if isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"max_slots must be a positive int, got {max_slots!r}")
+        if (isinstance(prefix_cache_tokens, bool) or not isinstance(prefix_cache_tokens, int)
+                or prefix_cache_tokens < 0):
+            raise ValueError(
+                f"prefix_cache_tokens must be an int >= 0, got {prefix_cache_tokens!r}")
         self.decoder = decoder
         self.max_slots = max_slots
+        self.prefix_cache_tokens = prefix_cache_tokens
         self._slots: dict[int, _Slot] = {}
+        #: Freed slots kept for prefix reuse, least recently freed first.
+        self._warm: OrderedDict[int, _Slot] = OrderedDict()
+        self._warm_ids = itertools.count()
+        self._warm_positions = 0
         self.stats: dict[str, float] = {
             "forward_calls": 0,
             "prefill_calls": 0,
             "verify_calls": 0,
             "tokens_fed": 0,
+            "prefill_tokens": 0,
             "forward_seconds": 0.0,
             "rows_seconds": 0.0,
+            "prefix_queries": 0,
+            "prefix_hits": 0,
+            "prefix_query_tokens": 0,
+            "prefix_hit_tokens": 0,
         }
 
     @property
@@ -90,18 +140,60 @@ class TargetEngine:
     def used_slots(self) -> int:
         return len(self._slots)
 
+    @property
+    def warm_positions(self) -> int:
+        """Positions held by warm slots (kept for prefix reuse)."""
+        return self._warm_positions
+
+    def _free_id(self) -> int:
+        for slot in range(self.max_slots):
+            if slot not in self._slots:
+                return slot
+        raise SlotsExhausted(f"all {self.max_slots} target slots are in use")
+
     def allocate(self) -> int:
         """Reserves the lowest free slot id in ``[0, max_slots)`` with an empty cache.
 
         Raises:
             SlotsExhausted: every slot is in use.
         """
-        for slot in range(self.max_slots):
-            if slot not in self._slots:
-                # Cache memory is allocated lazily by the OS as positions are written.
-                self._slots[slot] = _Slot(self.decoder.new_cache())
-                return slot
-        raise SlotsExhausted(f"all {self.max_slots} target slots are in use")
+        slot = self._free_id()
+        # Cache memory is allocated lazily by the OS as positions are written.
+        self._slots[slot] = _Slot(self.decoder.new_cache())
+        return slot
+
+    def allocate_prefix(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """Reserves the lowest free slot id for a prompt of ``tokens``, over the warm cache
+        sharing its longest prefix when there is one (that cache leaves the warm set).
+
+        Returns:
+            ``(slot, reused)``: the slot holds the prompt's first ``reused`` positions, at
+            most ``len(tokens) - 1`` (the last prompt position is always computed: its
+            logits sample the first token). Feed the rest as a `PrefillItem` with ``offset
+            = reused``. ``reused`` is 0 with prefix reuse off or no shared prefix.
+
+        Raises:
+            SlotsExhausted: every slot is in use.
+        """
+        slot = self._free_id()
+        best, reused = None, 0
+        if self.prefix_cache_tokens and len(tokens) > 1:
+            self.stats["prefix_queries"] += 1
+            self.stats["prefix_query_tokens"] += len(tokens)
+            for key, warm in self._warm.items():
+                n = min(common_prefix_len(warm.tokens, tokens), len(tokens) - 1)
+                if n > reused:
+                    best, reused = key, n
+        if best is None:
+            self._slots[slot] = _Slot(self.decoder.new_cache())
+            return slot, 0
+        warm = self._warm.pop(best)
+        self._warm_positions -= len(warm.tokens)
+        warm.truncate(reused)
+        self._slots[slot] = warm
+        self.stats["prefix_hits"] += 1
+        self.stats["prefix_hit_tokens"] += reused
+        return slot, reused
 
     def adopt(self, cache: KvCache) -> int:
         """Reserves the lowest free slot over an existing ``cache`` of this decoder (its
@@ -109,22 +201,28 @@ class TargetEngine:
         cache.seq_len`` then continues it. `free` drops the slot, never the cache.
 
         Raises:
-            RuntimeError: every slot is in use.
+            SlotsExhausted: every slot is in use.
         """
-        for slot in range(self.max_slots):
-            if slot not in self._slots:
-                self._slots[slot] = _Slot(cache)
-                return slot
-        raise RuntimeError(f"all {self.max_slots} target slots are in use")
+        slot = self._free_id()
+        self._slots[slot] = _Slot(cache, owned=False)
+        return slot
 
     def free(self, slot: int) -> None:
-        """Releases ``slot`` and its cache.
+        """Releases ``slot``. Its cache stays warm for prefix reuse when the engine keeps
+        some and it knows every token id the cache holds (else it is dropped).
 
         Raises:
             ValueError: ``slot`` is not allocated.
         """
-        self._slot(slot)
+        held = self._slot(slot)
         del self._slots[slot]
+        if (self.prefix_cache_tokens and held.owned and held.offset == 0 and held.tokens
+                and len(held.tokens) <= self.prefix_cache_tokens):
+            self._warm[next(self._warm_ids)] = held
+            self._warm_positions += len(held.tokens)
+            while self._warm_positions > self.prefix_cache_tokens:
+                _, old = self._warm.popitem(last=False)
+                self._warm_positions -= len(old.tokens)
 
     def slot_length(self, slot: int) -> int:
         """Positions held in ``slot``'s cache. Raises ValueError for an unknown slot."""
@@ -138,84 +236,76 @@ class TargetEngine:
         """
         self._slot(slot).truncate(length)
 
-    def prefill(self, items: Sequence[PrefillItem]) -> list[StepOutput]:
-        """Starts a request in each item's slot in one packed forward: the slot keeps its
-        first ``item.start_pos`` positions (0: discards all it held) and the prompt is fed
-        after them; logits are computed for each prompt's last position only. Penalties
-        count the prompt as the request's prompt and the context before it not at all.
+    def prefill(self, items: Sequence[PrefillItem | VerifyItem]) -> list[StepOutput]:
+        """`step` (the name the prefill-only calls of the service and its tests use)."""
+        return self.step(items)
 
-        Returns:
-            Per item, in order: rows for the last prompt position (1 row), hidden rows of
-            every prompt position when asked. None per item when the decoder returns no
-            logits (a tensor-parallel shard on a rank other than 0, `target_worker.tp`).
+    def verify(self, items: Sequence[PrefillItem | VerifyItem]) -> list[StepOutput]:
+        """`step` (the name the verify calls of the service and its tests use)."""
+        return self.step(items)
 
-        Raises:
-            ValueError: an unknown or repeated slot, an empty prompt, a ``start_pos`` beyond
-                the slot's length, a token id outside the vocabulary or a prompt longer than
-                the context. Nothing is changed then.
-        """
-        if not items:
-            return []
-        slots = self._check_items(items, [item.start_pos for item in items])
-        for item, slot in zip(items, slots, strict=True):
-            slot.start(item.start_pos)
-        results = self._forward(
-            [(list(item.tokens), item.start_pos, slot.cache)
-             for item, slot in zip(items, slots, strict=True)],
-            [True] * len(items),
-        )
-        self.stats["prefill_calls"] += 1
-        outputs = []
-        t0 = time.perf_counter()
-        for item, slot, (logits, hidden) in zip(items, slots, results, strict=True):
-            slot.tokens.extend(int(t) for t in item.tokens)
-            slot.num_prompt_tokens = len(item.tokens)
-            if logits is None:  # a tensor-parallel rank other than 0: rank 0 answers
-                outputs.append(None)
-                continue
-            rows = target_rows(logits, item.sampling, slot.tokens, slot.num_prompt_tokens)
-            outputs.append(StepOutput(compact_rows(rows), _own(hidden, item.want_hidden)))
-        self.stats["rows_seconds"] += time.perf_counter() - t0
-        return outputs
+    def step(self, items: Sequence[PrefillItem | VerifyItem]) -> list[StepOutput]:
+        """Feeds every item in ONE packed forward: verify blocks and prefill chunks alike.
 
-    def verify(self, items: Sequence[VerifyItem]) -> list[StepOutput]:
-        """Verifies every item's ``[anchor, *draft]`` in ONE packed forward.
-
-        Each slot is first rolled back to the item's ``start_pos``. Row ``i`` of an item's
-        rows follows the slot's tokens before ``start_pos`` + the anchor + ``draft[:i]``, with
+        A `VerifyItem` first rolls its slot back to ``start_pos`` (discarding the previous
+        step's rejected positions) and feeds ``[anchor, *draft]`` there; row ``i`` of its
+        rows follows the slot's tokens before ``start_pos`` + the anchor + ``draft[:i]``,
         penalties counted over the tokens after the slot's prompt.
 
+        A `PrefillItem` feeds a prompt chunk at ``start_pos + offset``: with ``offset`` 0 the
+        slot first keeps only its first ``start_pos`` positions (context the prompt
+        continues), else it must hold exactly ``start_pos + offset``. Penalties count the
+        prompt (all chunks so far) as the request's prompt and the context not at all.
+
         Returns:
-            Per item, in order: ``len(tokens)`` rows, hidden ``[len(tokens), hidden_size]``
-            when asked (None per item on a tensor-parallel rank other than 0, as `prefill`).
+            Per item, in order, a `StepOutput`: ``len(tokens)`` rows for a verify block; the
+            last prompt position's row for a prefill's ``last`` chunk; rows None for an
+            earlier chunk. Hidden rows of every fed position when asked. None per item when
+            the decoder returns no logits (a tensor-parallel shard on a rank other than 0,
+            `target_worker.tp`).
 
         Raises:
-            ValueError: an unknown or repeated slot, empty ``tokens``, ``start_pos`` beyond
-                the slot's length or before its prompt, a token id outside the vocabulary,
-                or the context exceeded. Nothing is changed then.
+            ValueError: an unknown or repeated slot, empty ``tokens``, a ``start_pos``
+                beyond the slot's length (or, verifying, before its prompt), a chunk that
+                does not continue its slot, a token id outside the vocabulary, or the
+                context exceeded. Nothing is changed then.
         """
         if not items:
             return []
-        slots = self._check_items(items, [item.start_pos for item in items])
+        slots = self._check_items(items)
         for item, slot in zip(items, slots, strict=True):
-            if item.start_pos < slot.offset:
-                raise ValueError(f"slot {item.slot}: start_pos {item.start_pos} is before its "
-                                 f"prompt's start {slot.offset}")
-        for item, slot in zip(items, slots, strict=True):
-            slot.truncate(item.start_pos)
+            if isinstance(item, VerifyItem):
+                slot.truncate(item.start_pos)
+            elif item.offset == 0:
+                slot.start(item.start_pos)
         results = self._forward(
-            [
-                (list(item.tokens), item.start_pos, slot.cache)
-                for item, slot in zip(items, slots, strict=True)
-            ],
-            [False] * len(items),
+            [(list(item.tokens), _feed_pos(item), slot.cache)
+             for item, slot in zip(items, slots, strict=True)],
+            [isinstance(item, PrefillItem) for item in items],
         )
-        self.stats["verify_calls"] += 1
+        if any(isinstance(item, PrefillItem) for item in items):
+            self.stats["prefill_calls"] += 1
+        if any(isinstance(item, VerifyItem) for item in items):
+            self.stats["verify_calls"] += 1
         outputs = []
         t0 = time.perf_counter()
         for item, slot, (logits, hidden) in zip(items, slots, results, strict=True):
             tokens = [int(t) for t in item.tokens]
-            if logits is None:  # a tensor-parallel rank other than 0: rank 0 answers
+            if isinstance(item, PrefillItem):
+                self.stats["prefill_tokens"] += len(tokens)
+                slot.tokens.extend(tokens)
+                slot.num_prompt_tokens = item.offset + len(tokens)
+                if logits is None:  # a tensor-parallel rank other than 0: rank 0 answers
+                    outputs.append(None)
+                elif not item.last:
+                    outputs.append(StepOutput(None, _own(hidden, item.want_hidden)))
+                else:
+                    rows = target_rows(logits, item.sampling, slot.tokens,
+                                       slot.num_prompt_tokens)
+                    outputs.append(StepOutput(compact_rows(rows),
+                                              _own(hidden, item.want_hidden)))
+                continue
+            if logits is None:
                 slot.tokens.extend(tokens)
                 outputs.append(None)
                 continue
@@ -235,25 +325,33 @@ class TargetEngine:
         except (KeyError, TypeError):
             raise ValueError(f"target slot {slot!r} is not allocated") from None
 
-    def _check_items(
-        self, items: Sequence[PrefillItem | VerifyItem], starts: Sequence[int]
-    ) -> list[_Slot]:
+    def _check_items(self, items: Sequence[PrefillItem | VerifyItem]) -> list[_Slot]:
         """The items' slots, after checking every item can be fed (so a bad item changes
         nothing, not even the rollback of the good ones)."""
         slots, seen = [], set()
         vocab, context = self.config.vocab_size, self.config.max_seq_len
-        for item, start in zip(items, starts, strict=True):
+        for item in items:
             slot = self._slot(item.slot)
             if item.slot in seen:
                 raise ValueError(f"target slot {item.slot} appears twice in one batch")
             seen.add(item.slot)
             if not item.tokens:
                 raise ValueError(f"slot {item.slot}: no tokens to feed")
-            if not 0 <= start <= slot.cache.seq_len:
+            start = _feed_pos(item)
+            length = slot.cache.seq_len
+            if isinstance(item, PrefillItem) and item.offset:
+                if item.offset < 0 or start != length or slot.offset > item.start_pos:
+                    raise ValueError(
+                        f"slot {item.slot}: a prompt chunk at offset {item.offset} (position "
+                        f"{start}) does not continue the slot's {length} positions")
+            elif not 0 <= item.start_pos <= length:
                 raise ValueError(
-                    f"slot {item.slot}: start_pos {start} is beyond its length "
-                    f"{slot.cache.seq_len}"
+                    f"slot {item.slot}: start_pos {item.start_pos} is beyond its length "
+                    f"{length}"
                 )
+            if isinstance(item, VerifyItem) and item.start_pos < slot.offset:
+                raise ValueError(f"slot {item.slot}: start_pos {item.start_pos} is before its "
+                                 f"prompt's start {slot.offset}")
             bad = [t for t in item.tokens if not 0 <= int(t) < vocab]
             if bad:
                 raise ValueError(
@@ -276,6 +374,11 @@ class TargetEngine:
         self.stats["forward_calls"] += 1
         self.stats["tokens_fed"] += sum(len(tokens) for tokens, _, _ in segments)
         return results
+
+
+def _feed_pos(item: PrefillItem | VerifyItem) -> int:
+    """The absolute position ``item``'s first token is fed at."""
+    return item.start_pos + item.offset if isinstance(item, PrefillItem) else item.start_pos
 
 
 def _own(hidden: torch.Tensor, wanted: bool) -> torch.Tensor | None:

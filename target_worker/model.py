@@ -296,17 +296,32 @@ def causal_mask(start: int, end: int, group: int, dtype: torch.dtype) -> torch.T
     return mask.repeat(group, 1)
 
 
+#: Segments of more rows than this attend through ``scaled_dot_product_attention`` on the CPU
+#: too (its flash kernel never materialises the scores). Measured here, SmolLM2 shapes (9 query
+#: and 3 KV heads, head_dim 64), one layer, 1 thread, bmm path vs SDPA: 8 rows over 2,000 keys
+#: 0.46 vs 0.49 ms and 64 over 6,000 8.1 vs 8.5 (bmm wins: verify blocks); 256 rows after 1,792
+#: cached 14.0 vs 9.0 ms, a 512-row chunk after 5,632 cached 161 vs 61 ms, a whole 2,048-token
+#: prompt 241 vs 42 ms and 6,144 tokens 2,204 vs 312 ms (`scripts/attention_paths.py`).
+SDPA_MIN_ROWS = 65
+
+
 @dataclass(frozen=True)
 class Segment:
     """One sequence inside a packed forward: activation rows ``[lo, hi)`` are fed at absolute
-    positions ``[start, start + hi - lo)`` of ``cache``; ``mask`` is its additive causal mask
-    (None for a single row)."""
+    positions ``[start, start + hi - lo)`` of ``cache``.
+
+    ``mask`` is its additive causal mask: tiled ``group`` times ``[group * m, end]`` for the
+    bmm path (`causal_mask`), or, with ``sdpa``, untiled ``[m, end]`` for
+    ``scaled_dot_product_attention``. None for a single row, and with ``sdpa`` for a segment
+    that starts at position 0 (then attention is causal with no mask built: a ``[m, m]``
+    mask of a 6k-token prompt alone is 150 MB)."""
 
     lo: int
     hi: int
     start: int
     cache: KvCache
     mask: torch.Tensor | None
+    sdpa: bool = False
 
 
 @dataclass(frozen=True)
@@ -321,10 +336,11 @@ class Rows:
 
 
 def _use_sdpa(x: torch.Tensor) -> bool:
-    """Whether attention runs as ``scaled_dot_product_attention``: off the CPU (fused GPU
-    kernels, grouped-query heads native). On the CPU the bmm + softmax path measured faster
-    (SmolLM2 shapes, 30 layers, 2000 cached tokens, k=8: 13.1 vs 14.3 ms with 2 threads,
-    17.7 vs 20.5 ms with 1, against SDPA with enable_gqa)."""
+    """Whether every segment attends as ``scaled_dot_product_attention``: off the CPU (fused
+    GPU kernels, grouped-query heads native). On the CPU only long segments do
+    (`SDPA_MIN_ROWS`): for verify blocks the bmm + softmax path measured faster (SmolLM2
+    shapes, 30 layers, 2000 cached tokens, k=8: 13.1 vs 14.3 ms with 2 threads, 17.7 vs 20.5
+    ms with 1, against SDPA with enable_gqa)."""
     return x.device.type != "cpu"
 
 
@@ -362,11 +378,12 @@ class Attention(nn.Module):
             cache.v[layer, :, seg.start : end] = qkv[lo:hi, h + kvh :].transpose(0, 1)
             keys = cache.k[layer, :, :end]  # [kvh, end, d]
             values = cache.v[layer, :, :end]
-            if _use_sdpa(x):
-                # The mask's first m rows are the untiled [m, end] causal mask.
+            if seg.sdpa or _use_sdpa(x):
+                # A tiled bmm mask's first m rows are the untiled [m, end] causal mask.
+                mask = seg.mask if seg.sdpa or seg.mask is None else seg.mask[:m]
                 o = F.scaled_dot_product_attention(
                     qk[lo:hi, :h].transpose(0, 1)[None], keys[None], values[None],
-                    attn_mask=None if seg.mask is None else seg.mask[:m], scale=self.scale,
+                    attn_mask=mask, is_causal=mask is None and m > 1, scale=self.scale,
                     enable_gqa=True)  # [1, h, m, d]
                 outs.append(o[0].transpose(0, 1).reshape(m, h * d))
                 continue
@@ -649,14 +666,20 @@ class Decoder(nn.Module):
                     raise
                 raise ValueError(f"segment {i}: {e}") from None
         segs, cos, sin, lo = [], [], [], 0
+        x_on_gpu = self.norm.weight.device.type != "cpu"
         for idx, (_, start, cache) in zip(ids, segments, strict=True):
             n = idx.numel()
             cache.reserve(start + n)
             c, s = self._rope(start, start + n)
             cos.append(c)
             sin.append(s)
-            mask = self._causal_mask(start, start + n) if n > 1 else None
-            segs.append(Segment(lo, lo + n, start, cache, mask))
+            if n >= SDPA_MIN_ROWS or x_on_gpu:
+                # Untiled, and none at all from position 0 (SDPA's own causal masking).
+                mask = causal_mask(start, start + n, 1, self.dtype) if start and n > 1 else None
+                segs.append(Segment(lo, lo + n, start, cache, mask, sdpa=True))
+            else:
+                mask = self._causal_mask(start, start + n) if n > 1 else None
+                segs.append(Segment(lo, lo + n, start, cache, mask))
             lo += n
         x = self.embed_tokens(ids[0] if single else torch.cat(ids))
         rows = Rows(cos[0] if single else torch.cat(cos), sin[0] if single else torch.cat(sin),

@@ -35,7 +35,13 @@ import torch
 from specd_core.step import payload_bytes
 
 from .actor import TargetActor
-from .engine import PrefillItem, StepOutput, TargetEngine, VerifyItem
+from .engine import (
+    DEFAULT_PREFIX_CACHE_TOKENS,
+    PrefillItem,
+    StepOutput,
+    TargetEngine,
+    VerifyItem,
+)
 from .hf import HFSource, read_hf_config
 from .loader import (
     DTYPES,
@@ -152,6 +158,7 @@ class TPRank(TargetActor):
         use_gpu: bool = False,
         dtype: str | None = None,
         vocab_parallel: bool = True,
+        prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
     ):
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
@@ -165,14 +172,16 @@ class TPRank(TargetActor):
         self._store = None
         if rank == 0 and tp > 1:
             self._start_followers(model, max_slots, num_threads, placement_group, use_gpu,
-                                  dtype, vocab_parallel)
+                                  dtype, vocab_parallel, prefix_cache_tokens)
         if tp == 1 and not use_gpu:
             decoder = load_decoder(model, dtype)  # exactly the single-process target
         else:
             torch_dtype = getattr(torch, dtype or ("bfloat16" if use_gpu else "float32"))
             decoder = load_shard(model, rank, tp, "cuda" if use_gpu else "cpu", torch_dtype,
                                  vocab_parallel)
-        self.engine = TargetEngine(decoder, max_slots=max_slots)
+        # Every rank keeps the same warm slots: each makes the same reuse choices.
+        self.engine = TargetEngine(decoder, max_slots=max_slots,
+                                   prefix_cache_tokens=prefix_cache_tokens)
         self._step = dict.fromkeys(_STEP_KEYS, 0)
         self._step["steps"] = 0
         self._last_step: dict = {}
@@ -181,7 +190,8 @@ class TPRank(TargetActor):
 
     # --- set-up -----------------------------------------------------------------------------
 
-    def _start_followers(self, model, max_slots, num_threads, pg, use_gpu, dtype, vp) -> None:
+    def _start_followers(self, model, max_slots, num_threads, pg, use_gpu, dtype, vp,
+                         prefix_cache_tokens) -> None:
         import ray
         import torch.distributed as dist
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -194,7 +204,8 @@ class TPRank(TargetActor):
             self.followers.append(cls.options(
                 num_cpus=CPU_PER_RANK, num_gpus=1 if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r),
-            ).remote(model, max_slots, num_threads, r, self.tp, None, use_gpu, dtype, vp))
+            ).remote(model, max_slots, num_threads, r, self.tp, None, use_gpu, dtype, vp,
+                     prefix_cache_tokens))
 
     def _rendezvous(self) -> None:
         import ray
@@ -232,7 +243,7 @@ class TPRank(TargetActor):
     def follow(self, method: str, *args):
         """Runs an engine call as a rank other than 0: an allocated slot id, else None."""
         result = getattr(self.engine, method)(*args)
-        return result if method == "allocate" else None
+        return result if method in ("allocate", "allocate_prefix") else None
 
     # --- the TargetActor surface ------------------------------------------------------------
 
@@ -258,7 +269,7 @@ class TPRank(TargetActor):
                         f"{exc}"
                     ) from exc
                 continue
-            if method == "allocate" and error is None and theirs != mine:
+            if method in ("allocate", "allocate_prefix") and error is None and theirs != mine:
                 raise RuntimeError(f"rank {r} allocated slot {theirs}, rank 0 slot {mine}")
         if error is not None:
             raise error
@@ -288,6 +299,11 @@ class TPRank(TargetActor):
     def allocate(self) -> int:
         """A free slot id (the same on every rank). Raises RuntimeError when all are in use."""
         return self._all("allocate")
+
+    def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
+        """``(slot, reused positions)``, the same on every rank
+        (`TargetEngine.allocate_prefix`)."""
+        return self._all("allocate_prefix", tokens)
 
     def free(self, slot: int) -> None:
         """Releases ``slot`` on every rank. Raises ValueError for an unknown slot."""
@@ -344,6 +360,7 @@ def create_target_replica(
     dtype: str | None = None,
     vocab_parallel: bool = True,
     placement_timeout_s: float = 600.0,
+    prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
 ):
     """Starts a target replica of ``tp`` ranks; returns its Ray actor handle (rank 0).
 
@@ -362,6 +379,8 @@ def create_target_replica(
         dtype: override the weights/compute dtype (one of `target_worker.loader.DTYPES`).
         vocab_parallel: split embeddings / LM head by vocabulary (else replicated).
         placement_timeout_s: how long to wait for the placement group.
+        prefix_cache_tokens: positions freed slots keep warm for prefix reuse on every rank
+            (0: none; `target_worker.engine.TargetEngine`).
 
     Raises:
         ValueError: ``tp`` does not fit the model (`validate_tp`), or a bad argument.
@@ -398,7 +417,8 @@ def create_target_replica(
             ) from exc
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, 0)
     handle = ray.remote(TPRank).options(**options).remote(
-        model, max_slots, num_threads, 0, tp, pg, use_gpu, dtype, vocab_parallel)
+        model, max_slots, num_threads, 0, tp, pg, use_gpu, dtype, vocab_parallel,
+        prefix_cache_tokens)
     if pg is not None:
         _PLACEMENT_GROUPS[handle._actor_id.hex()] = pg
     return handle

@@ -246,27 +246,35 @@ def test_poison_requests_fail_alone_free_their_slots_and_the_service_keeps_servi
     _healthy_and_empty(svc)
 
 
-def _engine_fault(monkeypatch, method: str, exc_type: type[Exception]) -> None:
-    """Makes ``TargetEngine.<method>`` raise ``exc_type`` for any batch holding a request
-    whose prompt is `MARKER` (as a per-item validation error or a whole-call failure)."""
-    original = getattr(TargetEngine, method)
+def _engine_fault(monkeypatch, kind: str, exc_type: type[Exception]) -> None:
+    """Makes a target step (`TargetEngine.step`: verify blocks and prompt chunks in one call)
+    raise ``exc_type`` when it holds an item of ``kind`` ("prefill": a prompt chunk,
+    "verify": a verify block) of a request whose prompt is `MARKER` (as a per-item
+    validation error or a whole-call failure)."""
+    from specd_core.step import PrefillItem
+
+    original = TargetEngine.step
 
     def faulty(self, items):
         for item in items:
-            tokens = item.tokens if method == "prefill" else self._slots[item.slot].tokens
+            if isinstance(item, PrefillItem) != (kind == "prefill"):
+                continue
+            tokens = item.tokens if kind == "prefill" else self._slots[item.slot].tokens
             if list(tokens[:len(MARKER)]) == MARKER:
-                raise exc_type(f"slot {item.slot}: injected {method} fault")
+                raise exc_type(f"slot {item.slot}: injected {kind} fault")
         return original(self, items)
 
-    monkeypatch.setattr(TargetEngine, method, faulty)
+    monkeypatch.setattr(TargetEngine, "step", faulty)
 
 
 @pytest.mark.parametrize("method,exc_type,code,beside", [
     # A per-item refusal of a batched verify: retried one by one, only the offender fails.
     ("verify", ValueError, grpc.StatusCode.INTERNAL, True),
-    # The prefill call itself fails (not a validation error): only the requests in that call
-    # (the poison, admitted alone while the good ones decode).
-    ("prefill", RuntimeError, grpc.StatusCode.UNAVAILABLE, True),
+    # The same for a prompt chunk sharing a step with the good requests' verify blocks.
+    ("prefill", ValueError, grpc.StatusCode.INTERNAL, True),
+    # A step carrying the poison's prompt fails as a whole (not a validation error): every
+    # request in it fails (here the poison alone), the service serves the next ones.
+    ("prefill", RuntimeError, grpc.StatusCode.UNAVAILABLE, False),
     # The batched verify fails as a whole: every request in it fails (here the poison alone:
     # any request beside it shares its call), the service serves the next ones.
     ("verify", RuntimeError, grpc.StatusCode.UNAVAILABLE, False),

@@ -20,9 +20,9 @@ def test_every_member_counts_by_the_documented_sizes():
     sampling = 8 * len(dataclasses.fields(SamplingParams))
     assert payload_bytes([item]) == 8 + 8 + 8 * 11 + sampling + 1
     prefill = PrefillItem(slot=1, tokens=[5] * 300, sampling=SamplingParams())
-    # slot, start_pos, tokens, sampling, want_hidden
+    # slot, start_pos, offset, tokens, sampling, want_hidden, last
     assert (payload_bytes([item, prefill])
-            == payload_bytes(item) + 8 + 8 + 8 * 300 + sampling + 1)
+            == payload_bytes(item) + 8 + 8 + 8 + 8 * 300 + sampling + 1 + 1)
     hidden = torch.zeros(11, 16)
     out = StepOutput(GreedyRows(tuple(range(11))), hidden)
     assert payload_bytes(out) == 8 * 11 + 11 * 16 * 4

@@ -1,0 +1,89 @@
+"""Request latency histograms: time to first token, inter-token latency, prefill time.
+
+Named and bucketed as vLLM exports them (``vllm:time_to_first_token_seconds``,
+``vllm:inter_token_latency_seconds``, ``vllm:request_prefill_time_seconds``), so dashboards
+built for vLLM read specd's (`coordinator.metrics`, prefix ``specd_``). Pure Python: each
+scheduler keeps its own and the router adds them up.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Histogram", "LatencyHistograms", "merge_snapshots"]
+
+#: Upper bounds in seconds (vLLM's, v0.11).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclass
+class Histogram:
+    """Observations in seconds counted per bucket (``counts[i]``: values <= ``bounds[i]``
+    and above the bound before; the last count is above every bound), with their sum."""
+
+    bounds: Sequence[float]
+    counts: list[int] = field(default_factory=list)
+    sum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+    def quantile(self, q: float) -> float | None:
+        """The upper bound of the bucket holding quantile ``q`` in [0, 1] (None when empty;
+        ``inf`` past the last bound): what a Prometheus ``histogram_quantile`` would bound."""
+        total = self.count
+        if not total:
+            return None
+        seen = 0
+        for bound, n in zip([*self.bounds, float("inf")], self.counts, strict=True):
+            seen += n
+            if seen >= q * total:
+                return bound
+        return float("inf")
+
+    def snapshot(self) -> dict:
+        """``{"bounds": [...], "counts": [...], "sum": float}`` (plain, picklable)."""
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum}
+
+
+class LatencyHistograms:
+    """One scheduler's ``ttft`` (submission to first token streamed), ``itl`` (gap between
+    two streamed chunks of one request: a speculative step streams several tokens at once)
+    and ``prefill`` (first prompt chunk sent to first token sampled) histograms."""
+
+    def __init__(self) -> None:
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.prefill = Histogram(REQUEST_BUCKETS)
+
+    def snapshot(self) -> dict[str, dict]:
+        return {"ttft": self.ttft.snapshot(), "itl": self.itl.snapshot(),
+                "prefill": self.prefill.snapshot()}
+
+
+def merge_snapshots(snapshots: Sequence[dict[str, dict]]) -> dict[str, Histogram]:
+    """Adds up `LatencyHistograms.snapshot` dicts (several replicas) into one `Histogram`
+    per name."""
+    merged: dict[str, Histogram] = {}
+    for snap in snapshots:
+        for name, h in snap.items():
+            into = merged.setdefault(name, Histogram(tuple(h["bounds"])))
+            into.counts = [a + b for a, b in zip(into.counts, h["counts"], strict=True)]
+            into.sum += h["sum"]
+    return merged
