@@ -9,6 +9,8 @@ scheduler keeps its own and the router adds them up.
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,14 +25,20 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+#: Latest observations each histogram keeps for exact quantiles (`Histogram.quantile`).
+RECENT = 1024
+
+
 @dataclass
 class Histogram:
     """Observations in seconds counted per bucket (``counts[i]``: values <= ``bounds[i]``
-    and above the bound before; the last count is above every bound), with their sum."""
+    and above the bound before; the last count is above every bound), with their sum, and
+    the latest `RECENT` of them."""
 
     bounds: Sequence[float]
     counts: list[int] = field(default_factory=list)
     sum: float = 0.0
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT))
 
     def __post_init__(self) -> None:
         if not self.counts:
@@ -43,23 +51,21 @@ class Histogram:
     def observe(self, seconds: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
         self.sum += seconds
+        self.recent.append(seconds)
 
-    def quantile(self, q: float) -> float | None:
-        """The upper bound of the bucket holding quantile ``q`` in [0, 1] (None when empty;
-        ``inf`` past the last bound): what a Prometheus ``histogram_quantile`` would bound."""
-        total = self.count
-        if not total:
-            return None
-        seen = 0
-        for bound, n in zip([*self.bounds, float("inf")], self.counts, strict=True):
-            seen += n
-            if seen >= q * total:
-                return bound
-        return float("inf")
+    def quantile(self, q: float) -> float:
+        """Quantile ``q`` in (0, 1) of the latest `RECENT` observations, seconds (0.0 when
+        there are none; linear interpolation between order statistics)."""
+        if not self.recent:
+            return 0.0
+        if len(self.recent) == 1:
+            return self.recent[0]
+        return statistics.quantiles(self.recent, n=100, method="inclusive")[round(q * 100) - 1]
 
     def snapshot(self) -> dict:
-        """``{"bounds": [...], "counts": [...], "sum": float}`` (plain, picklable)."""
-        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum}
+        """``{"bounds": [...], "counts": [...], "sum": float, "recent": [...]}`` (plain)."""
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum,
+                "recent": list(self.recent)}
 
 
 class LatencyHistograms:
@@ -86,4 +92,5 @@ def merge_snapshots(snapshots: Sequence[dict[str, dict]]) -> dict[str, Histogram
             into = merged.setdefault(name, Histogram(tuple(h["bounds"])))
             into.counts = [a + b for a, b in zip(into.counts, h["counts"], strict=True)]
             into.sum += h["sum"]
+            into.recent.extend(h["recent"])
     return merged

@@ -41,6 +41,17 @@ REPLICA_METRICS = (
      "Replica compute seconds over the seconds it had requests (1: never idle).", "gauge"),
 )
 
+#: (metric suffix, `coordinator.latency.LatencyHistograms` name, help) per replica: vLLM's
+#: names with the ``specd_`` prefix.
+LATENCY_METRICS = (
+    ("time_to_first_token_seconds", "ttft", "Time from submission to the first token streamed."),
+    ("inter_token_latency_seconds", "itl",
+     "Time between two streamed chunks of one request (a speculative step streams several "
+     "tokens at once)."),
+    ("request_prefill_time_seconds", "prefill",
+     "Time from a request's first prompt chunk sent to its first token sampled."),
+)
+
 #: The same for each drafter worker.
 DRAFTER_METRICS = (
     ("calls", "calls", "Propose calls.", "counter"),
@@ -65,7 +76,11 @@ class RouterCollector:
         return self.router.status()
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
 
         try:
             status = asyncio.run_coroutine_threadsafe(self._snapshot(), self.loop).result(
@@ -82,6 +97,16 @@ class RouterCollector:
                 for row in rows:
                     family.add_metric([row["name"]], float(row[key]))
                 yield family
+        for suffix, key, doc in LATENCY_METRICS:
+            family = HistogramMetricFamily("specd_" + suffix, doc, labels=["replica"])
+            for row in status["replicas"]:
+                h = row["latency"][key]
+                cumulative, buckets = 0, []
+                for bound, n in zip([*map(str, h["bounds"]), "+Inf"], h["counts"], strict=True):
+                    cumulative += n
+                    buckets.append((bound, cumulative))
+                family.add_metric([row["name"]], buckets, h["sum"])
+            yield family
 
 
 def router_registry(router, loop: asyncio.AbstractEventLoop):

@@ -335,7 +335,8 @@ class Replica:
     restarts: int = 0
 
 
-_GAUGES = ("active_requests", "waiting_requests", "used_slots", "total_slots")
+_GAUGES = ("active_requests", "prefilling_requests", "waiting_requests", "used_slots",
+           "total_slots")
 _COUNTERS = ("steps", "tokens_generated", "forward_calls", "drafter_failures", "completed",
              "cancelled", "failed", "draft_wait_seconds", "runahead_hits", "runahead_misses",
              "active_seconds")
@@ -485,8 +486,13 @@ class Router:
         drafts before its verify could start), ``runahead_hits`` / ``runahead_misses``, and
         ``target_busy_fraction``: the replica's own compute seconds (forward and rows, from
         its last ``status()``) over the seconds this loop had requests admitting or decoding,
-        at most 1 (what coordination leaves idle is the rest)."""
+        at most 1 (what coordination leaves idle is the rest). Long prompts:
+        ``prefilling_requests``, ``ttft_p50_seconds`` / ``ttft_p90_seconds``,
+        ``itl_p50_seconds`` / ``itl_p90_seconds`` and ``prefill_p50_seconds`` over the
+        latest requests (`coordinator.latency`), and the replica's prefix reuse counters
+        from its last ``status()``."""
         s = replica.scheduler.status()
+        latency = replica.scheduler.latency
         m = replica.target.stats
         steps = m["verify_calls"]
         reported = replica.reported.get("stats", {})
@@ -511,6 +517,11 @@ class Router:
             "target_busy_fraction": (min(1.0, busy / s["active_seconds"])
                                      if s["active_seconds"] else 0.0),
             "pipeline": replica.scheduler.pipeline,
+            **{f"{name}_p{q}_seconds": getattr(latency, name).quantile(q / 100)
+               for name, q in (("ttft", 50), ("ttft", 90), ("itl", 50), ("itl", 90),
+                               ("prefill", 50))},
+            **{key: int(reported.get(key, 0))
+               for key in ("prefix_hits", "prefix_queries", "prefix_hit_tokens")},
             **{f"target_{k}": v for k, v in m.items()},
         }
 

@@ -100,12 +100,16 @@ def status_table(status: generation_pb2.StatusResponse) -> str:
         "",
     ]
     lines += _table(
-        ["replica", "state", "tp", "active", "waiting", "slots", "tok/s", "tok/step",
-         "step ms", "tokens", "restarts", "failed"],
-        [[r.name, r.state, r.tp, r.active_requests, r.waiting_requests,
+        ["replica", "state", "tp", "active", "prefill", "waiting", "slots", "tok/s",
+         "tok/step", "step ms", "ttft p50/p90 ms", "itl p50 ms", "prefix hits", "tokens",
+         "restarts", "failed"],
+        [[r.name, r.state, r.tp, r.active_requests, r.prefilling_requests, r.waiting_requests,
           f"{r.used_slots}/{r.total_slots}", f"{r.tokens_per_second:.1f}",
           f"{r.tokens_emitted / r.steps:.2f}" if r.steps else "-",
-          f"{r.step_seconds * 1e3:.1f}", r.tokens_emitted, r.restarts, r.failed]
+          f"{r.step_seconds * 1e3:.1f}",
+          f"{r.ttft_p50_seconds * 1e3:.0f}/{r.ttft_p90_seconds * 1e3:.0f}",
+          f"{r.itl_p50_seconds * 1e3:.0f}", f"{r.prefix_hits}/{r.prefix_queries}",
+          r.tokens_emitted, r.restarts, r.failed]
          for r in s.replicas]) or ["(no replicas)"]
     lines.append("")
     if s.drafters:

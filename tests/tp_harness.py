@@ -90,8 +90,20 @@ def engine_script(decoder, vocab: int, steps: int = 8) -> dict:
     out["verify"] = verify_out
     out["greedy_tokens"] = generated + [anchor]
     out["accepted"] = accepted
+    # Chunked prefill: a prompt in two chunks (the first long enough for the SDPA path), the
+    # second beside a verify block; then the same prompt again, reusing the warm slot.
+    long = [(7 * i + 2) % vocab for i in range(80)]
+    s2 = engine.allocate()
+    chunked = [engine.step([PrefillItem(s2, long[:70], GREEDY, want_hidden=True, last=False)]),
+               engine.step([PrefillItem(s2, long[70:], GREEDY, want_hidden=True, offset=70),
+                            VerifyItem(s1, len1, [1, 2], SAMPLED)])]
+    engine.free(s2)
+    s2, reused = engine.allocate_prefix(long)
+    chunked.append(engine.step([PrefillItem(s2, long[reused:], GREEDY, offset=reused)]))
+    out["chunked"], out["reused"] = chunked, reused
     engine.free(s0)
     engine.free(s1)
+    engine.free(s2)
     return out
 
 

@@ -141,7 +141,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("name", "state", "tp", "active_requests", "waiting_requests", "used_slots", "total_slots", "requests_placed", "steps", "tokens_emitted", "tokens_per_second", "step_seconds", "forward_seconds_per_call", "bytes_sent_per_step", "bytes_received_per_step", "drafter_failures", "restarts", "failed", "draft_wait_seconds_per_step", "runahead_hits", "runahead_misses", "target_busy_fraction", "pipeline")
+    __slots__ = ("name", "state", "tp", "active_requests", "waiting_requests", "used_slots", "total_slots", "requests_placed", "steps", "tokens_emitted", "tokens_per_second", "step_seconds", "forward_seconds_per_call", "bytes_sent_per_step", "bytes_received_per_step", "drafter_failures", "restarts", "failed", "draft_wait_seconds_per_step", "runahead_hits", "runahead_misses", "target_busy_fraction", "pipeline", "prefilling_requests", "ttft_p50_seconds", "ttft_p90_seconds", "itl_p50_seconds", "itl_p90_seconds", "prefill_p50_seconds", "prefix_hits", "prefix_queries", "prefix_hit_tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,15 @@ class ReplicaStatus(_message.Message):
     RUNAHEAD_MISSES_FIELD_NUMBER: _ClassVar[int]
     TARGET_BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    PREFILLING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P90_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ITL_P90_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: str
     tp: int
@@ -188,7 +197,16 @@ class ReplicaStatus(_message.Message):
     runahead_misses: int
     target_busy_fraction: float
     pipeline: bool
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., used_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., requests_placed: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_emitted: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ..., forward_seconds_per_call: _Optional[float] = ..., bytes_sent_per_step: _Optional[float] = ..., bytes_received_per_step: _Optional[float] = ..., drafter_failures: _Optional[int] = ..., restarts: _Optional[int] = ..., failed: _Optional[int] = ..., draft_wait_seconds_per_step: _Optional[float] = ..., runahead_hits: _Optional[int] = ..., runahead_misses: _Optional[int] = ..., target_busy_fraction: _Optional[float] = ..., pipeline: _Optional[bool] = ...) -> None: ...
+    prefilling_requests: int
+    ttft_p50_seconds: float
+    ttft_p90_seconds: float
+    itl_p50_seconds: float
+    itl_p90_seconds: float
+    prefill_p50_seconds: float
+    prefix_hits: int
+    prefix_queries: int
+    prefix_hit_tokens: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., used_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., requests_placed: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_emitted: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ..., forward_seconds_per_call: _Optional[float] = ..., bytes_sent_per_step: _Optional[float] = ..., bytes_received_per_step: _Optional[float] = ..., drafter_failures: _Optional[int] = ..., restarts: _Optional[int] = ..., failed: _Optional[int] = ..., draft_wait_seconds_per_step: _Optional[float] = ..., runahead_hits: _Optional[int] = ..., runahead_misses: _Optional[int] = ..., target_busy_fraction: _Optional[float] = ..., pipeline: _Optional[bool] = ..., prefilling_requests: _Optional[int] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p90_seconds: _Optional[float] = ..., itl_p50_seconds: _Optional[float] = ..., itl_p90_seconds: _Optional[float] = ..., prefill_p50_seconds: _Optional[float] = ..., prefix_hits: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class DrafterStatus(_message.Message):
     __slots__ = ("name", "address", "state", "calls", "errors", "mean_latency_seconds", "assigned_requests", "in_flight", "restarts")

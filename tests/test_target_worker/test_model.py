@@ -314,3 +314,24 @@ def test_moe_uses_top_k_experts():
 def test_kvcache_direct_construction_validates():
     with pytest.raises(ValueError, match="capacity"):
         KvCache(1, 1, 2, capacity=10, max_seq_len=5)
+
+
+@pytest.mark.parametrize("split", [None, 70, 100])
+def test_long_segments_attend_through_sdpa_as_the_bmm_path_does(split):
+    # Segments of SDPA_MIN_ROWS rows or more take scaled_dot_product_attention (causal with
+    # no mask from position 0, an untiled mask after a cached prefix): the same logits as
+    # token-at-a-time feeding, which takes the bmm path.
+    from target_worker.model import SDPA_MIN_ROWS
+
+    decoder = Decoder.random(ModelConfig.tiny_test(64, n_layers=2), seed=3)
+    tokens = [(5 * i + 1) % 64 for i in range(2 * SDPA_MIN_ROWS + 20)]
+    ref_cache = decoder.new_cache()
+    ref = torch.cat([decoder.forward_batch([t], i, ref_cache) for i, t in enumerate(tokens)])
+    cache = decoder.new_cache()
+    if split is None:
+        got = decoder.forward_batch(tokens, 0, cache)
+    else:
+        got = torch.cat([decoder.forward_batch(tokens[:split], 0, cache),
+                         decoder.forward_batch(tokens[split:], split, cache)])
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert cache.seq_len == len(tokens)

@@ -91,6 +91,27 @@ def test_tp2_greedy_tokens_through_prefill_verify_rollback_match(runs, case):
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_tp2_ranks_chunk_a_prompt_and_reuse_a_prefix_alike(runs, case):
+    decoder, ranks = runs[case]
+    ref = engine_script(decoder, decoder.config.vocab_size)
+    got = ranks[0]
+    assert got["reused"] == ref["reused"] == 79 and ranks[1]["reused"] == 79
+    first, second, again = ref["chunked"]
+    assert first[0].rows is None and first[0].hidden.shape[0] == 70
+    for outs_ref, outs_got in zip(ref["chunked"], got["chunked"], strict=True):
+        for o_ref, o_got in zip(outs_ref, outs_got, strict=True):
+            assert (o_got.rows is None) == (o_ref.rows is None)
+            if o_ref.rows is not None:
+                a, b = rows_of(o_ref), rows_of(o_got)
+                assert a == b if isinstance(a, tuple) else torch.allclose(a, b, atol=PROB_TOL)
+            if o_ref.hidden is not None:
+                assert (o_got.hidden - o_ref.hidden).abs().max().item() < LOGIT_TOL
+    # The reused prefix gives the prompt's last row as the chunked prefill did.
+    assert rows_of(again[0]) == rows_of(second[0])
+    assert all(o is None for step in ranks[1]["chunked"] for o in step)
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_each_rank_holds_only_its_shard(runs, case):
     decoder, ranks = runs[case]
     config, tp = decoder.config, len(ranks)
