@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import shlex
 import shutil
@@ -203,7 +204,9 @@ def run_compare(cfg: ServeBenchConfig, cmp: CompareConfig,
 
     Returns:
         ``{"model_dir", "rounds", "servers": {"specd"|"peer": {"command", "model_id",
-        "startup_s": [per start], "warmup_e2el_ms": [per start], "runs": [one `run_record`
+        "startup_s": [per start: until /v1/models answered], "warmup_e2el_ms": [per warm-up
+        request], "first_answer_s": [per start: start-up + the first warm-up request, None
+        without one], "runs": [one `run_record`
         per rate, all rounds pooled: durations summed, requests concatenated],
         "round_metrics": [[`compute_metrics` per rate] per round]}}, "ratios": [per rate,
         specd / peer of `RATIO_KEYS`], "greedy_equal", "greedy_total"}`` (the greedy counts
@@ -233,7 +236,7 @@ def run_compare(cfg: ServeBenchConfig, cmp: CompareConfig,
     log_dir.mkdir(parents=True, exist_ok=True)
     servers: dict[str, dict[str, Any]] = {
         n: {"command": templates[n], "model_id": None, "startup_s": [], "warmup_e2el_ms": [],
-            "per_round": []} for n in SERVERS}
+            "first_answer_s": [], "per_round": []} for n in SERVERS}
     try:
         for rnd in range(cmp.rounds):
             order = SERVERS if rnd % 2 == 0 else SERVERS[::-1]
@@ -245,6 +248,9 @@ def run_compare(cfg: ServeBenchConfig, cmp: CompareConfig,
                 s["model_id"] = result["model"]
                 s["startup_s"].append(result["startup_s"])
                 s["warmup_e2el_ms"].extend(result["warmup_e2el_ms"])
+                s["first_answer_s"].append(
+                    result["startup_s"] + result["warmup_e2el_ms"][0] / 1000
+                    if result["warmup_e2el_ms"] else None)
                 s["per_round"].append(result["runs"])
     except BaseException:
         keep_logs = True
@@ -300,7 +306,8 @@ def _summarise(cfg: ServeBenchConfig, cmp: CompareConfig,
             runs.append(record)
         out["servers"][name] = {"command": s["command"], "model_id": s["model_id"],
                                 "startup_s": s["startup_s"],
-                                "warmup_e2el_ms": s["warmup_e2el_ms"], "runs": runs,
+                                "warmup_e2el_ms": s["warmup_e2el_ms"],
+                                "first_answer_s": s["first_answer_s"], "runs": runs,
                                 "round_metrics": round_metrics}
     specd, peer = out["servers"]["specd"], out["servers"]["peer"]
     out["ratios"] = [{k: (a[k] / b[k] if b[k] else None) for k in RATIO_KEYS}
@@ -348,11 +355,12 @@ def format_compare(result: dict[str, Any]) -> str:
         if "request_goodput" in a:
             lines.append(f"{'request_goodput':<26}{a['request_goodput']:>12.2f}"
                          f"{b['request_goodput']:>12.2f}")
-    su_a, su_b = _median(specd["startup_s"]), _median(peer["startup_s"])
-    lines += ["", f"{'start-up s (median)':<26}{su_a:>12.1f}{su_b:>12.1f}"
-                  f"{su_a / su_b if su_b else float('nan'):>11.2f}x",
-              f"{'first request ms (median)':<26}{_median(specd['warmup_e2el_ms']):>12.0f}"
-              f"{_median(peer['warmup_e2el_ms']):>12.0f}"]
+    lines.append("")
+    for label, key in (("start-up s", "startup_s"), ("start-up + 1st answer s", "first_answer_s")):
+        a = _median(v for v in specd[key] if v is not None)
+        b = _median(v for v in peer[key] if v is not None)
+        ratio = f"{a / b:.2f}x" if b and not math.isnan(a / b) else ""
+        lines.append(f"{label + ' (median)':<26}{a:>12.1f}{b:>12.1f}{ratio:>12}")
     if result["greedy_total"] is None:
         lines.append("greedy texts: not compared (temperature > 0)")
     else:

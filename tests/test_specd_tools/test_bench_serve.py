@@ -471,3 +471,62 @@ def test_against_a_real_specd_serve(tmp_path, capsys):
     assert all(n > 8 for n in r["input_lens"])
     assert all(len(g) >= 1 for g in r["itls"]) and r["mean_e2el_ms"] > 0
     assert "Successful requests:" in out
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    """A random 2-layer Llama directory with a trained byte-level BPE tokenizer (the README's
+    make_tiny.py)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["hello world", "def add(a, b): return a + b"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|im_start|>",
+                                  eos_token="<|im_end|>")
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                         "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    config = AutoConfig.for_model("llama", vocab_size=len(tok), hidden_size=64,
+                                  intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=512, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)  # the same weights every run: greedy equality is checked on them
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_compare_specd_serve_with_transformers_serve(tiny_hf_dir, tmp_path, capsys):
+    """The default --compare: a real specd serve and transformers serve on one tiny HF
+    directory (~40 s here: the two start-ups and transformers' lazy first load)."""
+    import importlib.util
+
+    for module in ("typer", "fastapi", "uvicorn", "openai"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"transformers serve needs {module}")
+    result = tmp_path / "cmp.json"
+    code, out, err = _run(capsys, [
+        "--compare", str(tiny_hf_dir), "--dataset-name", "random", "--num-prompts", "4",
+        "--input-len", "8", "--output-len", "16", "--rounds", "1", "--max-concurrency", "2",
+        "--specd-cmd", "{python} -m specd_tools.cli serve --model {model} --host 127.0.0.1 "
+                       "--port 0 --http-port {port} --shutdown-grace 5 --threads 1",
+        "--server-timeout", "300", "--result-json", str(result)])
+    assert code == 0, err
+    r = json.loads(result.read_text())
+    for name in ("specd", "peer"):
+        (run,) = r["servers"][name]["runs"]
+        assert (run["completed"], run["failed"]) == (4, 0), run["errors"]
+        assert run["total_output_tokens"] > 0
+    assert r["servers"]["specd"]["model_id"] == str(tiny_hf_dir)
+    assert r["greedy_total"] == 4 and r["greedy_equal"] == 4  # lossless: same greedy text
+    pids = [int(line.split("(pid ")[1].split(",")[0]) for line in err.splitlines()
+            if " stopped (pid " in line]
+    assert len(pids) == 2 and not any(_alive(p) for p in pids)
+    assert "greedy texts equal: 4 / 4" in out
