@@ -238,6 +238,16 @@ def parse_goodput(items: Sequence[str]) -> dict[str, float]:
     return slos
 
 
+def parse_concurrencies(text: str) -> tuple[int, ...]:
+    """``--max-concurrency``: a comma-separated list of integers >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    values = tuple(_positive_int(p.strip()) for p in text.split(","))
+    return values
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -265,8 +275,9 @@ def _positive_float(text: str) -> float:
 class ServeBenchConfig:
     """One `specd bench serve` workload (the flags of the same names).
 
-    ``rates`` in requests/s (``math.inf``: all at once); ``goodput`` SLOs in ms;
-    ``request_timeout`` in seconds per request."""
+    ``rates`` in requests/s (``math.inf``: all at once); ``concurrencies``: the most requests
+    in flight (None: no cap); every rate runs at every concurrency (`load_points`).
+    ``goodput`` SLOs in ms; ``request_timeout`` in seconds per request."""
 
     base_url: str = ""
     model: str | None = None
@@ -279,7 +290,7 @@ class ServeBenchConfig:
     seed: int = 0
     rates: tuple[float, ...] = (math.inf,)
     burstiness: float = 1.0
-    max_concurrency: int | None = None
+    concurrencies: tuple[int | None, ...] = (None,)
     temperature: float = 0.0
     ignore_eos: bool = False
     goodput: dict[str, float] = field(default_factory=dict)
@@ -412,16 +423,21 @@ async def send_request(client, model: str, prompt: BenchPrompt, cfg: ServeBenchC
     return out
 
 
+def load_points(cfg: ServeBenchConfig) -> list[tuple[float, int | None]]:
+    """The runs' ``(rate, max concurrency)``: each concurrency, each rate within it."""
+    return [(rate, c) for c in cfg.concurrencies for rate in cfg.rates]
+
+
 async def run_load(client, model: str, prompts: Sequence[BenchPrompt], cfg: ServeBenchConfig,
-                   rate: float, tokenizer: Any = None, desc: str = "requests"
-                   ) -> tuple[list[RequestOutcome], float]:
-    """Sends ``prompts`` at ``rate`` (`arrival_offsets`), at most ``cfg.max_concurrency`` in
-    flight, with a progress bar; returns the outcomes (in prompt order) and the duration in
-    seconds (first request sent to last finished)."""
+                   rate: float, concurrency: int | None = None, tokenizer: Any = None,
+                   desc: str = "requests") -> tuple[list[RequestOutcome], float]:
+    """Sends ``prompts`` at ``rate`` (`arrival_offsets`), at most ``concurrency`` in flight
+    (None: no cap), with a progress bar; returns the outcomes (in prompt order) and the
+    duration in seconds (first request sent to last finished)."""
     from tqdm import tqdm
 
     offsets = arrival_offsets(len(prompts), rate, cfg.burstiness, cfg.seed)
-    limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    limit = asyncio.Semaphore(concurrency) if concurrency else None
     bar = tqdm(total=len(prompts), desc=desc, unit="req", file=sys.stderr, leave=False,
                disable=None if cfg.progress_bar else True)
     start = time.perf_counter()
@@ -464,8 +480,9 @@ async def warm_up(client, model: str, prompts: Sequence[BenchPrompt], cfg: Serve
     return outcomes
 
 
-def run_record(label: str, rate: float, cfg: ServeBenchConfig, model: str,
-               outcomes: Sequence[RequestOutcome], duration: float) -> dict[str, Any]:
+def run_record(label: str, rate: float, concurrency: int | None, cfg: ServeBenchConfig,
+               model: str, outcomes: Sequence[RequestOutcome], duration: float
+               ) -> dict[str, Any]:
     """One run's JSON object: the settings and metrics under vLLM's names, per category, and
     the per-request lists vLLM writes (``input_lens``, ``output_lens``, ``ttfts``, ``itls``
     in seconds, ``generated_texts``, ``errors``) plus ``categories``, ``tpots`` (s, None
@@ -482,7 +499,7 @@ def run_record(label: str, rate: float, cfg: ServeBenchConfig, model: str,
         "num_prompts": len(outcomes),
         "request_rate": "inf" if math.isinf(rate) else rate,
         "burstiness": cfg.burstiness,
-        "max_concurrency": cfg.max_concurrency,
+        "max_concurrency": concurrency,
         "output_len": cfg.output_len,
         "temperature": cfg.temperature,
         "ignore_eos": cfg.ignore_eos,
@@ -539,14 +556,14 @@ async def bench_endpoint(cfg: ServeBenchConfig, label: str = "server",
             prompts = load_workload(cfg, tokenizer)
         warm = await warm_up(client, model, prompts, cfg, tokenizer)
         runs = []
-        for rate in cfg.rates:
+        for rate, concurrency in load_points(cfg):
             shown = "inf" if math.isinf(rate) else f"{rate:g}"
             progress(f"{label}: {len(prompts)} requests at rate {shown}/s"
-                     + (f", at most {cfg.max_concurrency} in flight"
-                        if cfg.max_concurrency else ""))
-            outcomes, duration = await run_load(client, model, prompts, cfg, rate, tokenizer,
-                                                desc=f"{label} rate={shown}")
-            runs.append(run_record(label, rate, cfg, model, outcomes, duration))
+                     + (f", at most {concurrency} in flight" if concurrency else ""))
+            outcomes, duration = await run_load(
+                client, model, prompts, cfg, rate, concurrency, tokenizer,
+                desc=f"{label} rate={shown}" + (f" c={concurrency}" if concurrency else ""))
+            runs.append(run_record(label, rate, concurrency, cfg, model, outcomes, duration))
     finally:
         await client.close()
     return {"model": model, "warmup_e2el_ms": [o.latency * 1000 for o in warm], "runs": runs}
@@ -597,8 +614,7 @@ def _latency_rows(name: str) -> list[tuple[str, str, str]]:
 def format_run(record: dict[str, Any]) -> str:
     """The vLLM-style result block of one run, then its per-category table."""
     width = 50
-    rate = record["request_rate"]
-    lines = [f" Serving Benchmark Result: {record['label']}, rate {rate} ".center(width, "=")]
+    lines = [f" {record['label']}, {point_label(record)} ".center(width, "=")]
 
     def rows(spec) -> None:
         for label, key, fmt in spec:
@@ -632,23 +648,36 @@ def category_table(cats: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def point_label(record: dict[str, Any]) -> str:
+    """``"rate R"`` or ``"rate R, C in flight"``: which load a run record ran at."""
+    c = record.get("max_concurrency")
+    return f"rate {record['request_rate']}" + (f", {c} in flight" if c else "")
+
+
 def sweep_table(records: Sequence[dict[str, Any]]) -> str:
-    """One row per run: rate, req/s, output tok/s, p50/p99 TTFT, p50 TPOT, p50 ITL (ms)."""
-    head = (f"{'server':<8}{'rate':>6}{'req/s':>8}{'out tok/s':>11}{'p50 TTFT':>10}"
+    """One row per run: rate, concurrency cap, req/s, output tok/s, p50/p99 TTFT, p50 TPOT,
+    p50 ITL (ms)."""
+    head = (f"{'server':<8}{'rate':>6}{'conc':>6}{'req/s':>8}{'out tok/s':>11}{'p50 TTFT':>10}"
             f"{'p99 TTFT':>10}{'p50 TPOT':>10}{'p50 ITL':>9}")
     lines = [head]
     for r in records:
         lines.append(f"{r['label'][:8]:<8}{r['request_rate']!s:>6}"
+                     f"{r['max_concurrency'] or '-'!s:>6}"
                      f"{r['request_throughput']:>8.2f}{r['output_throughput']:>11.2f}"
                      f"{r['median_ttft_ms']:>10.1f}{r['p99_ttft_ms']:>10.1f}"
                      f"{r['median_tpot_ms']:>10.1f}{r['median_itl_ms']:>9.1f}")
     return "\n".join(lines)
 
 
+def _short_point(record: dict[str, Any]) -> str:
+    c = record.get("max_concurrency")
+    return f"{record['request_rate']}" + (f" c={c}" if c else "")
+
+
 def write_plots(records: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]:
     """``latency_cdf.png`` (the CDF of TTFT, TPOT, ITL and E2EL, one line per run) and, when
-    the runs span more than one rate, ``sweep.png`` (output throughput and p99 TTFT against
-    the request rate, one line per server label) into ``out_dir``.
+    the runs span more than one load (request rate, concurrency cap), ``sweep.png`` (output
+    throughput and p99 TTFT against it, one line per server label) into ``out_dir``.
 
     Raises:
         ValueError: matplotlib is missing (names ``--plot-dir``).
@@ -676,7 +705,7 @@ def write_plots(records: Sequence[dict[str, Any]], out_dir: str | Path) -> list[
                 continue
             ms = np.sort(np.asarray(values) * 1000.0)
             ax.step(ms, np.arange(1, ms.size + 1) / ms.size, where="post",
-                    label=f"{r['label']} rate={r['request_rate']}")
+                    label=f"{r['label']} {point_label(r)}")
         ax.set_title(_TITLES[name])
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of " + ("gaps" if name == "itl" else "requests"))
@@ -687,17 +716,18 @@ def write_plots(records: Sequence[dict[str, Any]], out_dir: str | Path) -> list[
     fig.savefig(paths[0], dpi=110)
     plt.close(fig)
 
-    rates = list(dict.fromkeys(str(r["request_rate"]) for r in records))
-    if len(rates) > 1:
+    points = list(dict.fromkeys(_short_point(r) for r in records))
+    if len(points) > 1:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
         for label in dict.fromkeys(r["label"] for r in records):
             mine = [r for r in records if r["label"] == label]
-            xs = [rates.index(str(r["request_rate"])) for r in mine]
+            xs = [points.index(_short_point(r)) for r in mine]
             a1.plot(xs, [r["output_throughput"] for r in mine], marker="o", label=label)
             a2.plot(xs, [r["p99_ttft_ms"] for r in mine], marker="o", label=label)
         for ax, title in ((a1, "output throughput (tok/s)"), (a2, "p99 TTFT (ms)")):
-            ax.set_xticks(range(len(rates)), rates)
-            ax.set_xlabel("request rate (req/s)")
+            ax.set_xticks(range(len(points)), points)
+            ax.set_xlabel("request rate (req/s)" + (
+                ", max concurrency" if any(r["max_concurrency"] for r in records) else ""))
             ax.set_title(title)
             ax.grid(alpha=0.3)
             ax.legend()
@@ -750,8 +780,10 @@ def add_serve_parser(modes) -> argparse.ArgumentParser:
     p.add_argument("--burstiness", type=_positive_float, default=1.0,
                    help="shape of the gamma distribution of the gaps between arrivals: 1 is "
                         "Poisson, below 1 burstier, above 1 more regular")
-    p.add_argument("--max-concurrency", type=_positive_int, default=None, metavar="C",
-                   help="at most C requests in flight (default: no cap)")
+    p.add_argument("--max-concurrency", type=parse_concurrencies, default=None,
+                   metavar="C[,C...]",
+                   help="at most C requests in flight; a list runs each in turn, every "
+                        "--request-rate at each (default: no cap)")
     p.add_argument("--output-len", type=_positive_int, default=128, metavar="N",
                    help="max_tokens of each request")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -820,7 +852,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         dataset_name=args.dataset_name, dataset_path=args.dataset_path,
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         seed=args.seed, rates=tuple(args.request_rate), burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency, temperature=args.temperature,
+        concurrencies=tuple(args.max_concurrency or (None,)), temperature=args.temperature,
         ignore_eos=args.ignore_eos, goodput=parse_goodput(args.goodput or ()),
         tokenizer=args.tokenizer, warmup=args.warmup, request_timeout=args.request_timeout,
         progress_bar=not args.disable_tqdm)

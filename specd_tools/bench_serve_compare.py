@@ -3,9 +3,9 @@
 the same workload.
 
 The two servers never run at once: each round starts one, waits until it lists a model at
-``/v1/models`` (its start-up time), runs the warm-up and the workload at every rate, stops it,
-then does the same with the other; rounds alternate which goes first, so drift on a shared
-machine hits both alike. Every server is started in its own session (``start_new_session``)
+``/v1/models`` (its start-up time), runs the warm-up and the workload at every load point,
+stops it, then does the same with the other; rounds alternate which goes first, so drift on a
+shared machine hits both alike. Every server is started in its own session (``start_new_session``)
 and stopped through that process group only: SIGTERM, then SIGKILL after ``--stop-timeout``.
 """
 
@@ -34,8 +34,10 @@ from .bench_serve import (
     ServeBenchConfig,
     bench_endpoint,
     compute_metrics,
+    load_points,
     load_workload,
     outcomes_of,
+    point_label,
     run_record,
 )
 from .bench_serve_data import load_bench_tokenizer
@@ -207,10 +209,10 @@ def run_compare(cfg: ServeBenchConfig, cmp: CompareConfig,
         "startup_s": [per start: until /v1/models answered], "warmup_e2el_ms": [per warm-up
         request], "first_answer_s": [per start: start-up + the first warm-up request, None
         without one], "runs": [one `run_record`
-        per rate, all rounds pooled: durations summed, requests concatenated],
-        "round_metrics": [[`compute_metrics` per rate] per round]}}, "ratios": [per rate,
-        specd / peer of `RATIO_KEYS`], "greedy_equal", "greedy_total"}`` (the greedy counts
-        None when ``cfg.temperature`` > 0).
+        per load point, all rounds pooled: durations summed, requests concatenated],
+        "round_metrics": [[`compute_metrics` per load point] per round]}},
+        "ratios": [per load point, specd / peer of `RATIO_KEYS`], "greedy_equal",
+        "greedy_total"}`` (the greedy counts None when ``cfg.temperature`` > 0).
 
     Raises:
         ValueError: a bad flag. RuntimeError: a server did not start or its warm-up failed
@@ -297,11 +299,11 @@ def _summarise(cfg: ServeBenchConfig, cmp: CompareConfig,
         runs = []
         round_metrics = [[compute_metrics(outcomes_of(r), r["duration"], cfg.goodput)
                           for r in per_rate] for per_rate in s["per_round"]]
-        for i, rate in enumerate(cfg.rates):
+        for i, (rate, concurrency) in enumerate(load_points(cfg)):
             recs = [per_rate[i] for per_rate in s["per_round"]]
             outcomes = [o for r in recs for o in outcomes_of(r)]
-            record = run_record(name, rate, replace(cfg, base_url=""), s["model_id"],
-                                outcomes, sum(r["duration"] for r in recs))
+            record = run_record(name, rate, concurrency, replace(cfg, base_url=""),
+                                s["model_id"], outcomes, sum(r["duration"] for r in recs))
             record["rounds"] = len(recs)
             runs.append(record)
         out["servers"][name] = {"command": s["command"], "model_id": s["model_id"],
@@ -334,7 +336,7 @@ def _median(values) -> float:
 
 
 def format_compare(result: dict[str, Any]) -> str:
-    """The side-by-side table per rate (specd, peer, specd / peer), start-up times and the
+    """The side-by-side table per load point (specd, peer, specd / peer), start-up times and the
     greedy check."""
     specd, peer = result["servers"]["specd"], result["servers"]["peer"]
     rows = (("completed", "{:d}"), ("failed", "{:d}"), ("duration", "{:.2f}"),
@@ -344,9 +346,7 @@ def format_compare(result: dict[str, Any]) -> str:
              f"rounds pooled",
              f"peer: {peer['command']}"]
     for a, b, ratio in zip(specd["runs"], peer["runs"], result["ratios"], strict=True):
-        lines += ["", f"request rate {a['request_rate']}"
-                      + (f", max concurrency {a['max_concurrency']}"
-                         if a["max_concurrency"] else ""),
+        lines += ["", point_label(a),
                   f"{'metric':<26}{'specd':>12}{'peer':>12}{'specd/peer':>12}"]
         for key, fmt in rows:
             r = ratio.get(key)

@@ -153,8 +153,10 @@ def _vocab_size(tokenizer: Any) -> int:
 
 
 def sample_prompts(prompts: list[BenchPrompt], num: int | None, seed: int) -> list[BenchPrompt]:
-    """``num`` prompts: the dataset shuffled with ``seed`` and cycled when ``num`` exceeds it;
-    ``num`` None takes every prompt once, in dataset order.
+    """``num`` prompts drawn with ``seed``: each category's prompts shuffled, then taken in turn
+    from every category (so 16 of MT-Bench's are 2 of each of its 8), cycling when ``num``
+    exceeds the dataset; a dataset of one category (or none) is just shuffled. ``num`` None
+    takes every prompt once, in dataset order.
 
     Raises:
         ValueError: ``num < 1`` (names ``--num-prompts``).
@@ -163,8 +165,14 @@ def sample_prompts(prompts: list[BenchPrompt], num: int | None, seed: int) -> li
         return list(prompts)
     if num < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num}")
-    order = list(prompts)
-    random.Random(seed).shuffle(order)
+    rng = random.Random(seed)
+    groups: dict[str | None, list[BenchPrompt]] = {}
+    for p in prompts:
+        groups.setdefault(p.category, []).append(p)
+    for group in groups.values():
+        rng.shuffle(group)
+    order = [g[i] for i in range(max(map(len, groups.values()))) for g in groups.values()
+             if i < len(g)]
     return [order[i % len(order)] for i in range(num)]
 
 

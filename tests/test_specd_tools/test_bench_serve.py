@@ -203,13 +203,18 @@ def test_random_prompts_have_the_input_length():
         random_prompts(1, 0, 0)
 
 
-def test_sampling_prompts_is_seeded_and_cycles():
-    prompts = load_mt_bench()[:3]
+def test_sampling_prompts_is_seeded_balances_categories_and_cycles():
+    prompts = load_mt_bench()
     assert sample_prompts(prompts, None, 0) == prompts
-    seven = sample_prompts(prompts, 7, seed=2)
-    assert seven == sample_prompts(prompts, 7, seed=2) and len(seven) == 7
+    sixteen = sample_prompts(prompts, 16, seed=2)
+    assert sixteen == sample_prompts(prompts, 16, seed=2) != sample_prompts(prompts, 16, 3)
+    assert sorted(p.category for p in sixteen) == sorted(
+        2 * ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+             "humanities"])
+    three = [p.__class__(p.prompt) for p in prompts[:3]]  # no categories: a shuffle
+    seven = sample_prompts(three, 7, seed=2)
     assert seven[:3] == seven[3:6] and sorted(p.prompt for p in seven[:3]) == sorted(
-        p.prompt for p in prompts)
+        p.prompt for p in three)
 
 
 # ------------------------------------------------------------------------- against a fake server
@@ -342,6 +347,7 @@ def test_the_warm_up_failing_stops_the_run_with_the_servers_error(tmp_path, caps
     (["--base-url", "http://127.0.0.1:1/v1", "--request-rate", "0"], "--request-rate"),
     (["--base-url", "http://127.0.0.1:1/v1", "--num-prompts", "0"], "--num-prompts"),
     (["--base-url", "http://127.0.0.1:1/v1", "--max-concurrency", "x"], "--max-concurrency"),
+    (["--base-url", "http://127.0.0.1:1/v1", "--max-concurrency", "2,0"], "--max-concurrency"),
     (["--base-url", "http://127.0.0.1:1/v1", "--burstiness", "0"], "--burstiness"),
     (["--base-url", "http://127.0.0.1:1/v1", "--goodput", "ttft"], "--goodput"),
     (["--base-url", "http://127.0.0.1:1/v1", "--dataset-name", "custom"], "--dataset-path"),
@@ -402,7 +408,7 @@ def test_compare_runs_each_server_in_turn_and_stops_it(tmp_path, capsys):
         "--compare", str(tmp_path), "--specd-cmd", fake, "--peer-cmd", fake + " --suffix X",
         "--dataset-name", "custom", "--dataset-path", _dataset(tmp_path, rows),
         "--output-len", "4", "--rounds", "2", "--server-timeout", "60",
-        "--result-json", str(result)])
+        "--max-concurrency", "1,2", "--result-json", str(result)])
     assert code == 0, err
     starts = [line.split("starting ")[1].split(":")[0] for line in err.splitlines()
               if ": starting " in line]
@@ -414,13 +420,16 @@ def test_compare_runs_each_server_in_turn_and_stops_it(tmp_path, capsys):
     for name in ("specd", "peer"):
         s = r["servers"][name]
         assert len(s["startup_s"]) == 2 and all(t > 0 for t in s["startup_s"])
-        (run,) = s["runs"]
-        assert run["completed"] == 6 and run["total_output_tokens"] == 24 and run["rounds"] == 2
-        assert len(s["round_metrics"]) == 2
-    # "diff b" differs on the peer in both rounds.
-    assert (r["greedy_equal"], r["greedy_total"]) == (4, 6)
-    assert r["ratios"][0]["output_throughput"] > 0
-    assert "greedy texts equal: 4 / 6" in out and "specd/peer" in out
+        assert [run["max_concurrency"] for run in s["runs"]] == [1, 2]  # every load point
+        for run in s["runs"]:
+            assert run["completed"] == 6 and run["total_output_tokens"] == 24
+            assert run["rounds"] == 2
+        assert [len(per_round) for per_round in s["round_metrics"]] == [2, 2]
+    # "diff b" differs on the peer in both rounds, at both load points.
+    assert (r["greedy_equal"], r["greedy_total"]) == (8, 12)
+    assert len(r["ratios"]) == 2 and r["ratios"][0]["output_throughput"] > 0
+    assert "greedy texts equal: 8 / 12" in out and "specd/peer" in out
+    assert "rate inf, 1 in flight" in out and "rate inf, 2 in flight" in out
 
 
 def test_stopping_escalates_to_sigkill_for_a_server_ignoring_sigterm(tmp_path):
