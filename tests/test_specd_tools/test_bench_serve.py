@@ -4,6 +4,7 @@ generator against a fake OpenAI server on loopback (known texts, token counts an
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -539,3 +540,18 @@ def test_compare_specd_serve_with_transformers_serve(tiny_hf_dir, tmp_path, caps
             if " stopped (pid " in line]
     assert len(pids) == 2 and not any(_alive(p) for p in pids)
     assert "greedy texts equal: 4 / 4" in out
+
+
+def test_the_help_names_defaults_and_defines_the_metrics():
+    parser = cli.build_parser()
+    bench = next(a for a in parser._actions if hasattr(a, "choices") and a.choices
+                 and "bench" in a.choices).choices["bench"]
+    serve = next(a for a in bench._actions if hasattr(a, "choices") and a.choices
+                 and "serve" in a.choices).choices["serve"]
+    text = serve.format_help()
+    assert "`" not in text
+    for phrase in ("TTFT", "TPOT", "ITL", "E2EL", "verification step"):
+        assert phrase in text
+    for action in serve._actions:
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            assert "default" in (action.help or ""), action.option_strings
