@@ -398,7 +398,7 @@ async def send_request(client, model: str, prompt: BenchPrompt, cfg: ServeBenchC
             now = time.perf_counter()
             if chunk.usage is not None:
                 usage = chunk.usage
-            for choice in chunk.choices:
+            for choice in chunk.choices or ():
                 text = choice.delta.content if choice.delta is not None else None
                 if text:
                     chunk_times.append(now)

@@ -225,6 +225,7 @@ def run_compare(cfg: ServeBenchConfig, cmp: CompareConfig,
     source = cfg.tokenizer or str(model)
     try:
         tokenizer = load_bench_tokenizer(source)
+        cfg = replace(cfg, tokenizer=source)
     except ValueError as exc:
         if cfg.tokenizer:
             raise

@@ -102,13 +102,15 @@ def random_prompts(num: int, input_len: int, seed: int, tokenizer: Any = None) -
     """``num`` prompts of random tokens.
 
     With a ``tokenizer`` (``encode``/``decode`` and ``vocab_size``), token ids are drawn
-    uniformly from the vocabulary less its special tokens, decoded, and re-encoded until the
-    text is exactly ``input_len`` tokens (``prompt_len``; at most 10 tries, then the closest
-    length is kept, as text does not always round-trip). Without one, ``input_len`` words of
+    uniformly from the tokens that decode to text on their own (no special tokens, no partial
+    UTF-8 bytes), decoded, and re-encoded until the text is exactly ``input_len`` tokens
+    (``prompt_len``; at most 20 tries, then the closest length is kept, as merged text does
+    not always re-encode to the same tokens). Without one, ``input_len`` words of
     `FALLBACK_WORDS` (about that many tokens; ``prompt_len`` None).
 
     Raises:
-        ValueError: ``input_len < 1`` (names ``--input-len``).
+        ValueError: ``input_len < 1`` (names ``--input-len``); a tokenizer none of whose
+            tokens decodes to text (names ``--tokenizer``).
     """
     if input_len < 1:
         raise ValueError(f"--input-len must be >= 1, got {input_len}")
@@ -119,7 +121,12 @@ def random_prompts(num: int, input_len: int, seed: int, tokenizer: Any = None) -
     special = set(getattr(tokenizer, "all_special_ids", None) or ())
     special.update(t for t in (getattr(tokenizer, "eos_token_id", None),
                                getattr(tokenizer, "bos_token_id", None)) if t is not None)
-    vocab = [i for i in range(_vocab_size(tokenizer)) if i not in special]
+    # Tokens that decode to text on their own: a byte-level token of half a UTF-8 character
+    # decodes to U+FFFD, which re-encodes to other tokens, so the length would not hold.
+    vocab = [i for i in range(_vocab_size(tokenizer)) if i not in special
+             and (piece := tokenizer.decode([i])) and "\ufffd" not in piece]
+    if not vocab:
+        raise ValueError("--tokenizer: no token of its vocabulary decodes to text")
 
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
@@ -128,7 +135,7 @@ def random_prompts(num: int, input_len: int, seed: int, tokenizer: Any = None) -
     for _ in range(num):
         ids = [rng.choice(vocab) for _ in range(input_len)]
         best: tuple[int, str, int] | None = None  # (distance, text, length)
-        for _try in range(10):
+        for _try in range(20):
             text = tokenizer.decode(ids)
             got = encode(text)
             if best is None or abs(len(got) - input_len) < best[0]:

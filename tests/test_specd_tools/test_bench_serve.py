@@ -512,6 +512,15 @@ def tiny_hf_dir(tmp_path_factory):
     return out
 
 
+def test_random_prompts_re_encode_to_the_input_length_with_a_byte_level_bpe(tiny_hf_dir):
+    from specd_tools.bench_serve_data import load_bench_tokenizer
+
+    tok = load_bench_tokenizer(str(tiny_hf_dir))
+    prompts = random_prompts(30, 64, seed=0, tokenizer=tok)
+    assert [len(tok.encode(p.prompt, add_special_tokens=False)) for p in prompts] == [64] * 30
+    assert not any("\ufffd" in p.prompt for p in prompts)
+
+
 @pytest.mark.slow
 def test_compare_specd_serve_with_transformers_serve(tiny_hf_dir, tmp_path, capsys):
     """The default --compare: a real specd serve and transformers serve on one tiny HF
