@@ -336,6 +336,22 @@ def _median(values) -> float:
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
+def category_compare(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]) -> str:
+    """Per category: median TPOT and TTFT (ms) of specd and the peer, and specd / peer."""
+    lines = [f"{'per category':<12}{'TPOT specd':>11}{'peer':>8}{'ratio':>7}"
+             f"{'TTFT specd':>11}{'peer':>8}{'ratio':>7}"]
+    for name in a:
+        x, y = a[name], b.get(name)
+        if y is None:
+            continue
+        cells = []
+        for key in ("median_tpot_ms", "median_ttft_ms"):
+            ratio = f"{x[key] / y[key]:.2f}" if y[key] else "-"
+            cells.append(f"{x[key]:>11.1f}{y[key]:>8.1f}{ratio:>7}")
+        lines.append(f"{name[:12]:<12}{''.join(cells)}")
+    return "\n".join(lines)
+
+
 def format_compare(result: dict[str, Any]) -> str:
     """The side-by-side table per load point (specd, peer, specd / peer), start-up times and the
     greedy check."""
@@ -356,12 +372,14 @@ def format_compare(result: dict[str, Any]) -> str:
         if "request_goodput" in a:
             lines.append(f"{'request_goodput':<26}{a['request_goodput']:>12.2f}"
                          f"{b['request_goodput']:>12.2f}")
+        if a["per_category"]:
+            lines.append(category_compare(a["per_category"], b["per_category"]))
     lines.append("")
-    for label, key in (("start-up s", "startup_s"), ("start-up + 1st answer s", "first_answer_s")):
+    for label, key in (("start-up s", "startup_s"), ("+ 1st answer s", "first_answer_s")):
         a = _median(v for v in specd[key] if v is not None)
         b = _median(v for v in peer[key] if v is not None)
         ratio = f"{a / b:.2f}x" if b and not math.isnan(a / b) else ""
-        lines.append(f"{label + ' (median)':<26}{a:>12.1f}{b:>12.1f}{ratio:>12}")
+        lines.append(f"{label + ', median':<26}{a:>12.1f}{b:>12.1f}{ratio:>12}")
     if result["greedy_total"] is None:
         lines.append("greedy texts: not compared (temperature > 0)")
     else:

@@ -402,7 +402,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_compare_runs_each_server_in_turn_and_stops_it(tmp_path, capsys):
-    rows = [{"prompt": "same a"}, {"prompt": "diff b"}, {"prompt": "same c"}]
+    rows = [{"prompt": "same a", "category": "x"}, {"prompt": "diff b", "category": "y"},
+            {"prompt": "same c", "category": "x"}]
     result = tmp_path / "cmp.json"
     fake = f"{{python}} {FAKE} --port {{port}}"
     code, out, err = _run(capsys, [
@@ -431,6 +432,8 @@ def test_compare_runs_each_server_in_turn_and_stops_it(tmp_path, capsys):
     assert len(r["ratios"]) == 2 and r["ratios"][0]["output_throughput"] > 0
     assert "greedy texts equal: 8 / 12" in out and "specd/peer" in out
     assert "rate inf, 1 in flight" in out and "rate inf, 2 in flight" in out
+    assert "per category" in out and set(r["servers"]["peer"]["runs"][0]["per_category"]) == {
+        "x", "y"}
 
 
 def test_stopping_escalates_to_sigkill_for_a_server_ignoring_sigterm(tmp_path):
