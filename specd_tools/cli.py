@@ -575,6 +575,12 @@ def _add_bench_parser(sub) -> None:
                        help=_AUTH_HELP.format(what=" for --service"))
     bench.add_argument("--tls-ca", default=None)
     bench.set_defaults(func=cmd_bench)
+    # `specd bench serve ...`: an optional sub-command, so plain `specd bench ...` is unchanged.
+    from .bench_serve import add_serve_parser
+
+    modes = bench.add_subparsers(dest="bench_mode", metavar="{serve}",
+                                 title="load-test an OpenAI-compatible server instead")
+    _show_defaults(add_serve_parser(modes))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
