@@ -142,7 +142,16 @@ def test_greedy_and_seeded_text_equal_the_grpc_apis(service, client):
     ({"stop": [""]}, "stop"),
     ({"extra_body": {"repetition_penalty": 0.0}}, "repetition_penalty"),
     ({"extra_body": {"speculation": {"drafter": "nope"}}}, "speculation.drafter"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
+    ({"n": 0}, "n"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"extra_body": {"include_stop_str_in_output": "yes"}}, "include_stop_str_in_output"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "", "content": "x"}]},
+     "messages[1].role"),
+    ({"messages": [{"role": "user", "content": "hi", "name": 3}]}, "messages[0].name"),
     ({"logprobs": True}, "logprobs"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
@@ -270,3 +279,196 @@ def test_streamed_text_never_ends_in_a_partial_character():
         assert cut, "no output ended inside a character: the case was not exercised"
     finally:
         svc.stop()
+
+
+# ---- stop strings (OpenAI semantics: the text ends before the stop string) ----
+
+STOP_PROMPT = "qrst"
+
+
+def _stop_in(text: str) -> tuple[str, int]:
+    """A 3-character stop string from inside ``text`` (where its characters change, so it
+    occurs late enough to leave text before it) and where it first occurs."""
+    i = next(i for i in range(1, len(text) - 3) if text[i] != text[i + 1])
+    stop = text[i:i + 3]
+    cut = text.find(stop)
+    assert cut > 0
+    return stop, cut
+
+
+def _stop_case(client) -> tuple[str, str, int]:
+    """(greedy text, a stop string from its middle, where it first occurs). The tiny
+    tokenizer decodes one character per token, so the token completing the stop string
+    ends exactly at its end."""
+    text = client.completions.create(model=MODEL, prompt=STOP_PROMPT, max_tokens=24,
+                                     temperature=0, extra_body={"ignore_eos": True}
+                                     ).choices[0].text
+    assert len(text) == 24
+    return (text, *_stop_in(text))
+
+
+def _sse_events(base: str, path: str, body: dict, token: str | None = TOKEN) -> list:
+    """The parsed ``data:`` events of a streamed request ("[DONE]" kept as the string)."""
+    import json
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    events = []
+    with httpx.stream("POST", f"http://{base}{path}", json=body, headers=headers,
+                      timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_a_stop_string_ends_the_text_before_it_unary_and_streamed(service, client):
+    text, stop, cut = _stop_case(client)
+    kw = dict(model=MODEL, prompt=STOP_PROMPT, max_tokens=24, temperature=0, stop=[stop],
+              extra_body={"ignore_eos": True})
+    unary = client.completions.create(**kw).choices[0]
+    assert (unary.text, unary.finish_reason) == (text[:cut], "stop")
+    # One token per step (no drafts), so the stop string arrives over several deltas: none
+    # may carry a character the match later removes.
+    body = {**{k: v for k, v in kw.items() if k != "extra_body"}, "stream": True,
+            "ignore_eos": True, "speculation": {"enabled": False}}
+    events = _sse_events(service.http_address, "/v1/completions", body)
+    deltas = [e["choices"][0]["text"] for e in events[:-1] if e["choices"]]
+    assert "".join(deltas) == text[:cut] and len([d for d in deltas if d]) > 1
+    assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-1] == "[DONE]"
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    chat_text = chat.choices[0].message.content
+    chat_stop, chat_cut = _stop_in(chat_text)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, stop=chat_stop,
+        stream=True, extra_body={"ignore_eos": True}))
+    assert streamed == chat_text[:chat_cut]
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(service, client):
+    text, stop, cut = _stop_case(client)
+    kw = dict(model=MODEL, prompt=STOP_PROMPT, max_tokens=24, temperature=0, stop=stop,
+              extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    unary = client.completions.create(**kw).choices[0]
+    assert (unary.text, unary.finish_reason) == (text[:cut + len(stop)], "stop")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+    assert streamed == unary.text
+
+
+def test_the_grpc_api_keeps_stop_strings_unless_asked(service, client):
+    text, stop, cut = _stop_case(client)
+    req = generation_pb2.GenerateRequest(text=STOP_PROMPT, max_new_tokens=24,
+                                         ignore_eos=True, stop=[stop])
+    req.sampling.temperature = 0.0
+    kept = grpc_unary(service, req)
+    assert (kept.text, kept.finish_reason) == (text[:cut + len(stop)], "stop")
+    req.include_stop_str_in_output = False
+    trimmed = grpc_unary(service, req)
+    assert (trimmed.text, trimmed.finish_reason) == (text[:cut], "stop")
+    assert list(trimmed.token_ids) == list(kept.token_ids)  # token ids are never trimmed
+    channel, stub = service.stub()
+    with channel:
+        chunks = list(stub.Generate(req, metadata=[("authorization", f"Bearer {TOKEN}")],
+                                    timeout=60))
+    assert "".join(c.text for c in chunks) == text[:cut]
+
+
+# ---- n choices, message names ----
+
+def test_n_choices_are_seeded_per_choice_and_reproducible(client):
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    both = client.chat.completions.create(n=2, seed=40, **kw)
+    assert [c.index for c in both.choices] == [0, 1]
+    texts = [c.message.content for c in both.choices]
+    # Choice i samples with seed + i: each equals a single request with that seed.
+    assert texts == [client.chat.completions.create(seed=40 + i, **kw).choices[0].message.content
+                     for i in range(2)]
+    assert texts[0] != texts[1]
+    again = client.chat.completions.create(n=2, seed=40, **kw)
+    assert [c.message.content for c in again.choices] == texts
+    assert both.usage.completion_tokens == 32
+    chunks = list(client.chat.completions.create(n=2, seed=40, stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    streamed = ["", ""]
+    finished = set()
+    for c in chunks:
+        for ch in c.choices:
+            streamed[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert streamed == texts and finished == {0, 1}
+    assert chunks[-1].usage.completion_tokens == 32
+
+
+def test_n_choices_without_a_seed_are_independent(client):
+    out = client.completions.create(model=MODEL, prompt="xyz", max_tokens=20, temperature=1.0,
+                                    n=3, extra_body={"ignore_eos": True})
+    texts = [c.text for c in out.choices]
+    assert [c.index for c in out.choices] == [0, 1, 2] and out.usage.completion_tokens == 60
+    assert len(set(texts)) == 3  # 20 tokens from 64 at temperature 1: a tie is ~impossible
+
+
+def test_a_message_name_reaches_the_chat_template(client):
+    from coordinator.http_api import ChatBody, grpc_request
+    from coordinator.server import GenerationServicer
+
+    seen = []
+
+    class Recording:
+        eos_token_id = 0
+
+        def apply_chat_template(self, messages, **kwargs):
+            seen.append([dict(m) for m in messages])
+            return "x"
+
+        def encode(self, text, add_special_tokens=True):
+            return [1]
+
+    servicer = GenerationServicer(None, Recording(), vocab_size=64, max_seq_len=256,
+                                  drafter_name="none", model_name=MODEL, max_prompt_bytes=100)
+    req, _ = grpc_request(ChatBody.model_validate({"model": MODEL, "max_tokens": 3, "messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": "hi", "name": "ann"}]}))
+    servicer.parse(req)
+    assert seen == [[{"role": "developer", "content": "be brief"},
+                     {"role": "user", "content": "hi", "name": "ann"}]]
+    # A template that does not use it (the tiny model's) just ignores it.
+    named = [{"role": "user", "content": MESSAGES[0]["content"], "name": "ann"}]
+    kw = dict(model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert client.chat.completions.create(messages=named, **kw).choices[0].message.content == \
+        client.chat.completions.create(messages=MESSAGES, **kw).choices[0].message.content
+
+
+def test_the_stop_trimmer_holds_back_only_what_could_start_a_stop_string():
+    import random
+
+    from coordinator.server import StopTrimmer
+
+    t = StopTrimmer(["bcd", "xy"])
+    assert [t.push(d) for d in ("ab", "c", "e", "bx", "z")] == ["a", "", "bce", "b", "xz"]
+    assert t.flush() == "" and not t.stopped
+    t = StopTrimmer(["bcd"])
+    assert [t.push(d) for d in ("ab", "cdef")] == ["a", ""] and t.stopped
+    # Random texts and deltas, fed until a stop string completes (generation ends there):
+    # the deltas joined are the text before the earliest match, and none is taken back.
+    rng = random.Random(0)
+    for _ in range(500):
+        stops = ["".join(rng.choices("ab", k=rng.randint(1, 4))) for _ in range(2)]
+        text = "".join(rng.choices("abc", k=rng.randint(0, 20)))
+        t = StopTrimmer(stops)
+        out = seen = expected = ""
+        while len(seen) < len(text) and not t.stopped:
+            delta = text[len(seen):len(seen) + rng.randint(1, 3)]
+            seen += delta
+            matches = [i for i in (seen.find(s) for s in stops) if i >= 0]
+            expected = seen[:min(matches)] if matches else seen
+            out += t.push(delta)
+            assert expected.startswith(out)
+            assert t.stopped == bool(matches)
+        out += t.flush()
+        assert out == expected
+        if not t.stopped:  # nothing held back was a stop string after all
+            assert out == text
