@@ -472,3 +472,207 @@ def test_the_stop_trimmer_holds_back_only_what_could_start_a_stop_string():
         assert out == expected
         if not t.stopped:  # nothing held back was a stop string after all
             assert out == text
+
+
+# ---- error shapes, limits ----
+
+def _post_raw(service, content: bytes, path: str = "/v1/chat/completions"):
+    return httpx.post(f"http://{service.http_address}{path}", content=content, timeout=30,
+                      headers={"Authorization": f"Bearer {TOKEN}",
+                               "Content-Type": "application/json"})
+
+
+def _openai_error(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize("content, param, says", [
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}', None,
+     "not UTF-8"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     "messages[0].content", "lone surrogate"),
+    (b'{"model": "m", "stop": ["ok", "\\udfff"], "messages": []}', "stop[1]", "lone surrogate"),
+    (b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None,
+     "nested deeper"),
+    (b'{"model": "m", "speculation": ' + b'{"a": ' * 40 + b"1" + b"}" * 40 + b"}",
+     None, "nested deeper"),
+    (b'{"model": "m", "temperature": NaN, "messages": []}', None, "NaN"),
+    (b'[1, 2]', None, "expected an object"),
+    (b'{"model": ', None, "invalid JSON"),
+])
+def test_malformed_bodies_get_400_in_openais_shape(service, content, param, says):
+    error = _openai_error(_post_raw(service, content), 400)
+    assert says in error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param and error["message"].startswith(param)
+
+
+def test_an_internal_failure_is_a_500_in_openais_shape(service):
+    api = OpenAIApi(servicer=service.http_api.servicer)
+
+    @api.app.get("/boom")
+    async def boom():
+        raise RuntimeError("secret internals")
+
+    server, port = service.call(start_http_server(api))
+    try:
+        response = httpx.get(f"http://127.0.0.1:{port}/boom")
+        error = _openai_error(response, 500)
+        assert error["type"] == "server_error" and "secret" not in response.text
+    finally:
+        service.call(server.stop())
+
+
+def test_models_have_a_created_time_and_can_be_fetched_by_id(client):
+    (card,) = client.models.list().data
+    assert abs(card.created - time.time()) < 3600  # this run's start, not 0
+    assert client.models.retrieve(MODEL).model_dump() == card.model_dump()
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4")
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+
+
+def _limited_server(service, **limits):
+    from coordinator.http_api import HttpLimits
+
+    api = OpenAIApi(servicer=service.http_api.servicer, auth_token=TOKEN,
+                    limits=HttpLimits(**limits))
+    return service.call(start_http_server(api))
+
+
+def _read_until_closed(sock, deadline_s: float = 20.0) -> bytes:
+    """Everything the server sends until it closes the connection (or the deadline)."""
+    sock.settimeout(deadline_s)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(service):
+    import json
+    import socket
+
+    with socket.create_connection(tuple(service.http_address.split(":"))) as sock:
+        # Announces 100 MB, sends a few bytes: the answer must not wait for the rest.
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n{")
+        reply = _read_until_closed(sock)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413")
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    # Chunked (no length announced): refused as soon as it passes the limit.
+    server, port = _limited_server(service, max_body_bytes=1000)
+    try:
+        def chunks():
+            yield b'{"model": "' + b"x" * 600
+            yield b"y" * 600 + b'"}'
+
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", content=chunks(),
+                              headers={"Authorization": f"Bearer {TOKEN}"})
+        assert _openai_error(response, 413)["code"] == "request_too_large"
+        # Without the token nothing is read at all: 401.
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                          content=b"x" * 5000).status_code == 401
+    finally:
+        service.call(server.stop())
+
+
+def test_slow_headers_are_cut_and_connections_are_capped(service):
+    import socket
+
+    server, port = _limited_server(service, header_timeout_s=0.5)
+    try:
+        # Slowloris: headers that never end are cut after header_timeout_s.
+        with socket.create_connection(("127.0.0.1", port)) as slow:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            began = time.monotonic()
+            assert _read_until_closed(slow) == b"" and time.monotonic() - began < 10
+    finally:
+        service.call(server.stop())
+    server, port = _limited_server(service, max_connections=3)
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    try:
+        # Idle connections count: three are held, the fourth is answered 503 and closed.
+        refused = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+        assert refused.status_code == 503
+        assert "too many connections" in refused.json()["error"]["message"]
+        idle.pop().close()
+        deadline = time.monotonic() + 20  # the server notices the close asynchronously
+        while (status := httpx.get(f"http://127.0.0.1:{port}/health").status_code) != 200 \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status == 200
+    finally:
+        for s in idle:
+            s.close()
+        service.call(server.stop())
+
+
+# ---- streams cut after they started ----
+
+def _stream_body(**extra) -> dict:
+    return {"model": MODEL, "messages": MESSAGES, "max_tokens": 100, "stream": True,
+            "temperature": 0, "ignore_eos": True, **extra}
+
+
+def test_a_stream_cut_at_the_end_of_the_grace_ends_with_an_error_and_done(service):
+    """`OpenAIApi.close_streams` (the coordinator's stop, once the drain grace is over): a
+    stream held mid-generation gets an OpenAI-shaped 503 event, then ``[DONE]``."""
+    import json
+
+    api = OpenAIApi(servicer=service.http_api.servicer, auth_token=TOKEN)
+    server, port = service.call(start_http_server(api))
+    service.loop.call_soon_threadsafe(service.gate.clear)  # no step completes now
+    try:
+        lines = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
+                          json=_stream_body(n=2), headers={"Authorization": f"Bearer {TOKEN}"},
+                          timeout=30) as response:
+            events = (line for line in response.iter_lines() if line.startswith("data: "))
+            lines += [next(events), next(events)]  # each choice's role chunk: running
+            closing = asyncio.run_coroutine_threadsafe(api.close_streams(timeout_s=20),
+                                                       service.loop)
+            lines += list(events)
+        closing.result(timeout=30)
+    finally:
+        service.loop.call_soon_threadsafe(service.gate.set)
+        service.call(server.stop())
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][len("data: "):])["error"]
+    assert error["type"] == "service_unavailable_error" and "shutting down" in error["message"]
+    assert not any('"finish_reason": "' in line for line in lines)
+
+
+def test_an_internal_error_mid_stream_ends_with_an_error_and_done(service):
+
+    real = service.http_api.servicer
+
+    class Failing:
+        """The real servicer, but each stream fails after its first chunk."""
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        async def stream(self, req, trim_stops=()):
+            async for chunk in real.stream(req, trim_stops):
+                yield chunk
+                raise RuntimeError("secret internals")
+
+    api = OpenAIApi(servicer=Failing(), auth_token=TOKEN)
+    server, port = service.call(start_http_server(api))
+    try:
+        events = _sse_events(f"127.0.0.1:{port}", "/v1/chat/completions", _stream_body())
+    finally:
+        service.call(server.stop())
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["type"] == "server_error" and "secret" not in error["message"]
+    deadline = time.monotonic() + 20  # the failed request's slot is freed
+    while service.engine.used_slots and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.engine.used_slots == 0
