@@ -676,3 +676,36 @@ def test_an_internal_error_mid_stream_ends_with_an_error_and_done(service):
     while service.engine.used_slots and time.monotonic() < deadline:
         time.sleep(0.01)
     assert service.engine.used_slots == 0
+
+
+def test_the_coordinators_stop_ends_streams_past_the_grace_with_an_error_and_done():
+    """`CoordinatorActor.stop` (what SIGTERM to ``specd serve`` runs once its grace is over),
+    on an in-process service: a stream held mid-generation ends with an OpenAI-shaped 503
+    event and ``[DONE]``, not a cut connection."""
+    import json
+
+    from coordinator.service import CoordinatorActor, ServiceConfig
+
+    svc = GatedService(http=True).start()
+    actor = CoordinatorActor(ServiceConfig(model=MODEL, http_port=0))
+    actor.server, actor.http_server, actor.router = svc.server, svc.http_server, svc.router
+    actor.servicer, actor.http_api = svc.http_api.servicer, svc.http_api
+    svc.loop.call_soon_threadsafe(svc.gate.clear)  # no step completes now
+    stopping = None
+    try:
+        with httpx.stream("POST", f"http://{svc.http_address}/v1/chat/completions",
+                          json=_stream_body(), timeout=30) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            events = [next(lines)]  # the role chunk: the request is running
+            stopping = asyncio.run_coroutine_threadsafe(actor.stop(grace_s=0.2), svc.loop)
+            events += list(lines)
+        stopping.result(timeout=30)
+    finally:
+        svc.loop.call_soon_threadsafe(svc.gate.set)
+        if stopping is None:
+            svc.stop()
+        else:
+            svc.loop.call_soon_threadsafe(svc.loop.stop)
+            svc.thread.join(timeout=10)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):])["error"]["code"] == "service_unavailable"
