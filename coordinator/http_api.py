@@ -363,8 +363,8 @@ class HttpLimits:
             that also serves gRPC).
         keep_alive_s: an idle keep-alive connection is closed after this many seconds
             (uvicorn's ``timeout_keep_alive``).
-        max_header_bytes: the request line and headers, bytes (h11's
-            ``max_incomplete_event_size``); over it is a 400.
+        max_header_bytes: the request line and headers, bytes: over it is a 431 (or, while
+            they are still arriving, h11's ``max_incomplete_event_size``: a 400).
     """
 
     max_body_bytes: int = 8 * 2**20
@@ -799,6 +799,14 @@ class _Guard:
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         try:
+            # h11 bounds only headers still arriving (max_incomplete_event_size); headers
+            # that arrived in one read are bounded here.
+            size = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + sum(
+                len(k) + len(v) + 4 for k, v in scope["headers"])
+            if size > self.api.limits.max_header_bytes:
+                raise ApiError(431, f"the request line and headers are over "
+                                    f"{self.api.limits.max_header_bytes} bytes",
+                               code="request_header_fields_too_large")
             # Before routing and body parsing: a caller without the token learns nothing
             # about the request it sent (a malformed body is 401, not 400).
             if scope["path"] != "/health":
@@ -806,7 +814,7 @@ class _Guard:
             body = await self._read_body(headers, receive)
         except ApiError as exc:
             # A refused body is left unread: the connection closes after the answer.
-            await _send_error(send, exc, close=exc.status in (408, 413))
+            await _send_error(send, exc, close=exc.status in (408, 413, 431))
             return
         if body is None:  # the client went away
             return

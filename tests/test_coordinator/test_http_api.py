@@ -582,6 +582,23 @@ def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(service):
         service.call(server.stop())
 
 
+def test_oversized_headers_are_refused_in_openais_shape(service):
+    import socket
+
+    response = httpx.get(f"http://{service.http_address}/v1/models",
+                         headers={"Authorization": f"Bearer {TOKEN}", "X-Big": "x" * 20_000})
+    assert _openai_error(response, 431)["code"] == "request_header_fields_too_large"
+    # Headers that keep coming without an end: h11's buffer limit, answered as a 400.
+    with socket.create_connection(tuple(service.http_address.split(":"))) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+        # Just past the limit, then nothing more (writing on after the server closed would
+        # make the kernel reset the connection, losing the answer).
+        sock.sendall(b"".join(b"X-Pad: " + b"x" * 1000 + b"\r\n" for _ in range(17)))
+        reply = _read_until_closed(sock)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b'"invalid HTTP request' in body
+
+
 def test_slow_headers_are_cut_and_connections_are_capped(service):
     import socket
 
