@@ -1,22 +1,26 @@
 """The OpenAI-compatible HTTP API (``specd serve --http-port``), beside the gRPC one.
 
-``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``
-and ``GET /metrics`` (Prometheus), on FastAPI + uvicorn as vLLM and SGLang serve theirs. The
-layer is a thin adapter: an OpenAI request body becomes a ``specd.v1.GenerateRequest`` and
-goes through `GenerationServicer.submit` / `GenerationServicer.stream`, the very path the gRPC
-API takes (validation, limits, the router, the `coordinator.errors` contract), so the same
-request gives the same tokens on both APIs. It differs from OpenAI's defaults as OpenAI's
-own does from gRPC's: ``temperature`` defaults to 1, chat ``max_tokens`` to the rest of the
-context, completion ``max_tokens`` to 16.
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``GET /health`` and ``GET /metrics`` (Prometheus), on FastAPI +
+uvicorn as vLLM and SGLang serve theirs. The layer is a thin adapter: an OpenAI request body
+becomes a ``specd.v1.GenerateRequest`` and goes through `GenerationServicer.submit_choices` /
+`GenerationServicer.stream`, the very path the gRPC API takes (validation, limits, the
+router, the `coordinator.errors` contract), so the same request gives the same tokens on both
+APIs. It differs from gRPC's defaults as OpenAI's own API does: ``temperature`` defaults to
+1, chat ``max_tokens`` to the rest of the context, completion ``max_tokens`` to 16, and the
+text ends before a stop string (``include_stop_str_in_output: true`` keeps it, as gRPC does).
 
-Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 400 names the
-field as the client wrote it (fields it does not support, such as ``n > 1``, ``logprobs``,
-``tools``, ``response_format`` and any unknown field, are refused, never ignored), 401 a
-missing or wrong ``Authorization: Bearer`` token (the gRPC API's token; ``/health`` is
-exempt), 404 an unknown model or path, 503 while the service starts, drains or has no
-replica that can serve, 500 an internal failure (details in the server log only). A client
-that disconnects, mid-stream or while waiting for a unary answer, has its request cancelled:
-its slot is freed at the next step.
+Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, for every
+status, malformed HTTP and bodies included: 400 names the field as the client wrote it
+(fields it does not support, such as ``logprobs``, ``tools``, ``response_format`` and any
+unknown field, are refused, never ignored), 401 a missing or wrong ``Authorization: Bearer``
+token (the gRPC API's token; ``/health`` is exempt; checked before the body is read), 404 an
+unknown model or path, 408/413/431 a body too slow or too large or headers too large
+(`HttpLimits`), 503 while the service starts, drains or has no replica that can serve, 500
+an internal failure (details in the server log only). A stream cut after it started ends
+with an error event and ``data: [DONE]``. A client that disconnects, mid-stream or while
+waiting for a unary answer, has its requests cancelled: their slots are freed at the next
+step.
 """
 
 from __future__ import annotations

@@ -132,6 +132,7 @@ def test_a_sigterm_to_the_serve_process_group_still_drains():
     grace. Before, Ray's GCS, raylet and workers shared the group (the group check fails);
     this short stream could still finish then, as Ray's worker outlived the signal for a few
     seconds, which a long SmolLM2 stream does not."""
+    import contextlib
     import json
     import os
     import signal
@@ -145,9 +146,12 @@ def test_a_sigterm_to_the_serve_process_group_still_drains():
         http = http.rsplit("://", 1)[1].split("/")[0]
         pgid = os.getpgid(proc.pid)
         assert pgid == proc.pid
-        family = psutil.Process(proc.pid).children(recursive=True)
-        assert any("raylet" in " ".join(p.cmdline()) for p in family)
-        assert [p.pid for p in family if os.getpgid(p.pid) == pgid] == []
+        family = {}  # pid -> (command line, process group) of serve's descendants
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                family[p.pid] = (" ".join(p.cmdline()), os.getpgid(p.pid))
+        assert any("raylet" in cmd for cmd, _ in family.values())
+        assert [cmd for cmd, group in family.values() if group == pgid] == []
         body = {"model": MODEL, "prompt": "ab", "max_tokens": 200, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         events = []
