@@ -1,22 +1,26 @@
 """The OpenAI-compatible HTTP API (``specd serve --http-port``), beside the gRPC one.
 
-``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``
-and ``GET /metrics`` (Prometheus), on FastAPI + uvicorn as vLLM and SGLang serve theirs. The
-layer is a thin adapter: an OpenAI request body becomes a ``specd.v1.GenerateRequest`` and
-goes through `GenerationServicer.submit` / `GenerationServicer.stream`, the very path the gRPC
-API takes (validation, limits, the router, the `coordinator.errors` contract), so the same
-request gives the same tokens on both APIs. It differs from OpenAI's defaults as OpenAI's
-own does from gRPC's: ``temperature`` defaults to 1, chat ``max_tokens`` to the rest of the
-context, completion ``max_tokens`` to 16.
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``GET /health`` and ``GET /metrics`` (Prometheus), on FastAPI +
+uvicorn as vLLM and SGLang serve theirs. The layer is a thin adapter: an OpenAI request body
+becomes a ``specd.v1.GenerateRequest`` and goes through `GenerationServicer.submit_choices` /
+`GenerationServicer.stream`, the very path the gRPC API takes (validation, limits, the
+router, the `coordinator.errors` contract), so the same request gives the same tokens on both
+APIs. It differs from gRPC's defaults as OpenAI's own API does: ``temperature`` defaults to
+1, chat ``max_tokens`` to the rest of the context, completion ``max_tokens`` to 16, and the
+text ends before a stop string (``include_stop_str_in_output: true`` keeps it, as gRPC does).
 
-Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 400 names the
-field as the client wrote it (fields it does not support, such as ``n > 1``, ``logprobs``,
-``tools``, ``response_format`` and any unknown field, are refused, never ignored), 401 a
-missing or wrong ``Authorization: Bearer`` token (the gRPC API's token; ``/health`` is
-exempt), 404 an unknown model or path, 503 while the service starts, drains or has no
-replica that can serve, 500 an internal failure (details in the server log only). A client
-that disconnects, mid-stream or while waiting for a unary answer, has its request cancelled:
-its slot is freed at the next step.
+Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, for every
+status, malformed HTTP and bodies included: 400 names the field as the client wrote it
+(fields it does not support, such as ``logprobs``, ``tools``, ``response_format`` and any
+unknown field, are refused, never ignored), 401 a missing or wrong ``Authorization: Bearer``
+token (the gRPC API's token; ``/health`` is exempt; checked before the body is read), 404 an
+unknown model or path, 408/413/431 a body too slow or too large or headers too large
+(`HttpLimits`), 503 while the service starts, drains or has no replica that can serve, 500
+an internal failure (details in the server log only). A stream cut after it started ends
+with an error event and ``data: [DONE]``. A client that disconnects, mid-stream or while
+waiting for a unary answer, has its requests cancelled: their slots are freed at the next
+step.
 """
 
 from __future__ import annotations
@@ -31,16 +35,19 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from specd.v1 import generation_pb2
+from specd_core.request import SpeculativeDecodeResult
 
 from .errors import RequestError, client_status
+from .server import trimmed_stops
 
 log = logging.getLogger(__name__)
 
@@ -75,55 +82,65 @@ def _unavailable(message: str) -> ApiError:
 # ---- request bodies ----
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a string or a boolean is not a number ("temperature": "0.5" or true is a 400);
+    # JSON integers are still accepted where a float is expected.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class SpeculationBody(_Strict):
     """The ``speculation`` extra body field (the gRPC ``SpeculationOptions``)."""
 
-    enabled: StrictBool | None = None
-    max_draft_len: StrictInt | None = None
+    enabled: bool | None = None
+    max_draft_len: int | None = None
     drafter: str | None = None
 
 
 class StreamOptions(_Strict):
-    include_usage: StrictBool = False
+    include_usage: bool = False
 
 
 class _Body(_Strict):
     model: str
-    max_tokens: StrictInt | None = None
+    max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: StrictInt | None = None
+    seed: int | None = None
     stop: str | list[str] | None = None
-    stream: StrictBool = False
+    n: int | None = None
+    stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for abuse tracking: nothing to do with it
     # Extra body fields (vLLM's names):
-    top_k: StrictInt | None = None
+    top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     speculation: SpeculationBody | None = None
     # Known but unsupported: refused by `_refuse_unsupported` with a message naming them.
-    n: StrictInt | None = None
     logprobs: Any = None
     top_logprobs: Any = None
     logit_bias: Any = None
 
 
+#: Chat roles OpenAI defines (``developer`` is its newer name for ``system``).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+#: The most choices (``n``) one request may ask for: each takes a decoding slot.
+MAX_CHOICES = 16
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[dict] | None = None
+    name: str | None = None
 
 
 class ChatBody(_Body):
     messages: list[ChatMessage]
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: int | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -133,7 +150,7 @@ class ChatBody(_Body):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
@@ -141,8 +158,6 @@ class CompletionBody(_Body):
 
 def _refuse_unsupported(body: _Body) -> None:
     """Raises a 400 naming the first field set to something this server cannot do."""
-    if body.n not in (None, 1):
-        raise ApiError(400, f"n: only n=1 is supported, got {body.n}", param="n")
     checks = ["logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "functions",
               "function_call", "parallel_tool_calls", "response_format", "echo", "suffix"]
     for name in checks:
@@ -150,8 +165,8 @@ def _refuse_unsupported(body: _Body) -> None:
         if value not in (None, False) and not (name in ("tools", "functions") and value == []):
             raise ApiError(400, f"{name}: not supported by this server", param=name)
     best_of = getattr(body, "best_of", None)
-    if best_of not in (None, 1):
-        raise ApiError(400, f"best_of: only best_of=1 is supported, got {best_of}",
+    if best_of is not None and best_of != (body.n or 1):
+        raise ApiError(400, f"best_of: only best_of equal to n is supported, got {best_of!r}",
                        param="best_of")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options: only allowed with stream=true",
@@ -180,11 +195,13 @@ def _chat_content(i: int, content: str | list[dict] | None) -> str:
 def grpc_request(body: _Body) -> tuple[generation_pb2.GenerateRequest, str]:
     """The ``GenerateRequest`` an OpenAI body means, and the name of its max-tokens field.
     ``max_new_tokens`` is left 0 (= the rest of the context) for a chat request without one.
+    ``n`` is checked here but not carried: the caller submits that many choices.
 
     Raises:
         ApiError: 400 naming the field.
     """
     _refuse_unsupported(body)
+    _int_field("n", body.n, 1, MAX_CHOICES)
     req = generation_pb2.GenerateRequest(ignore_eos=body.ignore_eos)
     max_name, max_tokens = "max_tokens", body.max_tokens
     if isinstance(body, ChatBody):
@@ -193,7 +210,12 @@ def grpc_request(body: _Body) -> tuple[generation_pb2.GenerateRequest, str]:
         if not body.messages:
             raise ApiError(400, "messages: at least one message is required", param="messages")
         for i, m in enumerate(body.messages):
-            req.chat.messages.add(role=m.role, content=_chat_content(i, m.content))
+            if m.role not in CHAT_ROLES:
+                raise ApiError(400, f"messages[{i}].role: {m.role!r} is not a chat role; "
+                                    f"expected one of {', '.join(CHAT_ROLES)}",
+                               param=f"messages[{i}].role")
+            req.chat.messages.add(role=m.role, content=_chat_content(i, m.content),
+                                  name=m.name or "")
     else:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -226,6 +248,8 @@ def grpc_request(body: _Body) -> tuple[generation_pb2.GenerateRequest, str]:
         req.seed = _int_field("seed", body.seed, 0, 2**64 - 1)
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     req.stop.extend(stops)
+    # OpenAI's semantics by default: the text ends before the stop string.
+    req.include_stop_str_in_output = body.include_stop_str_in_output
     for t in body.stop_token_ids or ():
         _int_field("stop_token_ids", t, -(2**31), 2**31 - 1)
     req.stop_token_ids.extend(body.stop_token_ids or ())
@@ -292,10 +316,71 @@ def _speculation(result, drafter_failures: int) -> dict:
     }
 
 
-def _usage(req, result) -> dict:
-    prompt = req.decode.num_prompt_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": result.tokens_generated,
-            "total_tokens": prompt + result.tokens_generated}
+def _combined(results: list[SpeculativeDecodeResult]) -> SpeculativeDecodeResult:
+    """Several choices' counters summed (a request with ``n`` > 1)."""
+    total = SpeculativeDecodeResult()
+    for r in results:
+        total.forward_calls += r.forward_calls
+        total.tokens_generated += r.tokens_generated
+        total.verification_steps += r.verification_steps
+        total.drafted_tokens += r.drafted_tokens
+        total.accepted_tokens += r.accepted_tokens
+        for name in ("evaluated_at_position", "accepted_at_position"):
+            mine, theirs = getattr(total, name), getattr(r, name)
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for pos, count in enumerate(theirs):
+                mine[pos] += count
+    return total
+
+
+def _usage(reqs: list, results: list) -> dict:
+    """OpenAI's usage: the prompt counted once, the completion tokens of every choice."""
+    prompt = reqs[0].decode.num_prompt_tokens
+    completion = sum(r.tokens_generated for r in results if r is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class StreamsClosed(Exception):
+    """The service is stopping: open streams end (`OpenAIApi.close_streams`)."""
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one HTTP client may hold of the server (README, "The OpenAI-compatible HTTP API").
+
+    Attributes:
+        max_body_bytes: the largest request body, bytes; a larger one is refused with 413
+            before it is read (from its ``Content-Length``) or as soon as a chunked body
+            passes it. 8 MiB holds the largest prompt the default cap admits (~1.3 MB of
+            SmolLM2 text) even with every character JSON-escaped (6 bytes each).
+        body_timeout_s: the whole body must arrive within this many seconds of the
+            headers, else 408 (a client trickling its body holds a connection).
+        header_timeout_s: a connection must complete a request's headers within this many
+            seconds of opening (or of its previous response), else it is closed (slowloris).
+        max_connections: HTTP connections held at once; one more is answered 503 and closed
+            at once (idle connections count: each holds a file descriptor in the process
+            that also serves gRPC).
+        keep_alive_s: an idle keep-alive connection is closed after this many seconds
+            (uvicorn's ``timeout_keep_alive``).
+        max_header_bytes: the request line and headers, bytes: over it is a 431 (or, while
+            they are still arriving, h11's ``max_incomplete_event_size``: a 400).
+    """
+
+    max_body_bytes: int = 8 * 2**20
+    body_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0
+    max_connections: int = 256
+    keep_alive_s: int = 5
+    max_header_bytes: int = 16 * 1024
+
+
+#: JSON nesting this API reads (its deepest field, ``messages[i].content[j].text``, is 4).
+MAX_JSON_DEPTH = 32
 
 
 class OpenAIApi:
@@ -305,18 +390,30 @@ class OpenAIApi:
     Args:
         auth_token: required as ``Authorization: Bearer`` on everything but ``/health``.
         registry: a prometheus_client registry for ``/metrics`` (None: 404).
+        limits: connection, header and body limits (`HttpLimits`).
     """
 
-    def __init__(self, servicer=None, auth_token: str | None = None, registry=None):
+    def __init__(self, servicer=None, auth_token: str | None = None, registry=None,
+                 limits: HttpLimits | None = None):
         self.servicer = servicer
         self.auth_token = auth_token
         self.registry = registry
+        self.limits = limits or HttpLimits()
+        #: ``created`` of the model card: when this API started, Unix seconds.
+        self.created = int(time.time())
+        self._closing = asyncio.Event()
+        self._open_streams = 0
+        self._no_streams = asyncio.Event()
+        self._no_streams.set()
         self.app = self._build()
+        #: The ASGI app to serve: the token and body limits before `app` (`_Guard`).
+        self.asgi = _Guard(self, self.app)
 
-    def _check_auth(self, request: Request) -> None:
+    def check_auth(self, authorization: str) -> None:
+        """Raises a 401 `ApiError` unless ``authorization`` is ``Bearer <the token>``."""
         if not self.auth_token:
             return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        scheme, _, given = authorization.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(
                 given.strip().encode(), self.auth_token.encode()):
             raise ApiError(401, "missing or invalid bearer token", code="invalid_api_key")
@@ -335,6 +432,19 @@ class OpenAIApi:
                                 f"{servicer.model_name!r}", param="model",
                            code="model_not_found")
 
+    def _model_card(self, servicer) -> dict:
+        return {"id": servicer.model_name, "object": "model", "created": self.created,
+                "owned_by": "specd", "max_model_len": servicer.max_seq_len}
+
+    async def close_streams(self, timeout_s: float = 2.0) -> None:
+        """Ends every open stream (the service is stopping and their grace is over): each
+        sends an OpenAI-shaped 503 error event and ``data: [DONE]``. Waits up to
+        ``timeout_s`` seconds for them to be sent (a client that does not read is not
+        waited for longer)."""
+        self._closing.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._no_streams.wait(), timeout_s)
+
     def _build(self) -> FastAPI:
         app = FastAPI(title="specd", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -342,20 +452,9 @@ class OpenAIApi:
         async def api_error(_request, exc: ApiError):
             return exc.response()
 
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next):
-            # Before routing and body parsing: a caller without the token learns nothing
-            # about the request it sent (a malformed body is 401, not 400).
-            if request.url.path != "/health":
-                try:
-                    self._check_auth(request)
-                except ApiError as exc:
-                    return exc.response()
-            return await call_next(request)
-
         @app.exception_handler(RequestValidationError)
         async def invalid_body(_request, exc: RequestValidationError):
-            return _validation_error(exc).response()
+            return _validation_error(exc.errors()).response()
 
         @app.exception_handler(404)
         async def not_found(request, _exc):
@@ -365,6 +464,12 @@ class OpenAIApi:
         async def bad_method(request, _exc):
             return ApiError(405, f"{request.method} is not allowed on {request.url.path}",
                             code="method_not_allowed").response()
+
+        @app.exception_handler(Exception)
+        async def internal(_request, exc: Exception):
+            log.error("HTTP request failed: %r", exc)
+            return ApiError(500, "internal error (the server log has the details)",
+                            "server_error", code="internal_error").response()
 
         @app.get("/health")
         async def health():
@@ -390,17 +495,22 @@ class OpenAIApi:
 
         @app.get("/v1/models")
         async def models():
+            return {"object": "list", "data": [self._model_card(self._ready())]}
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(model_id: str):
             servicer = self._ready()
-            return {"object": "list", "data": [{
-                "id": servicer.model_name, "object": "model", "created": 0,
-                "owned_by": "specd", "max_model_len": servicer.max_seq_len}]}
+            self._check_model(servicer, model_id)
+            return self._model_card(servicer)
 
         @app.post("/v1/chat/completions")
-        async def chat(body: ChatBody, request: Request):
+        async def chat(request: Request):
+            body = _parse_body(await request.body(), ChatBody)
             return await self._generate(body, request, chat=True)
 
         @app.post("/v1/completions")
-        async def completions(body: CompletionBody, request: Request):
+        async def completions(request: Request):
+            body = _parse_body(await request.body(), CompletionBody)
             return await self._generate(body, request, chat=False)
 
         return app
@@ -409,70 +519,148 @@ class OpenAIApi:
         servicer = self._ready()
         self._check_model(servicer, body.model)
         grpc_req, max_name = grpc_request(body)
+        trim = trimmed_stops(grpc_req)
         with contextlib.ExitStack() as stack:
             stack.enter_context(servicer._tracked())
             try:
-                req = await servicer.submit(grpc_req, default_max_new_tokens=chat)
+                reqs = await servicer.submit_choices(grpc_req, body.n or 1,
+                                                     default_max_new_tokens=chat)
             except RequestError as exc:
                 raise _request_error(exc, max_name, chat) from None
+
+            def cancel_all() -> None:
+                for req in reqs:
+                    servicer.scheduler.cancel(req)
+
             meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
                     "created": int(time.time()), "model": servicer.model_name}
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                events = self._sse(servicer, req, meta, chat, include_usage, max_name)
+                events = self._sse(servicer, reqs, trim, meta, chat, include_usage, max_name)
                 tracked = stack.pop_all()  # the stream holds it until it ends
-                return _CancellingStream(events, lambda: (servicer.scheduler.cancel(req),
-                                                          tracked.close()))
+                return _CancellingStream(events, lambda: (cancel_all(), tracked.close()))
             try:
-                tokens, text, result = await _unless_disconnected(
-                    request, servicer.collect(req))
+                outs = await _unless_disconnected(request, _collect_all(servicer, reqs, trim))
             except RequestError as exc:
                 raise _request_error(exc, max_name, chat) from None
             finally:
-                servicer.scheduler.cancel(req)
-            if result is None:  # the client went away: nobody to answer
+                cancel_all()
+            if outs is None:  # the client went away: nobody to answer
                 return Response(status_code=499)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
-                      if chat else {"index": 0, "text": text})
-            choice.update(finish_reason=result.finish_reason, logprobs=None)
+            choices = []
+            for i, (_tokens, text, result) in enumerate(outs):
+                choice = ({"index": i, "message": {"role": "assistant", "content": text}}
+                          if chat else {"index": i, "text": text})
+                choice.update(finish_reason=result.finish_reason, logprobs=None)
+                choices.append(choice)
+            results = [out[2] for out in outs]
             return {**meta, "object": "chat.completion" if chat else "text_completion",
-                    "choices": [choice], "usage": _usage(req, result),
-                    "speculation": _speculation(result, req.drafter_failures)}
+                    "choices": choices, "usage": _usage(reqs, results),
+                    "speculation": _speculation(
+                        results[0] if len(results) == 1 else _combined(results),
+                        sum(req.drafter_failures for req in reqs))}
 
-    async def _sse(self, servicer, req, meta: dict, chat: bool, include_usage: bool,
-                   max_name: str) -> AsyncIterator[str]:
-        """Server-sent events: ``data: {chunk}`` per text delta, the finish chunk (with the
-        ``speculation`` counters), the usage chunk when asked, then ``data: [DONE]``. A
-        failure after the stream started is sent as ``data: {"error": ...}``."""
+    async def _sse(self, servicer, reqs: list, trim: tuple[str, ...], meta: dict, chat: bool,
+                   include_usage: bool, max_name: str) -> AsyncIterator[str]:
+        """Server-sent events: ``data: {chunk}`` per text delta of each choice (``index``),
+        each choice's finish chunk (with its ``speculation`` counters), the usage chunk when
+        asked, then ``data: [DONE]``. However the stream is cut after it started (a request
+        failed, the service stopped at the end of its grace, an internal error), it ends
+        with ``data: {"error": ...}`` in OpenAI's shape, then ``data: [DONE]``."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         extra = {"usage": None} if include_usage else {}
 
         def chunk(choices: list, **fields) -> str:
-            payload = {**meta, "object": kind, "choices": choices, **extra, **fields}
-            return f"data: {json.dumps(payload)}\n\n"
+            return _event({**meta, "object": kind, "choices": choices, **extra, **fields})
 
-        def choice(text: str | None, finish: str | None = None) -> dict:
+        def choice(i: int, text: str | None, finish: str | None = None) -> dict:
             if chat:
                 delta = {} if text is None else {"content": text}
-                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+                return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
 
-        if chat:
-            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                          "finish_reason": None, "logprobs": None}])
+        self._open_streams += 1
+        self._no_streams.clear()
         try:
-            async with contextlib.aclosing(servicer.stream(req)) as chunks:
-                async for c in chunks:
-                    if c.text:
-                        yield chunk([choice(c.text)])
-                    if c.result is not None:
-                        yield chunk([choice(None, c.result.finish_reason)],
-                                    speculation=_speculation(c.result, req.drafter_failures))
-                        if include_usage:
-                            yield chunk([], usage=_usage(req, c.result))
-        except RequestError as exc:
-            yield f"data: {json.dumps(_request_error(exc, max_name, chat).body())}\n\n"
-        yield "data: [DONE]\n\n"
+            if chat:
+                for i in range(len(reqs)):
+                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                  "finish_reason": None, "logprobs": None}])
+            results: list = [None] * len(reqs)
+            try:
+                async with contextlib.AsyncExitStack() as stack:
+                    streams = [await stack.enter_async_context(
+                        contextlib.aclosing(servicer.stream(req, trim))) for req in reqs]
+                    merged = await stack.enter_async_context(
+                        contextlib.aclosing(_merge(streams, self._closing)))
+                    async for i, c in merged:
+                        if c.text:
+                            yield chunk([choice(i, c.text)])
+                        if c.result is not None:
+                            results[i] = c.result
+                            yield chunk([choice(i, None, c.result.finish_reason)],
+                                        speculation=_speculation(c.result,
+                                                                 reqs[i].drafter_failures))
+                if include_usage:
+                    yield chunk([], usage=_usage(reqs, results))
+            except RequestError as exc:
+                yield _event(_request_error(exc, max_name, chat).body())
+            except StreamsClosed:
+                yield _event(_unavailable("the service is shutting down: this stream was "
+                                          "cut before it finished").body())
+            except Exception:
+                log.exception("streaming a response failed")
+                yield _event(ApiError(500, "internal error (the server log has the details)",
+                                      "server_error", code="internal_error").body())
+            yield "data: [DONE]\n\n"
+        finally:
+            self._open_streams -= 1
+            if not self._open_streams:
+                self._no_streams.set()
+
+
+async def _collect_all(servicer, reqs: list, trim: tuple[str, ...]) -> list:
+    """``servicer.collect`` of every choice, concurrently; the first failure (or a cancel)
+    ends them all."""
+    tasks = [asyncio.ensure_future(servicer.collect(req, trim)) for req in reqs]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merge(streams: list, closing: asyncio.Event) -> AsyncIterator[tuple]:
+    """``(index, chunk)`` from several chunk streams as each arrives (each stream's own order
+    kept).
+
+    Raises:
+        StreamsClosed: ``closing`` was set before every stream ended.
+        RequestError: as a stream raises it (the other streams are then left unread).
+    """
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    closed = asyncio.ensure_future(closing.wait())
+    try:
+        while pending:
+            done, _ = await asyncio.wait([*pending, closed],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted((f for f in done if f in pending), key=pending.get):
+                i = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, item
+            if closed in done and pending:
+                raise StreamsClosed
+    finally:
+        closed.cancel()
+        for future in pending:
+            future.cancel()
+        # Before the streams are closed: a generator cannot be closed while it runs.
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 class _CancellingStream(StreamingResponse):
@@ -489,11 +677,15 @@ class _CancellingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+            # The events generator may be suspended mid-stream (the client went away):
+            # closing it closes the merged chunk streams it holds.
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
 
 
 async def _unless_disconnected(request: Request, work):
     """``await work``, unless the client disconnects first: then ``work`` is cancelled and
-    this returns ``(None, None, None)`` (vLLM's ``with_cancellation`` does the same)."""
+    this returns None (vLLM's ``with_cancellation`` does the same)."""
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:
@@ -509,19 +701,82 @@ async def _unless_disconnected(request: Request, work):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, RequestError):
             await task
-        return None, None, None
+        return None
     return task.result()
 
 
-def _validation_error(exc: RequestValidationError) -> ApiError:
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _parse_body(raw: bytes, model: type[_Body]) -> _Body:
+    """The request body as ``model``: strict UTF-8 JSON, an object, at most
+    `MAX_JSON_DEPTH` deep, every string valid Unicode (a lone surrogate escape such as
+    ``"\\ud800"`` is refused: it cannot be encoded, as a prompt or anywhere else).
+
+    Raises:
+        ApiError: 400 naming the field where there is one.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"invalid body: not UTF-8 (at byte {exc.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ApiError(400, f"invalid JSON body: nested deeper than {MAX_JSON_DEPTH} "
+                            "levels") from None
+    except ValueError as exc:
+        raise ApiError(400, f"invalid JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "invalid JSON body: expected an object")
+    _check_json(data, "", 1)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc.errors()) from None
+
+
+def _check_json(value, path: str, depth: int) -> None:
+    """Raises a 400 for nesting past `MAX_JSON_DEPTH` or a string that is not valid
+    Unicode (a lone surrogate), naming where."""
+    if depth > MAX_JSON_DEPTH:
+        raise ApiError(400, f"{path}: nested deeper than {MAX_JSON_DEPTH} levels",
+                       param=path)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, path or "body")
+            where = f"{path}.{key}" if path else key
+            if isinstance(item, str):
+                _check_text(item, where)
+            elif isinstance(item, dict | list):
+                _check_json(item, where, depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if isinstance(item, str):
+                _check_text(item, f"{path}[{i}]")
+            elif isinstance(item, dict | list):
+                _check_json(item, f"{path}[{i}]", depth + 1)
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{where}: contains a lone surrogate "
+                            f"(\\u{ord(text[exc.start]):04x}), which is not valid Unicode text",
+                       param=where) from None
+
+
+def _validation_error(errors: list) -> ApiError:
     """A 400 naming the first invalid field of the body (pydantic's location)."""
-    errors = exc.errors()
     if not errors:
         return ApiError(400, "invalid request body")
     err = errors[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     # Drop pydantic's union-member tags ("str", "list[int]") from the location.
-    loc = [p for p in loc if not re.match(r"^(str|int|list|dict|function-after)\b", p)]
+    loc = [p for p in loc if not re.match(r"^(str|int|float|bool|list|dict|function-after)\b",
+                                          p)]
     param = ".".join(p if not p.isdigit() else f"[{p}]" for p in loc).replace(".[", "[")
     if err.get("type") == "extra_forbidden":
         return ApiError(400, f"{param}: unrecognized request argument", param=param)
@@ -530,6 +785,152 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     if err.get("type") == "json_invalid" or not param:
         return ApiError(400, f"invalid JSON body: {err.get('msg', '')}")
     return ApiError(400, f"{param}: {err.get('msg', 'invalid value')}", param=param)
+
+
+class _Guard:
+    """The ASGI app uvicorn runs, in front of FastAPI: the bearer token is checked before
+    anything is read (401), then the body is read within `HttpLimits` (413 over
+    ``max_body_bytes``, refused from ``Content-Length`` before reading; 408 past
+    ``body_timeout_s``) and replayed to the app. Errors are OpenAI-shaped."""
+
+    def __init__(self, api: OpenAIApi, app):
+        self.api = api
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            # h11 bounds only headers still arriving (max_incomplete_event_size); headers
+            # that arrived in one read are bounded here.
+            size = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + sum(
+                len(k) + len(v) + 4 for k, v in scope["headers"])
+            if size > self.api.limits.max_header_bytes:
+                raise ApiError(431, f"the request line and headers are over "
+                                    f"{self.api.limits.max_header_bytes} bytes",
+                               code="request_header_fields_too_large")
+            # Before routing and body parsing: a caller without the token learns nothing
+            # about the request it sent (a malformed body is 401, not 400).
+            if scope["path"] != "/health":
+                self.api.check_auth(headers.get("authorization", ""))
+            body = await self._read_body(headers, receive)
+        except ApiError as exc:
+            # A refused body is left unread: the connection closes after the answer.
+            await _send_error(send, exc, close=exc.status in (408, 413, 431))
+            return
+        if body is None:  # the client went away
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read_body(self, headers: dict, receive) -> bytes | None:
+        limits = self.api.limits
+        too_large = ApiError(413, f"the request body is over {limits.max_body_bytes} bytes",
+                             code="request_too_large")
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > limits.max_body_bytes:
+            raise too_large
+        body = bytearray()
+        try:
+            async with asyncio.timeout(limits.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    body += message.get("body", b"")
+                    if len(body) > limits.max_body_bytes:
+                        raise too_large
+                    if not message.get("more_body", False):
+                        return bytes(body)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within "
+                                f"{limits.body_timeout_s:g} s", code="request_timeout") from None
+
+
+async def _send_error(send, exc: ApiError, close: bool = False) -> None:
+    data = json.dumps(exc.body()).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(data)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+def _protocol_class(limits: HttpLimits):
+    """uvicorn's h11 protocol with the connection cap, the header timeout and
+    OpenAI-shaped answers to malformed HTTP (uvicorn's own are plain text)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    def raw_response(status: int, reason: bytes, exc: ApiError) -> list:
+        data = json.dumps(exc.body()).encode()
+        return [h11.Response(status_code=status, reason=reason, headers=[
+                    (b"content-type", b"application/json"), (b"connection", b"close"),
+                    (b"content-length", str(len(data)).encode())]),
+                h11.Data(data=data), h11.EndOfMessage()]
+
+    class GuardedH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                # Answered before any request: the client reads it when it sends one.
+                exc = _unavailable(f"too many connections (at most {limits.max_connections})")
+                for event in raw_response(503, b"Service Unavailable", exc):
+                    transport.write(self.conn.send(event))
+                transport.close()
+                return
+            self._arm_header_timer()
+
+        def _arm_header_timer(self) -> None:
+            self._disarm_header_timer()
+            self._header_timer = self.loop.call_later(limits.header_timeout_s,
+                                                      self._headers_late)
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if (self.cycle is None or self.cycle.response_complete) and (
+                    not self.transport.is_closing()):
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm_header_timer()  # a request's headers are in
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_header_timer()  # the next request's headers
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_header_timer()
+            super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            exc = ApiError(400, f"invalid HTTP request: {msg}", code="bad_request")
+            for event in raw_response(400, b"Bad Request", exc):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
+    return GuardedH11Protocol
 
 
 class _Server:
@@ -544,9 +945,14 @@ class _Server:
             def capture_signals(self):  # the process owner (Ray, specd serve) keeps them
                 return contextlib.nullcontext()
 
-        config = uvicorn.Config(api.app, lifespan="off", log_level="warning",
+        limits = api.limits
+        # uvicorn's limit_concurrency stays off: it answers plain text and counts idle
+        # connections with busy ones; `max_connections` caps connections instead.
+        config = uvicorn.Config(api.asgi, lifespan="off", log_level="warning",
                                 access_log=False, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
-                                timeout_graceful_shutdown=1)
+                                timeout_graceful_shutdown=1, http=_protocol_class(limits),
+                                timeout_keep_alive=limits.keep_alive_s,
+                                h11_max_incomplete_event_size=limits.max_header_bytes)
         self.server = Server(config)
         self.sock = sock
         self.port = sock.getsockname()[1]
@@ -593,4 +999,4 @@ async def start_http_server(api: OpenAIApi, host: str = "127.0.0.1", port: int =
     return server, server.port
 
 
-__all__ = ["ApiError", "OpenAIApi", "grpc_request", "start_http_server"]
+__all__ = ["ApiError", "HttpLimits", "OpenAIApi", "grpc_request", "start_http_server"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -158,6 +159,69 @@ def _with_max_new_tokens(request: generation_pb2.GenerateRequest, n: int
     return copy
 
 
+class StopTrimmer:
+    """Cuts a text stream before its first stop string (OpenAI's and vLLM's default stop
+    semantics), without ever returning text that a later match would remove: a delta holds
+    back only the trailing characters that could still start a stop string.
+
+    Why the hold-back suffices: a position whose following text has already diverged from
+    every stop string can never start a match, and a position whose following text is still
+    a proper prefix of one is held back, so no match ever starts inside text already returned.
+
+    Args:
+        stops: the request's stop strings (non-empty).
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.longest = max(len(s) for s in self.stops)
+        self._firsts = {s[0] for s in self.stops}
+        self.text = ""
+        self.sent = 0
+        #: True once a stop string matched: the output ends before it.
+        self.stopped = False
+
+    def push(self, delta: str) -> str:
+        """Adds ``delta``; returns the text now safe to send (possibly "")."""
+        if self.stopped or not delta:
+            return ""
+        self.text += delta
+        found = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
+        if found:
+            self.stopped = True
+            end = min(found)
+        else:
+            end = len(self.text) - self._held()
+        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return out
+
+    def _held(self) -> int:
+        """Length of the longest suffix of the unsent text that is a proper prefix of a stop
+        string (the earliest start wins: it is the longest)."""
+        text = self.text
+        for i in range(max(self.sent, len(text) - self.longest + 1), len(text)):
+            if text[i] in self._firsts:
+                tail = text[i:]
+                if any(len(s) > len(tail) and s.startswith(tail) for s in self.stops):
+                    return len(text) - i
+        return 0
+
+    def flush(self) -> str:
+        """At the end of the output: what was held back (no stop string completed)."""
+        if self.stopped:
+            return ""
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+def trimmed_stops(request: generation_pb2.GenerateRequest) -> tuple[str, ...]:
+    """The stop strings to cut the text before: the request's when it set
+    ``include_stop_str_in_output`` false, else none (the gRPC API's default keeps them)."""
+    if request.HasField("include_stop_str_in_output") and not request.include_stop_str_in_output:
+        return tuple(request.stop)
+    return ()
+
+
 @dataclass(frozen=True)
 class StreamChunk:
     """One step's output of a request (`GenerationServicer.stream`).
@@ -234,10 +298,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._check_size("text", [request.text])
             ids = encode_prompt(self.tokenizer, request.text, raw=True) if request.text else []
         else:
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            messages = [_chat_message(m) for m in request.chat.messages]
             if not messages or not any(m["content"] for m in messages):
                 raise InvalidRequest("chat: at least one message with content is required")
-            self._check_size("chat", [t for m in messages for t in (m["role"], m["content"])])
+            self._check_size("chat", [t for m in messages for t in m.values()])
             ids = encode_chat(self.tokenizer, messages)
         if not ids:
             raise InvalidRequest(f"prompt: the {kind} prompt is empty")
@@ -361,16 +425,63 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except RuntimeError as exc:  # a router with no serving replica
             raise ReplicaUnavailable(str(exc)) from exc
 
-    async def stream(self, req: ServiceRequest) -> AsyncIterator[StreamChunk]:
+    async def submit_choices(self, request: generation_pb2.GenerateRequest, n: int,
+                             default_max_new_tokens: bool = False) -> list[ServiceRequest]:
+        """`submit` for ``n`` independent choices of one prompt, tokenized once. Choice ``i``
+        samples with seed ``seed + i`` (mod 2**64) when the request has a seed, so a seeded
+        request gives the same ``n`` outputs every time; without one each draws fresh
+        entropy. If a later choice cannot be queued, the earlier ones are cancelled.
+
+        Raises:
+            ValueError: ``n`` < 1.
+            RequestError: as `submit`.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if n == 1:
+            return [await self.submit(request, default_max_new_tokens)]
+        if self._draining:
+            raise ServiceStopping("the service is shutting down")
+        try:
+            prompt, options, speculate, max_draft_len = await asyncio.to_thread(
+                self.parse, request, default_max_new_tokens)
+        except ValueError as exc:
+            raise RequestInvalid(str(exc)) from exc
+        except Exception as exc:
+            log.exception("parsing a request failed")
+            raise RequestFailed(REQUEST_FAILED) from exc
+        reqs: list[ServiceRequest] = []
+        try:
+            for i in range(n):
+                seed = None if options.seed is None else (options.seed + i) % 2**64
+                reqs.append(self.scheduler.submit(
+                    prompt, dataclasses.replace(options, seed=seed), speculate, max_draft_len))
+        except BaseException as exc:
+            for req in reqs:
+                self.scheduler.cancel(req)
+            if isinstance(exc, ValueError):
+                raise RequestInvalid(str(exc)) from exc
+            if isinstance(exc, RuntimeError):
+                raise ReplicaUnavailable(str(exc)) from exc
+            raise
+        return reqs
+
+    async def stream(self, req: ServiceRequest, trim_stops: Sequence[str] = ()
+                     ) -> AsyncIterator[StreamChunk]:
         """The chunks of a submitted request, in order; the last carries its result. Text
         deltas never end inside a UTF-8 character (`TextStream`). Closing the iterator early
         (a client gone) cancels the request, which frees its slot at the next step.
+
+        ``trim_stops``: the text ends before the first of these strings (`StopTrimmer`;
+        token ids are not trimmed) and the finish reason is then "stop". Empty: the text
+        keeps a matched stop string (the gRPC API's default).
 
         Raises:
             RequestError: the request failed (the message is client-safe); a detokenizer
                 failure is `RequestFailed` (the cause is logged).
         """
         text = TextStream(self.tokenizer)
+        trimmer = StopTrimmer(trim_stops) if trim_stops else None
         try:
             while True:
                 event = await req.events.get()
@@ -380,6 +491,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     except Exception as exc:  # detokenizing failed: this stream alone ends
                         log.exception("streaming request %s failed", req.id)
                         raise RequestFailed(REQUEST_FAILED) from exc
+                    if trimmer is not None:
+                        delta = trimmer.push(delta)
                     yield StreamChunk(list(event), delta)
                 elif isinstance(event, SpeculativeDecodeResult):
                     try:
@@ -387,6 +500,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     except Exception as exc:
                         log.exception("streaming request %s failed", req.id)
                         raise RequestFailed(REQUEST_FAILED) from exc
+                    if trimmer is not None:
+                        delta = trimmer.push(delta) + trimmer.flush()
+                        if trimmer.stopped:
+                            # The scheduler matches stop strings in a window of recent
+                            # tokens; a match found here is one too.
+                            event.finish_reason = "stop"
                     yield StreamChunk([], delta, event)
                     return
                 elif isinstance(event, RequestError):
@@ -411,7 +530,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         with self._tracked():
             req = await self._submit(request, context)
             try:
-                async with contextlib.aclosing(self.stream(req)) as chunks:
+                async with contextlib.aclosing(
+                        self.stream(req, trimmed_stops(request))) as chunks:
                     async for chunk in chunks:
                         if chunk.result is None:
                             yield generation_pb2.GenerateResponse(token_ids=chunk.token_ids,
@@ -426,23 +546,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         with self._tracked():
             req = await self._submit(request, context)
             try:
-                tokens, text, result = await self.collect(req)
+                tokens, text, result = await self.collect(req, trimmed_stops(request))
             except RequestError as exc:
                 await _abort_failed(context, exc)
             return generation_pb2.GenerateResult(text=text, token_ids=tokens,
                                                  **_final_fields(req, result))
 
-    async def collect(self, req: ServiceRequest
+    async def collect(self, req: ServiceRequest, trim_stops: Sequence[str] = ()
                       ) -> tuple[list[int], str, SpeculativeDecodeResult]:
         """(token ids, text, result) of a submitted request: the text is the streamed
-        deltas joined, so a unary answer equals the concatenated stream.
+        deltas joined, so a unary answer equals the concatenated stream (``trim_stops`` as
+        in `stream`).
 
         Raises:
             RequestError: as `stream`.
         """
         tokens: list[int] = []
         parts: list[str] = []
-        async with contextlib.aclosing(self.stream(req)) as chunks:
+        async with contextlib.aclosing(self.stream(req, trim_stops)) as chunks:
             async for chunk in chunks:
                 tokens.extend(chunk.token_ids)
                 parts.append(chunk.text)
@@ -487,6 +608,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                 "scaling failed: a new worker did not start (the server log "
                                 "has the details)")
         return generation_pb2.ScaleResponse(**result)
+
+
+def _chat_message(m: generation_pb2.ChatMessage) -> dict[str, str]:
+    """A chat message as the chat template gets it: ``name`` only when set (templates that
+    do not use it ignore the key)."""
+    message = {"role": m.role, "content": m.content}
+    if m.name:
+        message["name"] = m.name
+    return message
 
 
 async def _abort_failed(context, exc: BaseException) -> None:
@@ -651,10 +781,12 @@ __all__ = [
     "BearerTokenInterceptor",
     "GenerationServicer",
     "InvalidRequest",
+    "StopTrimmer",
     "StreamChunk",
     "default_max_prompt_bytes",
     "generation_handlers",
     "sampling_from_proto",
     "start_generation_server",
+    "trimmed_stops",
 ]
 

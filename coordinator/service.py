@@ -131,7 +131,20 @@ def default_target_threads(replicas: int, tp: int = 1, cpus: int | None = None) 
 
 def init_embedded_ray() -> None:
     """Starts the embedded single-machine Ray with every port on loopback, no dashboard and no
-    Ray metrics exporter.
+    Ray metrics exporter, never attaching to another Ray, with Ray's processes outside this
+    process's process group.
+
+    ``address="local"``: a plain `ray.init` joins the Ray named by ``RAY_ADDRESS`` or by the
+    ``ray_current_cluster`` file that ``ray start`` leaves in Ray's temp dir (and never
+    removes when its head is stopped by PID), then fails with "When connecting to an existing
+    cluster, _system_config must not be provided" or joins someone else's cluster.
+
+    Process groups: each process Ray starts here (GCS, raylet, agents, the log monitor; the
+    workers are the raylet's children) leads its own process group, so a signal to this
+    process's group (``kill -TERM -- -PGID``, a terminal's job control) reaches only this
+    process, which drains and then stops Ray itself. Ray still ends them if this process
+    dies (Linux parent-death signal). Done by wrapping Ray's private ``ConsolePopen`` for
+    this call; without it (another Ray version) they share the group, with a warning.
 
     A loopback node IP makes Ray 2.60's GCS, raylet, object manager, core workers, agents and
     its two internal Prometheus servers (dashboard head, autoscaler monitor) bind 127.0.0.1
@@ -147,17 +160,36 @@ def init_embedded_ray() -> None:
     process) is off unless ``RAY_USAGE_STATS_ENABLED`` says otherwise.
     """
     import ray
-    from ray._private import ray_constants
+    from ray._private import ray_constants, services
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # inherited by Ray's processes
     saved = ray_constants.ENABLE_RAY_CLUSTER
+    saved_popen = getattr(services, "ConsolePopen", None)
     ray_constants.ENABLE_RAY_CLUSTER = False  # read by services.get_node_ip_address
+    if saved_popen is not None:
+        services.ConsolePopen = _own_process_group(saved_popen)
+    else:
+        log.warning("Ray's processes share this process group (ray._private.services has no "
+                    "ConsolePopen): a signal to the group reaches them too")
     try:
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 _node_ip_address="127.0.0.1",
+        ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, _node_ip_address="127.0.0.1",
                  _system_config={"enable_metrics_collection": False})
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+        if saved_popen is not None:
+            services.ConsolePopen = saved_popen
+
+
+def _own_process_group(popen_cls: type) -> type:
+    """``popen_cls`` whose children each start a process group of their own."""
+
+    class Popen(popen_cls):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("process_group", 0)  # setpgid(0, 0) in the child (Python 3.11+)
+            super().__init__(*args, **kwargs)
+
+    return Popen
 
 
 def load_tokenizer_for(model: str | None):
@@ -391,6 +423,10 @@ class CoordinatorActor:
         if self.server is not None:
             if self.servicer is not None:
                 await self.servicer.drain(grace_s)
+            if self.http_api is not None:
+                # HTTP streams that outlived the grace end with an error event and [DONE]
+                # (stopping uvicorn would cut them mid-stream).
+                await self.http_api.close_streams()
             await self.server.stop(grace=0.5)  # what outlived the grace period is cancelled
         if self.http_server is not None:
             await self.http_server.stop()

@@ -166,16 +166,18 @@ def run_in_thread(fn, *args) -> Future:
 
 
 @contextlib.contextmanager
-def serve_process(*args: str):
+def serve_process(*args: str, new_session: bool = False):
     """Runs ``specd serve --port 0 ARGS`` as a subprocess with its own embedded Ray, whose
     files go to a short private temp dir (Ray's socket paths must stay under the 107-byte Unix
     limit). Yields ``(process, address, temp_dir)`` once it serves; afterwards kills it if it
-    still runs (its own PID: the test's own process) and removes the temp dir."""
+    still runs (its own PID: the test's own process) and removes the temp dir.
+    ``new_session``: it leads its own session and process group (as under a shell's job
+    control or systemd), so the test can signal that group."""
     tmp = tempfile.mkdtemp(prefix="specd-sv-")
     proc = subprocess.Popen(
         [sys.executable, "-m", "specd_tools.cli", "serve", "--port", "0", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "RAY_TMPDIR": tmp})
+        env={**os.environ, "RAY_TMPDIR": tmp}, start_new_session=new_session)
     try:
         line = ""
         proc.startup_output = []  # what it printed before serving (stderr included)

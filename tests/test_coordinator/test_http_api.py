@@ -142,7 +142,16 @@ def test_greedy_and_seeded_text_equal_the_grpc_apis(service, client):
     ({"stop": [""]}, "stop"),
     ({"extra_body": {"repetition_penalty": 0.0}}, "repetition_penalty"),
     ({"extra_body": {"speculation": {"drafter": "nope"}}}, "speculation.drafter"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
+    ({"n": 0}, "n"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"extra_body": {"include_stop_str_in_output": "yes"}}, "include_stop_str_in_output"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "", "content": "x"}]},
+     "messages[1].role"),
+    ({"messages": [{"role": "user", "content": "hi", "name": 3}]}, "messages[0].name"),
     ({"logprobs": True}, "logprobs"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
@@ -270,3 +279,450 @@ def test_streamed_text_never_ends_in_a_partial_character():
         assert cut, "no output ended inside a character: the case was not exercised"
     finally:
         svc.stop()
+
+
+# ---- stop strings (OpenAI semantics: the text ends before the stop string) ----
+
+STOP_PROMPT = "qrst"
+
+
+def _stop_in(text: str) -> tuple[str, int]:
+    """A 3-character stop string from inside ``text`` (where its characters change, so it
+    occurs late enough to leave text before it) and where it first occurs."""
+    i = next(i for i in range(1, len(text) - 3) if text[i] != text[i + 1])
+    stop = text[i:i + 3]
+    cut = text.find(stop)
+    assert cut > 0
+    return stop, cut
+
+
+def _stop_case(client) -> tuple[str, str, int]:
+    """(greedy text, a stop string from its middle, where it first occurs). The tiny
+    tokenizer decodes one character per token, so the token completing the stop string
+    ends exactly at its end."""
+    text = client.completions.create(model=MODEL, prompt=STOP_PROMPT, max_tokens=24,
+                                     temperature=0, extra_body={"ignore_eos": True}
+                                     ).choices[0].text
+    assert len(text) == 24
+    return (text, *_stop_in(text))
+
+
+def _sse_events(base: str, path: str, body: dict, token: str | None = TOKEN) -> list:
+    """The parsed ``data:`` events of a streamed request ("[DONE]" kept as the string)."""
+    import json
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    events = []
+    with httpx.stream("POST", f"http://{base}{path}", json=body, headers=headers,
+                      timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_a_stop_string_ends_the_text_before_it_unary_and_streamed(service, client):
+    text, stop, cut = _stop_case(client)
+    kw = dict(model=MODEL, prompt=STOP_PROMPT, max_tokens=24, temperature=0, stop=[stop],
+              extra_body={"ignore_eos": True})
+    unary = client.completions.create(**kw).choices[0]
+    assert (unary.text, unary.finish_reason) == (text[:cut], "stop")
+    # One token per step (no drafts), so the stop string arrives over several deltas: none
+    # may carry a character the match later removes.
+    body = {**{k: v for k, v in kw.items() if k != "extra_body"}, "stream": True,
+            "ignore_eos": True, "speculation": {"enabled": False}}
+    events = _sse_events(service.http_address, "/v1/completions", body)
+    deltas = [e["choices"][0]["text"] for e in events[:-1] if e["choices"]]
+    assert "".join(deltas) == text[:cut] and len([d for d in deltas if d]) > 1
+    assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-1] == "[DONE]"
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    chat_text = chat.choices[0].message.content
+    chat_stop, chat_cut = _stop_in(chat_text)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, stop=chat_stop,
+        stream=True, extra_body={"ignore_eos": True}))
+    assert streamed == chat_text[:chat_cut]
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(service, client):
+    text, stop, cut = _stop_case(client)
+    kw = dict(model=MODEL, prompt=STOP_PROMPT, max_tokens=24, temperature=0, stop=stop,
+              extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    unary = client.completions.create(**kw).choices[0]
+    assert (unary.text, unary.finish_reason) == (text[:cut + len(stop)], "stop")
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+    assert streamed == unary.text
+
+
+def test_the_grpc_api_keeps_stop_strings_unless_asked(service, client):
+    text, stop, cut = _stop_case(client)
+    req = generation_pb2.GenerateRequest(text=STOP_PROMPT, max_new_tokens=24,
+                                         ignore_eos=True, stop=[stop])
+    req.sampling.temperature = 0.0
+    kept = grpc_unary(service, req)
+    assert (kept.text, kept.finish_reason) == (text[:cut + len(stop)], "stop")
+    req.include_stop_str_in_output = False
+    trimmed = grpc_unary(service, req)
+    assert (trimmed.text, trimmed.finish_reason) == (text[:cut], "stop")
+    assert list(trimmed.token_ids) == list(kept.token_ids)  # token ids are never trimmed
+    channel, stub = service.stub()
+    with channel:
+        chunks = list(stub.Generate(req, metadata=[("authorization", f"Bearer {TOKEN}")],
+                                    timeout=60))
+    assert "".join(c.text for c in chunks) == text[:cut]
+
+
+# ---- n choices, message names ----
+
+def test_n_choices_are_seeded_per_choice_and_reproducible(client):
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    both = client.chat.completions.create(n=2, seed=40, **kw)
+    assert [c.index for c in both.choices] == [0, 1]
+    texts = [c.message.content for c in both.choices]
+    # Choice i samples with seed + i: each equals a single request with that seed.
+    assert texts == [client.chat.completions.create(seed=40 + i, **kw).choices[0].message.content
+                     for i in range(2)]
+    assert texts[0] != texts[1]
+    again = client.chat.completions.create(n=2, seed=40, **kw)
+    assert [c.message.content for c in again.choices] == texts
+    assert both.usage.completion_tokens == 32
+    chunks = list(client.chat.completions.create(n=2, seed=40, stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    streamed = ["", ""]
+    finished = set()
+    for c in chunks:
+        for ch in c.choices:
+            streamed[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert streamed == texts and finished == {0, 1}
+    assert chunks[-1].usage.completion_tokens == 32
+
+
+def test_n_choices_without_a_seed_are_independent(client):
+    out = client.completions.create(model=MODEL, prompt="xyz", max_tokens=20, temperature=1.0,
+                                    n=3, extra_body={"ignore_eos": True})
+    texts = [c.text for c in out.choices]
+    assert [c.index for c in out.choices] == [0, 1, 2] and out.usage.completion_tokens == 60
+    assert len(set(texts)) == 3  # 20 tokens from 64 at temperature 1: a tie is ~impossible
+
+
+def test_a_message_name_reaches_the_chat_template(client):
+    from coordinator.http_api import ChatBody, grpc_request
+    from coordinator.server import GenerationServicer
+
+    seen = []
+
+    class Recording:
+        eos_token_id = 0
+
+        def apply_chat_template(self, messages, **kwargs):
+            seen.append([dict(m) for m in messages])
+            return "x"
+
+        def encode(self, text, add_special_tokens=True):
+            return [1]
+
+    servicer = GenerationServicer(None, Recording(), vocab_size=64, max_seq_len=256,
+                                  drafter_name="none", model_name=MODEL, max_prompt_bytes=100)
+    req, _ = grpc_request(ChatBody.model_validate({"model": MODEL, "max_tokens": 3, "messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": "hi", "name": "ann"}]}))
+    servicer.parse(req)
+    assert seen == [[{"role": "developer", "content": "be brief"},
+                     {"role": "user", "content": "hi", "name": "ann"}]]
+    # A template that does not use it (the tiny model's) just ignores it.
+    named = [{"role": "user", "content": MESSAGES[0]["content"], "name": "ann"}]
+    kw = dict(model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert client.chat.completions.create(messages=named, **kw).choices[0].message.content == \
+        client.chat.completions.create(messages=MESSAGES, **kw).choices[0].message.content
+
+
+def test_the_stop_trimmer_holds_back_only_what_could_start_a_stop_string():
+    import random
+
+    from coordinator.server import StopTrimmer
+
+    t = StopTrimmer(["bcd", "xy"])
+    assert [t.push(d) for d in ("ab", "c", "e", "bx", "z")] == ["a", "", "bce", "b", "xz"]
+    assert t.flush() == "" and not t.stopped
+    t = StopTrimmer(["bcd"])
+    assert [t.push(d) for d in ("ab", "cdef")] == ["a", ""] and t.stopped
+    # Random texts and deltas, fed until a stop string completes (generation ends there):
+    # the deltas joined are the text before the earliest match, and none is taken back.
+    rng = random.Random(0)
+    for _ in range(500):
+        stops = ["".join(rng.choices("ab", k=rng.randint(1, 4))) for _ in range(2)]
+        text = "".join(rng.choices("abc", k=rng.randint(0, 20)))
+        t = StopTrimmer(stops)
+        out = seen = expected = ""
+        while len(seen) < len(text) and not t.stopped:
+            delta = text[len(seen):len(seen) + rng.randint(1, 3)]
+            seen += delta
+            matches = [i for i in (seen.find(s) for s in stops) if i >= 0]
+            expected = seen[:min(matches)] if matches else seen
+            out += t.push(delta)
+            assert expected.startswith(out)
+            assert t.stopped == bool(matches)
+        out += t.flush()
+        assert out == expected
+        if not t.stopped:  # nothing held back was a stop string after all
+            assert out == text
+
+
+# ---- error shapes, limits ----
+
+def _post_raw(service, content: bytes, path: str = "/v1/chat/completions"):
+    return httpx.post(f"http://{service.http_address}{path}", content=content, timeout=30,
+                      headers={"Authorization": f"Bearer {TOKEN}",
+                               "Content-Type": "application/json"})
+
+
+def _openai_error(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+@pytest.mark.parametrize("content, param, says", [
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}', None,
+     "not UTF-8"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     "messages[0].content", "lone surrogate"),
+    (b'{"model": "m", "stop": ["ok", "\\udfff"], "messages": []}', "stop[1]", "lone surrogate"),
+    (b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None,
+     "nested deeper"),
+    (b'{"model": "m", "speculation": ' + b'{"a": ' * 40 + b"1" + b"}" * 40 + b"}",
+     None, "nested deeper"),
+    (b'{"model": "m", "temperature": NaN, "messages": []}', None, "NaN"),
+    (b'[1, 2]', None, "expected an object"),
+    (b'{"model": ', None, "invalid JSON"),
+])
+def test_malformed_bodies_get_400_in_openais_shape(service, content, param, says):
+    error = _openai_error(_post_raw(service, content), 400)
+    assert says in error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param and error["message"].startswith(param)
+
+
+def test_an_internal_failure_is_a_500_in_openais_shape(service):
+    api = OpenAIApi(servicer=service.http_api.servicer)
+
+    @api.app.get("/boom")
+    async def boom():
+        raise RuntimeError("secret internals")
+
+    server, port = service.call(start_http_server(api))
+    try:
+        response = httpx.get(f"http://127.0.0.1:{port}/boom")
+        error = _openai_error(response, 500)
+        assert error["type"] == "server_error" and "secret" not in response.text
+    finally:
+        service.call(server.stop())
+
+
+def test_models_have_a_created_time_and_can_be_fetched_by_id(client):
+    (card,) = client.models.list().data
+    assert abs(card.created - time.time()) < 3600  # this run's start, not 0
+    assert client.models.retrieve(MODEL).model_dump() == card.model_dump()
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4")
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+
+
+def _limited_server(service, **limits):
+    from coordinator.http_api import HttpLimits
+
+    api = OpenAIApi(servicer=service.http_api.servicer, auth_token=TOKEN,
+                    limits=HttpLimits(**limits))
+    return service.call(start_http_server(api))
+
+
+def _read_until_closed(sock, deadline_s: float = 20.0) -> bytes:
+    """Everything the server sends until it closes the connection (or the deadline)."""
+    sock.settimeout(deadline_s)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(service):
+    import json
+    import socket
+
+    with socket.create_connection(tuple(service.http_address.split(":"))) as sock:
+        # Announces 100 MB, sends a few bytes: the answer must not wait for the rest.
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Authorization: Bearer " + TOKEN.encode() + b"\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n{")
+        reply = _read_until_closed(sock)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413")
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    # Chunked (no length announced): refused as soon as it passes the limit.
+    server, port = _limited_server(service, max_body_bytes=1000)
+    try:
+        def chunks():
+            yield b'{"model": "' + b"x" * 600
+            yield b"y" * 600 + b'"}'
+
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", content=chunks(),
+                              headers={"Authorization": f"Bearer {TOKEN}"})
+        assert _openai_error(response, 413)["code"] == "request_too_large"
+        # Without the token nothing is read at all: 401.
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                          content=b"x" * 5000).status_code == 401
+    finally:
+        service.call(server.stop())
+
+
+def test_oversized_headers_are_refused_in_openais_shape(service):
+    import socket
+
+    response = httpx.get(f"http://{service.http_address}/v1/models",
+                         headers={"Authorization": f"Bearer {TOKEN}", "X-Big": "x" * 20_000})
+    assert _openai_error(response, 431)["code"] == "request_header_fields_too_large"
+    # Headers that keep coming without an end: h11's buffer limit, answered as a 400.
+    with socket.create_connection(tuple(service.http_address.split(":"))) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+        # Just past the limit, then nothing more (writing on after the server closed would
+        # make the kernel reset the connection, losing the answer).
+        sock.sendall(b"".join(b"X-Pad: " + b"x" * 1000 + b"\r\n" for _ in range(17)))
+        reply = _read_until_closed(sock)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b'"invalid HTTP request' in body
+
+
+def test_slow_headers_are_cut_and_connections_are_capped(service):
+    import socket
+
+    server, port = _limited_server(service, header_timeout_s=0.5)
+    try:
+        # Slowloris: headers that never end are cut after header_timeout_s.
+        with socket.create_connection(("127.0.0.1", port)) as slow:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            began = time.monotonic()
+            assert _read_until_closed(slow) == b"" and time.monotonic() - began < 10
+    finally:
+        service.call(server.stop())
+    server, port = _limited_server(service, max_connections=3)
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    try:
+        # Idle connections count: three are held, the fourth is answered 503 and closed.
+        refused = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+        assert refused.status_code == 503
+        assert "too many connections" in refused.json()["error"]["message"]
+        idle.pop().close()
+        deadline = time.monotonic() + 20  # the server notices the close asynchronously
+        while (status := httpx.get(f"http://127.0.0.1:{port}/health").status_code) != 200 \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status == 200
+    finally:
+        for s in idle:
+            s.close()
+        service.call(server.stop())
+
+
+# ---- streams cut after they started ----
+
+def _stream_body(**extra) -> dict:
+    return {"model": MODEL, "messages": MESSAGES, "max_tokens": 100, "stream": True,
+            "temperature": 0, "ignore_eos": True, **extra}
+
+
+def test_a_stream_cut_at_the_end_of_the_grace_ends_with_an_error_and_done(service):
+    """`OpenAIApi.close_streams` (the coordinator's stop, once the drain grace is over): a
+    stream held mid-generation gets an OpenAI-shaped 503 event, then ``[DONE]``."""
+    import json
+
+    api = OpenAIApi(servicer=service.http_api.servicer, auth_token=TOKEN)
+    server, port = service.call(start_http_server(api))
+    service.loop.call_soon_threadsafe(service.gate.clear)  # no step completes now
+    try:
+        lines = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
+                          json=_stream_body(n=2), headers={"Authorization": f"Bearer {TOKEN}"},
+                          timeout=30) as response:
+            events = (line for line in response.iter_lines() if line.startswith("data: "))
+            lines += [next(events), next(events)]  # each choice's role chunk: running
+            closing = asyncio.run_coroutine_threadsafe(api.close_streams(timeout_s=20),
+                                                       service.loop)
+            lines += list(events)
+        closing.result(timeout=30)
+    finally:
+        service.loop.call_soon_threadsafe(service.gate.set)
+        service.call(server.stop())
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][len("data: "):])["error"]
+    assert error["type"] == "service_unavailable_error" and "shutting down" in error["message"]
+    assert not any('"finish_reason": "' in line for line in lines)
+
+
+def test_an_internal_error_mid_stream_ends_with_an_error_and_done(service):
+
+    real = service.http_api.servicer
+
+    class Failing:
+        """The real servicer, but each stream fails after its first chunk."""
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        async def stream(self, req, trim_stops=()):
+            async for chunk in real.stream(req, trim_stops):
+                yield chunk
+                raise RuntimeError("secret internals")
+
+    api = OpenAIApi(servicer=Failing(), auth_token=TOKEN)
+    server, port = service.call(start_http_server(api))
+    try:
+        events = _sse_events(f"127.0.0.1:{port}", "/v1/chat/completions", _stream_body())
+    finally:
+        service.call(server.stop())
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert error["type"] == "server_error" and "secret" not in error["message"]
+    deadline = time.monotonic() + 20  # the failed request's slot is freed
+    while service.engine.used_slots and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.engine.used_slots == 0
+
+
+def test_the_coordinators_stop_ends_streams_past_the_grace_with_an_error_and_done():
+    """`CoordinatorActor.stop` (what SIGTERM to ``specd serve`` runs once its grace is over),
+    on an in-process service: a stream held mid-generation ends with an OpenAI-shaped 503
+    event and ``[DONE]``, not a cut connection."""
+    import json
+
+    from coordinator.service import CoordinatorActor, ServiceConfig
+
+    svc = GatedService(http=True).start()
+    actor = CoordinatorActor(ServiceConfig(model=MODEL, http_port=0))
+    actor.server, actor.http_server, actor.router = svc.server, svc.http_server, svc.router
+    actor.servicer, actor.http_api = svc.http_api.servicer, svc.http_api
+    svc.loop.call_soon_threadsafe(svc.gate.clear)  # no step completes now
+    stopping = None
+    try:
+        with httpx.stream("POST", f"http://{svc.http_address}/v1/chat/completions",
+                          json=_stream_body(), timeout=30) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            events = [next(lines)]  # the role chunk: the request is running
+            stopping = asyncio.run_coroutine_threadsafe(actor.stop(grace_s=0.2), svc.loop)
+            events += list(lines)
+        stopping.result(timeout=30)
+    finally:
+        svc.loop.call_soon_threadsafe(svc.gate.set)
+        if stopping is None:
+            svc.stop()
+        else:
+            svc.loop.call_soon_threadsafe(svc.loop.stop)
+            svc.thread.join(timeout=10)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):])["error"]["code"] == "service_unavailable"

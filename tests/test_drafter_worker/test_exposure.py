@@ -202,3 +202,33 @@ def test_session_limits_are_validated():
                 {"max_history": 1.5}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SessionLimits(**bad)
+
+
+def test_an_unauthenticated_message_is_refused_before_it_is_received():
+    """A 60 MB Propose without the secret is refused without the drafter receiving or
+    parsing it: the worker's peak resident memory barely moves (before: +~180 MB, gRPC read
+    and deserialized the whole message, then the interceptor's handler refused it)."""
+
+    def peak_mb(pid: int) -> float:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
+
+    proc = subprocess.Popen([sys.executable, "-m", "drafter_worker", "--port", "0"],
+                            env={**os.environ, SECRET_ENV: SECRET}, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], _SAFETY_S)
+        assert ready, "the drafter did not start"
+        address = proc.stdout.readline().rsplit(" ", 1)[1].strip()
+        before = peak_mb(proc.pid)
+        big = drafter_pb2.ProposeRequest(items=[drafter_pb2.ProposeItem(
+            request_id="x" * (60 * 2**20))])
+        with grpc.insecure_channel(address, options=[
+                ("grpc.max_send_message_length", 100 * 2**20)]) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                drafter_pb2_grpc.DrafterStub(channel).Propose(big, timeout=_SAFETY_S)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert peak_mb(proc.pid) - before < 30
+    finally:
+        proc.kill()
+        proc.wait()

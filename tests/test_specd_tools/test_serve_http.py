@@ -123,3 +123,46 @@ def test_smollm2_over_the_openai_api_equals_the_grpc_api():
                 stream=True))
             assert completion.choices[0].text == stub.GenerateUnary(raw, timeout=300).text \
                 == streamed
+
+
+def test_a_sigterm_to_the_serve_process_group_still_drains():
+    """``kill -TERM -- -PGID`` (a shell job's group; systemd's default KillMode signals the
+    whole cgroup instead, see README) reaches only ``specd serve``: Ray's processes lead
+    their own groups, so the coordinator lives on and an in-flight stream finishes in the
+    grace. Before, Ray's GCS, raylet and workers shared the group (the group check fails);
+    this short stream could still finish then, as Ray's worker outlived the signal for a few
+    seconds, which a long SmolLM2 stream does not."""
+    import contextlib
+    import json
+    import os
+    import signal
+
+    import psutil
+
+    with serve_process("--model", MODEL, "--target-threads", "1", "--http-port", "0",
+                       "--drafter", "none", "--shutdown-grace", "60",
+                       new_session=True) as (proc, _address, _tmp):
+        http = next(line for line in proc.stdout if "OpenAI API on" in line)
+        http = http.rsplit("://", 1)[1].split("/")[0]
+        pgid = os.getpgid(proc.pid)
+        assert pgid == proc.pid
+        family = {}  # pid -> (command line, process group) of serve's descendants
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                family[p.pid] = (" ".join(p.cmdline()), os.getpgid(p.pid))
+        assert any("raylet" in cmd for cmd, _ in family.values())
+        assert [cmd for cmd, group in family.values() if group == pgid] == []
+        body = {"model": MODEL, "prompt": "ab", "max_tokens": 200, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"http://{http}/v1/completions", json=body,
+                          timeout=120) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            events.append(json.loads(next(lines)[len("data: "):]))
+            os.killpg(pgid, signal.SIGTERM)
+            for line in lines:
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+        assert events[-1] == "[DONE]" and "error" not in events[-2], events[-2]
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=120) == 0
