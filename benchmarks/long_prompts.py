@@ -57,13 +57,13 @@ def ttft_table(model: str, lengths: list[int], rounds: int) -> None:
     from transformers import AutoModelForCausalLM
 
     from coordinator import SpeculativeOptions, speculative_decode_with
-    from specd_tools.cli import in_process_threads
+    from specd_tools.cli import in_process_prefill_threads, in_process_threads
     from target_worker import load_model
 
     default_threads = torch.get_num_threads()
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     decoder, tokenizer = load_model(model)
-    specd_threads = in_process_threads()
+    specd_threads, prefill_threads = in_process_threads(), in_process_prefill_threads()
     prompts = {n: long_prompt(tokenizer, n)[1] for n in lengths}
 
     def run_hf(ids):
@@ -77,7 +77,8 @@ def ttft_table(model: str, lengths: list[int], rounds: int) -> None:
         torch.set_num_threads(specd_threads)
         start = time.perf_counter()
         speculative_decode_with(decoder, ids, decoder.new_cache(), None,
-                                SpeculativeOptions(max_new_tokens=1))
+                                SpeculativeOptions(max_new_tokens=1),
+                                prefill_threads=prefill_threads)
         return time.perf_counter() - start
 
     times = {(n, who): [] for n in lengths for who in ("hf", "specd")}
@@ -89,7 +90,8 @@ def ttft_table(model: str, lengths: list[int], rounds: int) -> None:
             for who, fn in order if rnd % 2 == 0 else order[::-1]:
                 times[n, who].append(fn(prompts[n]))
     print(f"\nTTFT (one prompt, no other load), median of {rounds}; transformers "
-          f"{default_threads} threads, specd in-process {specd_threads}")
+          f"{default_threads} threads, specd in-process {specd_threads} ({prefill_threads} for "
+          f"the prompt)")
     print(f"{'tokens':>7} {'transformers s':>15} {'specd s':>9} {'specd/hf':>9} "
           f"{'specd tok/s':>12}")
     for n in lengths:

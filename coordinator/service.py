@@ -50,7 +50,8 @@ class ServiceConfig:
         target_replicas: target replicas (data parallel) at start, >= 1.
         drafters: drafter workers at start, >= 0 (ignored with ``drafter="none"``).
         target_threads: torch threads per target rank; None divides this machine's cores
-            less one among all ranks (`default_target_threads`).
+            less one among all ranks (`default_target_threads`), and every core for steps
+            carrying a prompt chunk (`default_prefill_threads`).
         drafter_timeout_s: deadline of one Propose call; a miss decodes the step undrafted.
         target_timeout_s: deadline of one target call (allocate, prefill, verify, free) in
             seconds; a replica that misses it is treated as dead: its requests fail with
@@ -122,11 +123,26 @@ def default_target_threads(replicas: int, tp: int = 1, cpus: int | None = None) 
         cpus: cores to share (default: ``os.sched_getaffinity``, else ``os.cpu_count``).
     """
     if cpus is None:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except AttributeError:  # not on Linux
-            cpus = os.cpu_count() or 1
+        cpus = usable_cpus()
     return max(1, (cpus - 1) // max(1, replicas * tp))
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def default_prefill_threads(replicas: int, tp: int = 1, cpus: int | None = None) -> int:
+    """Torch threads per target rank for prompt-chunk-sized steps: every usable core divided
+    among the ``replicas * tp`` ranks, at least 1. A prefill chunk is big matmuls, which
+    scale with threads and lose little to a thread sharing its core (that thread's share runs
+    at most at single-thread pace); the one core `default_target_threads` leaves for the
+    coordinator and drafters costs decode steps most. Measured here (2 cores, SmolLM2): a
+    512-token prefill 415 tok/s on 1 thread, 920 on 2."""
+    return max(1, (usable_cpus() if cpus is None else cpus) // max(1, replicas * tp))
 
 
 def init_embedded_ray() -> None:
@@ -224,6 +240,9 @@ class CoordinatorActor:
         self._events: list[tuple[str, float]] = []
         self._threads = config.target_threads or default_target_threads(
             config.target_replicas, config.tp)
+        # Given target threads hold for prompt chunks too; by default those use every core.
+        self._prefill_threads = config.target_threads or default_prefill_threads(
+            config.target_replicas, config.tp)
 
     async def _start_replica(self, name: str):
         import asyncio
@@ -237,7 +256,7 @@ class CoordinatorActor:
         # May block (placement groups): off the event loop, which keeps serving.
         creating = loop.run_in_executor(None, lambda: create_target_replica(
             cfg.model, tp=cfg.tp, max_slots=cfg.max_active, num_threads=self._threads,
-            dtype=cfg.dtype,
+            dtype=cfg.dtype, prefill_threads=self._prefill_threads,
             prefix_cache_tokens=DEFAULT_PREFIX_CACHE_TOKENS if cfg.prefix_caching else 0))
         try:
             handle = await asyncio.shield(creating)
@@ -489,6 +508,7 @@ class Service:
                 not isinstance(config.target_threads, int) or config.target_threads < 1):
             raise ValueError(
                 f"target_threads must be a positive integer, got {config.target_threads!r}")
+        ChunkPolicy(config.max_batched_tokens, config.max_partial_prefills)  # names a bad one
         self.config = config
         self.port: int | None = None
         self._owns_ray = False

@@ -95,6 +95,14 @@ def in_process_threads() -> int:
     return default_target_threads(1)
 
 
+def in_process_prefill_threads() -> int:
+    """``generate --in-process``'s torch threads for the prompt's forward when --threads is
+    not given: every core (`coordinator.service.default_prefill_threads`)."""
+    from coordinator.service import default_prefill_threads
+
+    return default_prefill_threads(1)
+
+
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -183,7 +191,9 @@ def _generate_in_process(args: argparse.Namespace) -> int:
         adaptive = AdaptiveDraftLength(calibrate_for(decoder))
     start = time.perf_counter()
     result = speculative_decode_with(decoder, prompt, decoder.new_cache(), drafter, options,
-                                     on_tokens=on_tokens, adaptive=adaptive)
+                                     on_tokens=on_tokens, adaptive=adaptive,
+                                     prefill_threads=args.target_threads
+                                     or in_process_prefill_threads())
     seconds = time.perf_counter() - start
     tail = stream.flush()  # never ends inside a UTF-8 character
     if not args.json:

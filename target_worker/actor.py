@@ -36,6 +36,7 @@ class TargetActor:
             ``OMP_NUM_THREADS=1``, which would otherwise leave torch on one thread).
         prefix_cache_tokens: positions freed slots keep warm for prefix reuse (0: none;
             `TargetEngine`).
+        prefill_threads: torch threads for prompt-chunk-sized steps (`TargetEngine`).
 
     Raises:
         ValueError: a bad ``model`` source, ``max_slots`` or ``num_threads``.
@@ -45,14 +46,16 @@ class TargetActor:
     CHANNEL_METHODS = ("allocate", "allocate_prefix", "free", "prefill", "verify")
 
     def __init__(self, model: str | None = None, max_slots: int = 64, num_threads: int = 2,
-                 prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS):
+                 prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+                 prefill_threads: int | None = None):
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
         torch.set_num_threads(num_threads)
         decoder = load_decoder(model)
         self.model = model
         self.engine = TargetEngine(decoder, max_slots=max_slots,
-                                   prefix_cache_tokens=prefix_cache_tokens)
+                                   prefix_cache_tokens=prefix_cache_tokens,
+                                   prefill_threads=prefill_threads)
 
     def open_channel(self, host: str = "127.0.0.1", secret: str = "") -> str:
         """Starts serving `CHANNEL_METHODS` on a `target_worker.channel.ChannelServer`

@@ -159,6 +159,7 @@ class TPRank(TargetActor):
         dtype: str | None = None,
         vocab_parallel: bool = True,
         prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+        prefill_threads: int | None = None,
     ):
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
@@ -172,7 +173,7 @@ class TPRank(TargetActor):
         self._store = None
         if rank == 0 and tp > 1:
             self._start_followers(model, max_slots, num_threads, placement_group, use_gpu,
-                                  dtype, vocab_parallel, prefix_cache_tokens)
+                                  dtype, vocab_parallel, prefix_cache_tokens, prefill_threads)
         if tp == 1 and not use_gpu:
             decoder = load_decoder(model, dtype)  # exactly the single-process target
         else:
@@ -181,7 +182,8 @@ class TPRank(TargetActor):
                                  vocab_parallel)
         # Every rank keeps the same warm slots: each makes the same reuse choices.
         self.engine = TargetEngine(decoder, max_slots=max_slots,
-                                   prefix_cache_tokens=prefix_cache_tokens)
+                                   prefix_cache_tokens=prefix_cache_tokens,
+                                   prefill_threads=prefill_threads)
         self._step = dict.fromkeys(_STEP_KEYS, 0)
         self._step["steps"] = 0
         self._last_step: dict = {}
@@ -191,7 +193,7 @@ class TPRank(TargetActor):
     # --- set-up -----------------------------------------------------------------------------
 
     def _start_followers(self, model, max_slots, num_threads, pg, use_gpu, dtype, vp,
-                         prefix_cache_tokens) -> None:
+                         prefix_cache_tokens, prefill_threads) -> None:
         import ray
         import torch.distributed as dist
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -205,7 +207,7 @@ class TPRank(TargetActor):
                 num_cpus=CPU_PER_RANK, num_gpus=1 if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r),
             ).remote(model, max_slots, num_threads, r, self.tp, None, use_gpu, dtype, vp,
-                     prefix_cache_tokens))
+                     prefix_cache_tokens, prefill_threads))
 
     def _rendezvous(self) -> None:
         import ray
@@ -361,6 +363,7 @@ def create_target_replica(
     vocab_parallel: bool = True,
     placement_timeout_s: float = 600.0,
     prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+    prefill_threads: int | None = None,
 ):
     """Starts a target replica of ``tp`` ranks; returns its Ray actor handle (rank 0).
 
@@ -381,6 +384,8 @@ def create_target_replica(
         placement_timeout_s: how long to wait for the placement group.
         prefix_cache_tokens: positions freed slots keep warm for prefix reuse on every rank
             (0: none; `target_worker.engine.TargetEngine`).
+        prefill_threads: torch threads per rank for prompt-chunk-sized steps (None: the
+            rank's ``num_threads``).
 
     Raises:
         ValueError: ``tp`` does not fit the model (`validate_tp`), or a bad argument.
@@ -418,7 +423,7 @@ def create_target_replica(
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, 0)
     handle = ray.remote(TPRank).options(**options).remote(
         model, max_slots, num_threads, 0, tp, pg, use_gpu, dtype, vocab_parallel,
-        prefix_cache_tokens)
+        prefix_cache_tokens, prefill_threads)
     if pg is not None:
         _PLACEMENT_GROUPS[handle._actor_id.hex()] = pg
     return handle

@@ -240,3 +240,30 @@ def test_engine_keeps_warm_slots_within_its_bound_and_never_a_callers_cache():
     off.step([PrefillItem(slot=slot, tokens=[1, 2, 3], sampling=greedy)])
     off.free(slot)
     assert off.allocate_prefix([1, 2, 3])[1] == 0 and off.warm_positions == 0
+
+
+def test_prompt_sized_steps_run_on_the_prefill_threads_and_restore_the_callers():
+    from target_worker.engine import PREFILL_THREADS_MIN_TOKENS
+
+    decoder = load_model(MODELS[1])[0]
+    engine = TargetEngine(decoder, max_slots=1, prefill_threads=2)
+    seen = []
+    forward = decoder.forward_packed
+
+    def spy(segments, last):
+        seen.append(torch.get_num_threads())
+        return forward(segments, last)
+
+    decoder.forward_packed = spy
+    try:
+        before = torch.get_num_threads()
+        assert before == 1  # the suite's setting (conftest)
+        slot = engine.allocate()
+        n = PREFILL_THREADS_MIN_TOKENS
+        engine.step([PrefillItem(slot, [3] * (n - 1), SamplingParams(), last=False)])
+        engine.step([PrefillItem(slot, [3] * n, SamplingParams(), offset=n - 1)])
+        assert seen == [1, 2] and torch.get_num_threads() == before
+    finally:
+        del decoder.forward_packed
+    with pytest.raises(ValueError, match="prefill_threads"):
+        TargetEngine(decoder, prefill_threads=0)
