@@ -39,12 +39,15 @@ DOCUMENT = Path(__file__).resolve().parents[1] / "README.md"
 ASK = "\n\nSummarize the text above in three sentences."
 
 
-def long_prompt(tokenizer, n_tokens: int, ask: str = ASK) -> tuple[str, list[int]]:
-    """A chat-templated prompt of about ``n_tokens`` ids: the document cut to fit, then
-    ``ask``. Returns (the user message text, the templated ids)."""
+def long_prompt(tokenizer, n_tokens: int, ask: str = ASK, start: int = 0
+                ) -> tuple[str, list[int]]:
+    """A chat-templated prompt of about ``n_tokens`` ids: the document from its token
+    ``start`` on (wrapping round), cut to fit, then ``ask``. Returns (the user message text,
+    the templated ids)."""
     from specd_core.text import encode_prompt
 
     doc_ids = tokenizer(DOCUMENT.read_text(), add_special_tokens=False)["input_ids"]
+    doc_ids = doc_ids[start:] + doc_ids[:start]
     while len(doc_ids) < n_tokens:
         doc_ids = doc_ids + doc_ids
     overhead = len(encode_prompt(tokenizer, ask, raw=False))
@@ -167,7 +170,8 @@ def _prefix(service) -> int:
     return sum(r.get("prefix_hit_tokens", 0) for r in service.status()["replicas"])
 
 
-def service_tables(model: str, stall_tokens: int, turn_tokens: int, short_new: int) -> None:
+def service_tables(model: str, stall_tokens: int, turn_tokens: int, short_new: int,
+                   budgets: list[int]) -> None:
     from coordinator.service import (
         Service,
         ServiceConfig,
@@ -177,32 +181,43 @@ def service_tables(model: str, stall_tokens: int, turn_tokens: int, short_new: i
 
     tokenizer = load_tokenizer_for(model)
     long_text = long_prompt(tokenizer, stall_tokens)[0]
-    turn_text = long_prompt(tokenizer, turn_tokens, "\n\nWhat is this text about?")[0]
+    # Another part of the document: the stall test's prompt must not warm this one's prefix.
+    turn_text = long_prompt(tokenizer, turn_tokens, "\n\nWhat is this text about?",
+                            start=len(tokenizer(DOCUMENT.read_text())["input_ids"]) // 2)[0]
     init_embedded_ray()
+    default = ServiceConfig.max_batched_tokens
     rows = {}
-    for name, budget in (("chunked (default)", ServiceConfig.max_batched_tokens),
-                         ("whole prompts", None)):
+    for budget in [default, *(b for b in budgets if b != default),
+                   *([None] if stall_tokens else [])]:
+        name = ("whole prompts" if budget is None else
+                f"budget {budget}" + (" (default)" if budget == default else ""))
         service = Service(ServiceConfig(model=model, port=0, max_batched_tokens=budget))
         service.start()
         try:
             _timed_stream(service.address, _chat([("user", "Hi")], 4), [], [])  # warm-up
-            rows[name] = stall(service.address, long_text, short_new)
-            if budget is not None:
+            rows[name] = stall(service.address, long_text, short_new) if stall_tokens else {}
+            if budget == default:
                 rows[name].update(second_turn(service.address, service, turn_text))
         finally:
             service.stop()
-    print(f"\nA short greedy stream while another client sends a {stall_tokens}-token prompt")
-    print(f"{'service':18} {'gap before ms':>14} {'max gap during s':>17} "
-          f"{'long TTFT s':>12} {'short chunks during':>20}")
-    for name, r in rows.items():
-        print(f"{name:18} {r['gap_before'] * 1e3:>14.0f} {r['max_gap_during']:>17.2f} "
-              f"{r['long_ttft']:>12.2f} {r['short_chunks_during_prefill']:>20}")
-    chunked, whole = rows["chunked (default)"], rows["whole prompts"]
-    print(f"long prompt's TTFT chunked / whole: {chunked['long_ttft'] / whole['long_ttft']:.2f}x")
+    chunked = rows[f"budget {default} (default)"]
+    if stall_tokens:
+        stall_table(rows, stall_tokens)
     print(f"\nSecond turn of a ~{turn_tokens}-token conversation (chunked service): first "
           f"turn TTFT {chunked['first']:.2f} s, second {chunked['second']:.2f} s "
           f"({chunked['second'] / chunked['first']:.2f}x), {chunked['reused']} prompt "
           f"positions reused")
+
+
+def stall_table(rows: dict, stall_tokens: int) -> None:
+    whole = rows["whole prompts"]
+    print(f"\nA short greedy stream while another client sends a {stall_tokens}-token prompt")
+    print(f"{'service':20} {'gap before ms':>14} {'max gap during s':>17} "
+          f"{'long TTFT s':>12} {'vs whole':>9} {'short chunks during':>20}")
+    for name, r in rows.items():
+        print(f"{name:20} {r['gap_before'] * 1e3:>14.0f} {r['max_gap_during']:>17.2f} "
+              f"{r['long_ttft']:>12.2f} {r['long_ttft'] / whole['long_ttft']:>8.2f}x "
+              f"{r['short_chunks_during_prefill']:>20}")
 
 
 def main() -> None:
@@ -211,17 +226,21 @@ def main() -> None:
     p.add_argument("--lengths", default="1000,2000,4000,6000",
                    help="prompt lengths in tokens, comma separated")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--stall-tokens", type=int, default=6500)
+    p.add_argument("--stall-tokens", type=int, default=6500, help="0 skips the stall table")
     p.add_argument("--turn-tokens", type=int, default=3000)
     p.add_argument("--short-new-tokens", type=int, default=600,
                    help="the short stream's length (it must outlast the long prefill)")
+    p.add_argument("--budgets", default="",
+                   help="more --max-batched-tokens values to compare with the default and "
+                        "with whole prompts, comma separated")
     p.add_argument("--skip-ttft", action="store_true")
     p.add_argument("--skip-service", action="store_true")
     args = p.parse_args()
     if not args.skip_ttft:
         ttft_table(args.model, [int(n) for n in args.lengths.split(",")], args.rounds)
     if not args.skip_service:
-        service_tables(args.model, args.stall_tokens, args.turn_tokens, args.short_new_tokens)
+        service_tables(args.model, args.stall_tokens, args.turn_tokens, args.short_new_tokens,
+                       [int(b) for b in args.budgets.split(",") if b])
 
 
 if __name__ == "__main__":

@@ -23,6 +23,11 @@ __all__ = ["DEFAULT_MAX_BATCHED_TOKENS", "ChunkPolicy", "plan_prefill_chunks"]
 #: other streams' inter-token latency on a 2-core CPU.
 DEFAULT_MAX_BATCHED_TOKENS = 256
 
+#: A step that verifies nothing (no request is decoding, so no stream can stall) feeds this
+#: many budgets of prompt chunks: fewer, bigger steps (each reads every weight once). Measured
+#: here (SmolLM2, a 3k-token prompt alone): TTFT 4.5 s in 256-token chunks against ~3.6 s whole.
+IDLE_BUDGET_FACTOR = 4
+
 
 @dataclass(frozen=True)
 class ChunkPolicy:
@@ -33,7 +38,8 @@ class ChunkPolicy:
             ``max_num_batched_tokens``), or None: every prompt is computed whole in the
             step after its admission (no chunking). Verify blocks always go; prefill chunks
             get the rest, and never less than a quarter of it, so admissions make progress
-            however many requests decode.
+            however many requests decode; a step that verifies nothing feeds
+            `IDLE_BUDGET_FACTOR` budgets of chunks.
         max_partial_prefills: prompts that may be left partly computed at the end of a step
             (vLLM's ``max_num_partial_prefills``); a prompt whose rest fits this step always
             goes.
@@ -58,6 +64,8 @@ class ChunkPolicy:
         unlimited (no chunking)."""
         if self.max_batched_tokens is None:
             return None
+        if not verify_tokens:
+            return IDLE_BUDGET_FACTOR * self.max_batched_tokens
         return max(self.max_batched_tokens - verify_tokens, self.max_batched_tokens // 4, 1)
 
 

@@ -73,7 +73,9 @@ def run(decoder, drafter, prompts, options, chunking=None, prefix_caching=True, 
 @pytest.mark.parametrize("budget", [1, 7, 16, 64, None])
 def test_chunked_greedy_tokens_equal_unchunked_and_plain(model, budget):
     decoder = load_model(model)[0]
-    prompts = [LONG, REPEATING, [11, 3, 40, 22, 17, 9, 31], LONG[:33] + REPEATING]
+    # More prompt tokens than an idle step's budget at 64 (IDLE_BUDGET_FACTOR x 64).
+    prompts = [LONG, REPEATING, [11, 3, 40, 22, 17, 9, 31], LONG[:33] + REPEATING,
+               [(5 * i + 1) % 61 + 2 for i in range(120)]]
     opts = SpeculativeOptions(max_new_tokens=24)
     lookup = PromptLookupSpeculator(2, 6)
     chunked, _, target = run(decoder, lookup, prompts, opts,

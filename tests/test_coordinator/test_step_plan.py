@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.step_plan import ChunkPolicy, plan_prefill_chunks
+from coordinator.step_plan import IDLE_BUDGET_FACTOR, ChunkPolicy, plan_prefill_chunks
 
 
 def test_without_a_budget_every_prompt_is_computed_whole():
@@ -23,21 +23,22 @@ def test_verify_blocks_come_first_and_chunks_fill_the_rest_of_the_budget():
 
 def test_short_prompts_finish_before_a_long_one_takes_the_rest():
     policy = ChunkPolicy(max_batched_tokens=100, max_partial_prefills=1)
-    # The long prompt was admitted first and is half-done; two short ones arrive.
-    chunks = plan_prefill_chunks([5000, 10, 30], [True, False, False], 0, policy)
-    assert chunks == [60, 10, 30]
+    # The long prompt was admitted first and is half-done; two short ones arrive while one
+    # request decodes (a 1-token verify block).
+    chunks = plan_prefill_chunks([5000, 10, 30], [True, False, False], 1, policy)
+    assert chunks == [59, 10, 30]
 
 
 def test_no_more_prompts_are_left_half_done_than_the_cap():
     policy = ChunkPolicy(max_batched_tokens=256, max_partial_prefills=1)
     # A half-done prompt holds the one partial place: a new long one waits, whole-fitting
     # ones still go.
-    assert plan_prefill_chunks([4000, 3000], [True, False], 0, policy) == [256, 0]
-    assert plan_prefill_chunks([4000, 100], [True, False], 0, policy) == [156, 100]
+    assert plan_prefill_chunks([4000, 3000], [True, False], 6, policy) == [250, 0]
+    assert plan_prefill_chunks([4000, 100], [True, False], 6, policy) == [150, 100]
     # Once it finishes within the step, its place frees for the next.
-    assert plan_prefill_chunks([50, 3000], [True, False], 0, policy) == [50, 206]
+    assert plan_prefill_chunks([50, 3000], [True, False], 6, policy) == [50, 200]
     two = ChunkPolicy(max_batched_tokens=256, max_partial_prefills=2)
-    assert plan_prefill_chunks([4000, 3000], [True, False], 0, two) == [0, 256]
+    assert plan_prefill_chunks([4000, 3000], [True, False], 6, two) == [0, 250]
 
 
 def test_prefill_always_gets_a_quarter_of_the_budget_so_admission_never_starves():
@@ -47,8 +48,14 @@ def test_prefill_always_gets_a_quarter_of_the_budget_so_admission_never_starves(
 
 
 def test_ties_keep_admission_order():
-    policy = ChunkPolicy(max_batched_tokens=10, max_partial_prefills=1)
-    assert plan_prefill_chunks([8, 8, 8], [False, False, False], 0, policy) == [8, 2, 0]
+    policy = ChunkPolicy(max_batched_tokens=11, max_partial_prefills=1)
+    assert plan_prefill_chunks([8, 8, 8], [False, False, False], 1, policy) == [8, 2, 0]
+
+
+def test_a_step_that_verifies_nothing_takes_bigger_chunks():
+    policy = ChunkPolicy(max_batched_tokens=256)
+    assert plan_prefill_chunks([5000], [True], 0, policy) == [IDLE_BUDGET_FACTOR * 256]
+    assert plan_prefill_chunks([5000], [True], 1, policy) == [255]
 
 
 @pytest.mark.parametrize("field,value", [("max_batched_tokens", 0),
