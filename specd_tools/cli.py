@@ -586,11 +586,13 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--tls-ca", default=None)
     bench.set_defaults(func=cmd_bench)
     # `specd bench serve ...`: an optional sub-command, so plain `specd bench ...` is unchanged.
+    from .bench_long_prompts import add_long_prompts_parser
     from .bench_serve import add_serve_parser
 
-    modes = bench.add_subparsers(dest="bench_mode", metavar="{serve}",
-                                 title="load-test an OpenAI-compatible server instead")
+    modes = bench.add_subparsers(dest="bench_mode", metavar="{serve,long-prompts}",
+                                 title="load-test an OpenAI-compatible server, or long prompts")
     _show_defaults(add_serve_parser(modes))
+    _show_defaults(add_long_prompts_parser(modes))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -1,12 +1,12 @@
-"""Long prompts, in one run: time to first token beside transformers, the stall a short stream
-sees while another client's long prompt is prefilled (chunked vs whole prompts), and the
-second turn of a conversation with prefix reuse.
+"""``specd bench long-prompts``: time to first token beside transformers, the stall a short
+stream sees while another client's long prompt is prefilled (chunked vs whole prompts), and the
+second turn of a conversation with prefix reuse, in one run.
 
-1. TTFT per prompt length (a long document, this repository's README, cut to length, plus
-   "Summarize the text above", chat-templated): transformers' forward over the ids (its
-   defaults: SDPA, torch's default threads) against specd's in-process prefill
-   (`speculative_decode_with`, 1 new token, no drafter, `specd generate --in-process`'s
-   default threads). Rounds alternate the two; medians.
+1. TTFT per prompt length (a long document, ``--document``, by default this repository's
+   README, cut to length, plus "Summarize the text above", chat-templated): transformers'
+   forward over the ids (its defaults: SDPA, torch's default threads) against specd's
+   in-process prefill (`speculative_decode_with`, 1 new token, no drafter, `specd generate
+   --in-process`'s default threads). Rounds alternate the two; medians.
 2. Stall: an embedded service (the defaults a user gets, then the same with
    ``max_batched_tokens=None``: whole prompts) streams a short greedy request while another
    client sends a ``--stall-tokens`` prompt: the short stream's median chunk gap before, its
@@ -14,8 +14,8 @@ second turn of a conversation with prefix reuse.
 3. Second turn: a ~``--turn-tokens`` conversation's first turn, then the same conversation
    plus the answer and a new question: both TTFTs and the prefix positions reused.
 
-    python benchmarks/long_prompts.py --model /tmp/smollm2-hf
-    python benchmarks/long_prompts.py --model /tmp/smollm2-hf --lengths 1000,2000 --rounds 1 \\
+    specd bench long-prompts --model /tmp/smollm2-hf
+    specd bench long-prompts --model /tmp/smollm2-hf --lengths 1000,2000 --rounds 1 \\
         --skip-service
 
 Needs a quiet machine: every figure is a wall time. ``--model`` must be a Hugging Face
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -35,18 +36,19 @@ import grpc
 
 from specd.v1 import generation_pb2, generation_pb2_grpc
 
+#: The default long document: the repository's README (an editable install has it).
 DOCUMENT = Path(__file__).resolve().parents[1] / "README.md"
 ASK = "\n\nSummarize the text above in three sentences."
 
 
-def long_prompt(tokenizer, n_tokens: int, ask: str = ASK, start: int = 0
+def long_prompt(tokenizer, document: str, n_tokens: int, ask: str = ASK, start: int = 0
                 ) -> tuple[str, list[int]]:
-    """A chat-templated prompt of about ``n_tokens`` ids: the document from its token
+    """A chat-templated prompt of about ``n_tokens`` ids: ``document`` from its token
     ``start`` on (wrapping round), cut to fit, then ``ask``. Returns (the user message text,
     the templated ids)."""
     from specd_core.text import encode_prompt
 
-    doc_ids = tokenizer(DOCUMENT.read_text(), add_special_tokens=False)["input_ids"]
+    doc_ids = tokenizer(document, add_special_tokens=False)["input_ids"]
     doc_ids = doc_ids[start:] + doc_ids[:start]
     while len(doc_ids) < n_tokens:
         doc_ids = doc_ids + doc_ids
@@ -55,7 +57,7 @@ def long_prompt(tokenizer, n_tokens: int, ask: str = ASK, start: int = 0
     return text, encode_prompt(tokenizer, text, raw=False)
 
 
-def ttft_table(model: str, lengths: list[int], rounds: int) -> None:
+def ttft_table(model: str, document: str, lengths: list[int], rounds: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -67,7 +69,7 @@ def ttft_table(model: str, lengths: list[int], rounds: int) -> None:
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     decoder, tokenizer = load_model(model)
     specd_threads, prefill_threads = in_process_threads(), in_process_prefill_threads()
-    prompts = {n: long_prompt(tokenizer, n)[1] for n in lengths}
+    prompts = {n: long_prompt(tokenizer, document, n)[1] for n in lengths}
 
     def run_hf(ids):
         torch.set_num_threads(default_threads)
@@ -99,7 +101,7 @@ def ttft_table(model: str, lengths: list[int], rounds: int) -> None:
           f"{'specd tok/s':>12}")
     for n in lengths:
         hf_s, sp_s = (statistics.median(times[n, w]) for w in ("hf", "specd"))
-        print(f"{len(prompts[n]):>7} {hf_s:>15.2f} {sp_s:>9.2f} {sp_s / hf_s:>8.2f}x "
+        print(f"{len(prompts[n]):>7} {hf_s:>15.3f} {sp_s:>9.3f} {sp_s / hf_s:>8.2f}x "
               f"{len(prompts[n]) / sp_s:>12.0f}")
 
 
@@ -170,8 +172,8 @@ def _prefix(service) -> int:
     return sum(r.get("prefix_hit_tokens", 0) for r in service.status()["replicas"])
 
 
-def service_tables(model: str, stall_tokens: int, turn_tokens: int, short_new: int,
-                   budgets: list[int]) -> None:
+def service_tables(model: str, document: str, stall_tokens: int, turn_tokens: int,
+                   short_new: int, budgets: list[int]) -> None:
     from coordinator.service import (
         Service,
         ServiceConfig,
@@ -180,10 +182,10 @@ def service_tables(model: str, stall_tokens: int, turn_tokens: int, short_new: i
     )
 
     tokenizer = load_tokenizer_for(model)
-    long_text = long_prompt(tokenizer, stall_tokens)[0]
+    long_text = long_prompt(tokenizer, document, stall_tokens)[0]
     # Another part of the document: the stall test's prompt must not warm this one's prefix.
-    turn_text = long_prompt(tokenizer, turn_tokens, "\n\nWhat is this text about?",
-                            start=len(tokenizer(DOCUMENT.read_text())["input_ids"]) // 2)[0]
+    turn_text = long_prompt(tokenizer, document, turn_tokens, "\n\nWhat is this text about?",
+                            start=len(tokenizer(document)["input_ids"]) // 2)[0]
     init_embedded_ray()
     default = ServiceConfig.max_batched_tokens
     rows = {}
@@ -220,28 +222,50 @@ def stall_table(rows: dict, stall_tokens: int) -> None:
               f"{r['short_chunks_during_prefill']:>20}")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a Hugging Face model directory")
+def add_long_prompts_parser(modes) -> argparse.ArgumentParser:
+    """Adds ``long-prompts`` to ``specd bench``'s sub-commands (``modes``, an argparse
+    subparsers action) and returns its parser."""
+    p = modes.add_parser("long-prompts", help="time to first token beside transformers, the "
+                         "stall a long prompt causes, a second turn's prefix reuse",
+                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="a Hugging Face model directory (transformers loads the same weights)")
+    p.add_argument("--document", default=None, metavar="FILE",
+                   help="the long text prompts are cut from (default: the repository README)")
     p.add_argument("--lengths", default="1000,2000,4000,6000",
-                   help="prompt lengths in tokens, comma separated")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--stall-tokens", type=int, default=6500, help="0 skips the stall table")
-    p.add_argument("--turn-tokens", type=int, default=3000)
+                   help="TTFT table: prompt lengths in tokens, comma separated")
+    p.add_argument("--rounds", type=int, default=2, help="TTFT table: rounds (median)")
+    p.add_argument("--stall-tokens", type=int, default=6500,
+                   help="the long prompt sent beside a short stream; 0 skips the stall table")
+    p.add_argument("--turn-tokens", type=int, default=3000,
+                   help="the first turn of the two-turn conversation")
     p.add_argument("--short-new-tokens", type=int, default=600,
                    help="the short stream's length (it must outlast the long prefill)")
     p.add_argument("--budgets", default="",
                    help="more --max-batched-tokens values to compare with the default and "
                         "with whole prompts, comma separated")
-    p.add_argument("--skip-ttft", action="store_true")
-    p.add_argument("--skip-service", action="store_true")
-    args = p.parse_args()
+    p.add_argument("--skip-ttft", action="store_true", help="no TTFT table")
+    p.add_argument("--skip-service", action="store_true", help="no service tables")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs what ``args`` (`add_long_prompts_parser`) asks; prints the tables."""
+    document = Path(args.document) if args.document else DOCUMENT
+    if not document.is_file():
+        raise ValueError(f"--document: no such file {str(document)!r} (the default is the "
+                         "repository README, absent from a non-editable install)")
+    text = document.read_text()
+    try:
+        lengths = [int(n) for n in args.lengths.split(",")]
+        budgets = [int(b) for b in args.budgets.split(",") if b]
+    except ValueError:
+        raise ValueError("--lengths and --budgets take integers, comma separated") from None
     if not args.skip_ttft:
-        ttft_table(args.model, [int(n) for n in args.lengths.split(",")], args.rounds)
+        ttft_table(args.model, text, lengths, args.rounds)
     if not args.skip_service:
-        service_tables(args.model, args.stall_tokens, args.turn_tokens, args.short_new_tokens,
-                       [int(b) for b in args.budgets.split(",") if b])
-
-
-if __name__ == "__main__":
-    main()
+        service_tables(args.model, text, args.stall_tokens, args.turn_tokens,
+                       args.short_new_tokens, budgets)
+    sys.stdout.flush()
+    return 0
