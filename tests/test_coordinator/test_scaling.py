@@ -90,18 +90,28 @@ def test_two_replicas_two_drafters_twelve_concurrent_requests_equal_their_solo_r
         for i, ((tokens, final), want) in enumerate(zip(results, expected, strict=True)):
             assert tokens == want, f"request {i} changed on the replicated service"
             assert final.speculation.drafter_failures == 0
+        # Once they are done, a repeat finds its prompt warm on the replica that served it.
+        again, _ = stream_tokens(svc, reqs[0])
+        assert again == expected[0]
         channel, stub = svc.stub()
         with channel:
             status = stub.Status(generation_pb2.StatusRequest(), timeout=10)
         placed = {r.name: r.requests_placed for r in status.replicas}
         assert set(placed) == {"replica-0", "replica-1"}
-        assert sum(placed.values()) == 12 and min(placed.values()) > 0, placed
+        assert sum(placed.values()) == 13 and min(placed.values()) > 0, placed
         # Every emitted token is counted on the replica that produced it.
-        assert sum(r.tokens_emitted for r in status.replicas) == sum(len(t) for t, _ in results)
+        assert sum(r.tokens_emitted for r in status.replicas) == sum(
+            len(t) for t, _ in results) + len(again)
         for r in status.replicas:
             assert r.state == "serving" and r.steps > 0 and r.active_requests == 0
             assert r.step_seconds > 0 and r.forward_seconds_per_call > 0
             assert r.bytes_sent_per_step > 0 and r.bytes_received_per_step > 0
+            assert 0 < r.ttft_p50_seconds <= r.ttft_p90_seconds
+            assert 0 < r.itl_p50_seconds <= r.itl_p90_seconds and r.prefill_p50_seconds > 0
+            assert r.prefilling_requests == 0
+        assert sum(r.prefix_hits for r in status.replicas) >= 1
+        assert sum(r.prefix_queries for r in status.replicas) == 13
+        assert sum(r.prefix_hit_tokens for r in status.replicas) >= len(reqs[0].token_ids.ids) - 1
         assert [d.name for d in status.drafters] == ["drafter-0", "drafter-1"]
         for d in status.drafters:
             assert d.calls > 0 and d.errors == 0 and d.mean_latency_seconds > 0
@@ -394,5 +404,18 @@ def test_prometheus_export_labels_every_replica_and_drafter():
             assert samples[f'specd_drafter_calls_total{{drafter="drafter-{i}"}}'] > 0
             assert samples[f'specd_drafter_errors_total{{drafter="drafter-{i}"}}'] == 0
             assert samples[f'specd_replica_step_seconds{{replica="replica-{i}"}}'] > 0
+        # The latency histograms: one first token per request, one prefill each, and an
+        # inter-token gap per later streamed chunk, added up over the replicas.
+        placed = [samples[f'specd_replica_requests_placed_total{{replica="replica-{i}"}}']
+                  for i in (0, 1)]
+        for name in ("time_to_first_token", "request_prefill_time"):
+            counts = [samples[f'specd_{name}_seconds_count{{replica="replica-{i}"}}']
+                      for i in (0, 1)]
+            assert counts == placed
+            assert all(samples[f'specd_{name}_seconds_bucket{{le="+Inf",replica="replica-{i}"}}']
+                       == c for i, c in zip((0, 1), counts, strict=True))
+        gaps = sum(samples[f'specd_inter_token_latency_seconds_count{{replica="replica-{i}"}}']
+                   for i in (0, 1))
+        assert 0 < gaps <= total - len(PROMPTS)
     finally:
         svc.stop()
