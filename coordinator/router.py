@@ -59,7 +59,9 @@ REPLICA_FAILED_MESSAGE = ("the target replica serving this request failed; it is
                           "restarted, a retry may succeed")
 
 #: ``async (name) -> (target, stop, info)``: starts a replica; ``info`` is its ``model_info``
-#: dict (plus anything to report, e.g. ``tp``); ``stop`` destroys it. Also used to re-create
+#: dict (plus anything to report, e.g. ``tp``, and its calibrated ``cost_model``, a
+#: `coordinator.adaptive.ForwardCostModel`, which its loop then starts with); ``stop``
+#: destroys it. Also used to re-create
 #: a failed replica under its name; if cancelled it must not leave what it started running.
 ReplicaFactory = Callable[[str], Awaitable[tuple[Target, Callable[[], Awaitable[None]], dict]]]
 #: ``async (name) -> (client, stop)``: starts a drafter worker and a client for it (also to
@@ -644,11 +646,15 @@ class Router:
             await asyncio.gather(*(self._remove_replica(r) for r in leaving))
             removed.extend(r.name for r in leaving)
 
-    def _new_scheduler(self, name: str, target: Target) -> tuple[MeteredTarget, ReplicaScheduler]:
+    def _new_scheduler(self, name: str, target: Target, info: dict
+                       ) -> tuple[MeteredTarget, ReplicaScheduler]:
+        """A metered target and loop for a replica; ``info["cost_model"]``, when the factory
+        calibrated the replica's forward cost, is taken out of ``info`` for the loop."""
+        cost_model = info.pop("cost_model", None) or self.cost_model
         metered = MeteredTarget(target, self.target_timeout_s)
         scheduler = ReplicaScheduler(name, metered, self.pool, self._ids,
                                      max_active=self.max_active, wants_hidden=self.wants_hidden,
-                                     adaptive=self.adaptive, cost_model=self.cost_model,
+                                     adaptive=self.adaptive, cost_model=cost_model,
                                      pipeline=self.pipeline,
                                      on_failure=self._on_replica_failure,
                                      chunking=self.chunking,
@@ -657,7 +663,7 @@ class Router:
         return metered, scheduler
 
     def _add_replica(self, name: str, target: Target, stop, info: dict) -> Replica:
-        metered, scheduler = self._new_scheduler(name, target)
+        metered, scheduler = self._new_scheduler(name, target, info)
         replica = self.replicas[name] = Replica(name, scheduler, metered, stop, dict(info))
         scheduler.start()
         if self._probe_task is None and self.probe_interval_s is not None:
@@ -762,7 +768,7 @@ class Router:
             target, stop, info = await self._recreate(replica.name, self.replica_factory,
                                                       attempt_failed)
             self._retire(replica.scheduler)
-            replica.target, replica.scheduler = self._new_scheduler(replica.name, target)
+            replica.target, replica.scheduler = self._new_scheduler(replica.name, target, info)
             replica.stop, replica.info, replica.reported = stop, dict(info), {}
             replica.restarts += 1
             replica.state = "serving"

@@ -289,7 +289,20 @@ class CoordinatorActor:
             self._replica_handles.pop(name, None)
             await loop.run_in_executor(None, destroy_target_replica, handle)
 
-        return ChannelTarget(address, secret, handle), stop, info
+        from .adaptive import calibrate_target
+
+        target = ChannelTarget(address, secret, handle)
+        if cfg.adaptive and cfg.drafter != "none":
+            # Start-up work, not the first request's: its loop would calibrate at its first
+            # admission, inside that request's time (seconds of forwards on a busy machine).
+            began = time.monotonic()
+            try:
+                info["cost_model"] = await calibrate_target(target)
+            except BaseException:
+                await stop()
+                raise
+            self._events.append((f"{name}: forward cost calibrated", time.monotonic() - began))
+        return target, stop, info
 
     async def _start_drafter(self, name: str):
         import ray

@@ -8,7 +8,7 @@ import asyncio
 
 import grpc
 import pytest
-from service_harness import LocalService, run_in_thread
+from service_harness import MODEL, LocalService, run_in_thread
 from test_service import REPEATING, request, solo, stream_tokens
 
 from coordinator import SpeculativeDecodeResult, SpeculativeOptions, speculative_decode_with
@@ -419,3 +419,35 @@ def test_prometheus_export_labels_every_replica_and_drafter():
         assert 0 < gaps <= total - len(PROMPTS)
     finally:
         svc.stop()
+
+
+def test_a_replica_calibrated_by_its_factory_starts_its_loop_with_that_cost_model():
+    # The service calibrates while starting a replica (start-up work, reported as a phase):
+    # its loop must not calibrate again inside the first request.
+    from coordinator.adaptive import ForwardCostModel
+    from coordinator.router import Router
+    from coordinator.scheduler import LocalTarget
+    from target_worker import load_model
+    from target_worker.engine import TargetEngine
+
+    decoder = load_model(MODEL)[0]
+    calibrated = ForwardCostModel({1: 0.01, 8: 0.02})
+
+    async def factory(name):
+        async def stop() -> None:
+            pass
+
+        return LocalTarget(TargetEngine(decoder)), stop, {
+            "vocab_size": decoder.config.vocab_size, "cost_model": calibrated}
+
+    async def go():
+        router = Router(factory, None, adaptive=True, probe_interval_s=None)
+        await router.scale(target_replicas=1)
+        replica = next(iter(router.replicas.values()))
+        try:
+            return replica.scheduler.cost_model, dict(replica.info)
+        finally:
+            await router.close()
+
+    cost_model, info = asyncio.run(go())
+    assert cost_model is calibrated and "cost_model" not in info

@@ -37,7 +37,10 @@ def served():
 
 def test_start_up_reports_each_phase_with_its_time(served):
     lines = [line.strip() for line in served[2]]
+    # The adaptive drafting's forward-cost calibration is start-up work, not the first
+    # request's.
     for phase in (r"Ray up \(\d+\.\d s\)", r"replica-0: model loaded \(\d+\.\d s\)",
+                  r"replica-0: forward cost calibrated \(\d+\.\d s\)",
                   r"drafter-0: drafter ready \(\d+\.\d s\)", r"ready in \d+\.\d s"):
         assert any(re.fullmatch(r"\[specd\] " + phase, line) for line in lines), (phase, lines)
 
