@@ -1,16 +1,26 @@
 """The service's scheduling loop: continuous batching of speculative decoding requests.
 
-Each step, for every active request: one batched ``Propose`` call to the drafter worker, one
-batched verify call to the target (one packed forward), then the rejection rule per request
-with the request's own generator (`DecodeRequest.on_verify`, the same code the in-process loop
-runs), streaming of the newly committed tokens, and freeing of finished requests' slots.
-Requests join (prefill) and leave between steps, never inside one.
+Each step decides, executes, then updates, as vLLM v1 and nano-vllm shape theirs:
+
+1. decide: the drafts of every decoding request (`coordinator.drafting.DraftingPolicy`: one
+   batched ``Propose`` call to the drafter worker, or run-ahead blocks) and the prompt chunks
+   that fill the rest of the step's token budget (`coordinator.step_plan`, chunked prefill);
+2. execute: one target call, one packed forward of every verify block and prompt chunk
+   (`Scheduler._execute`, `target_worker.engine.TargetEngine.step`);
+3. update: the rejection rule per verified request with the request's own generator
+   (`DecodeRequest.on_verify`, the same code the in-process loop runs), a first token for
+   each request whose last prompt chunk was computed (`DecodeRequest.on_prefill`), streaming
+   of the newly committed tokens, and freeing of finished requests' slots.
+
+Requests are admitted (a slot, from a warm prefix when the target holds one) and leave between
+steps, never inside one.
 
 A drafter that fails or misses its deadline costs that step its drafts only: the step is
 verified with empty drafts, which is still lossless.
 
 Pipelined (``pipeline=True``, the service's default; after PEARL's post-verify, Liu et al.,
-ICLR 2025, and SGLang's decoupled speculation, sgl-project/sglang#22520): while the target
+ICLR 2025, and SGLang's decoupled speculation, sgl-project/sglang#22520; the policy lives in
+`coordinator.drafting`): while the target
 verifies block t of a request, the drafter proposes block t+1 assuming block t is committed
 whole (`specd_core.draft.propose_ahead`): the proposal's first token is its guess of the bonus
 token, the rest the next block. Each run-ahead is stamped with the committed length and the
@@ -49,7 +59,8 @@ from drafter_worker import DraftBlock
 from specd_core.request import DecodeRequest, SpeculativeOptions
 from target_worker.engine import SlotsExhausted
 
-from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target, expected_tokens
+from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target
+from .drafting import DraftingPolicy, RunAhead
 from .errors import ReplicaUnavailable, RequestError, RequestFailed, ServiceStopping
 from .latency import LatencyHistograms
 from .step_plan import ChunkPolicy, plan_prefill_chunks
@@ -136,43 +147,6 @@ class RayTarget:
 
 
 @dataclass(eq=False)
-class RunAhead:
-    """A run-ahead proposal in flight or done, stamped with what it assumed.
-
-    Attributes:
-        base_len: ``len(history)`` when it was launched (the history then ended in the
-            anchor of the block being verified).
-        assumed: that block's draft tokens.
-        task: the batched drafter call; its result is one `DraftBlock` per job.
-        index: this request's job in that call.
-    """
-
-    base_len: int
-    assumed: tuple[int, ...]
-    task: asyncio.Future
-    index: int
-
-    def block(self) -> DraftBlock:
-        """The proposal (empty when the call failed); only once ``task`` is done."""
-        if self.task.cancelled() or self.task.exception() is not None:
-            return DraftBlock.empty()
-        return self.task.result()[self.index]
-
-    def matches(self, history: Sequence[int]) -> bool | None:
-        """Whether ``history`` is what it assumed plus its guess: True / False once that
-        can be told (False without waiting when the assumed block was not committed whole;
-        otherwise once the call is done), None while it depends on the guess still in
-        flight."""
-        tail = history[self.base_len:]
-        if len(tail) != len(self.assumed) + 1 or tuple(tail[:-1]) != self.assumed:
-            return False
-        if not self.task.done():
-            return None
-        block = self.block()
-        return bool(len(block)) and block.tokens[0] == tail[-1]
-
-
-@dataclass(eq=False)
 class ServiceRequest:
     """One request inside the service: its core decode state plus scheduling state.
 
@@ -240,7 +214,7 @@ class SchedulerStats:
     active_seconds: float = 0.0
 
 
-class Scheduler:
+class Scheduler(DraftingPolicy):
     """Continuous-batching loop over one target and an optional drafter client.
 
     Args:
@@ -465,7 +439,7 @@ class Scheduler:
             else:
                 drafts = await self._propose(active)
                 self.stats.draft_wait_seconds += time.perf_counter() - began
-            await self._verify(active, drafts)
+            await self._execute(active, drafts)
         finally:
             self.stats.active_seconds += time.perf_counter() - began
 
@@ -497,7 +471,7 @@ class Scheduler:
                 req.prefill_started_at = now
         return owners, items
 
-    async def _verify(self, active: list[ServiceRequest], drafts: list[DraftBlock]) -> None:
+    async def _execute(self, active: list[ServiceRequest], drafts: list[DraftBlock]) -> None:
         """One target call for the step: a verify block per decoding request (``drafts``,
         one per request) and the prompt chunks the plan gives (`_prefill_items`), in one
         packed forward; then the rule per verified request and the chunks' bookkeeping.
@@ -672,245 +646,6 @@ class Scheduler:
             self._admitting.remove(req)
         req.events.put_nowait(error)
         await self._release(req, count=False)
-
-    async def _propose(self, requests: list[ServiceRequest], step_tokens: int | None = None
-                       ) -> list[DraftBlock]:
-        """A fresh draft per request (empty where it drafts nothing), from one batched
-        drafter call. ``step_tokens``: tokens already in this step's forward (default: one
-        anchor per request)."""
-        drafts = [DraftBlock.empty() for _ in requests]
-        if self.drafter is None:
-            return drafts
-        from drafter_worker.client import ProposeJob
-
-        jobs, where = [], []
-        # Tokens already in this step's forward: every request's anchor, plus the drafts
-        # chosen so far (the adaptive choice prices drafts at the margin of the whole step).
-        if step_tokens is None:
-            step_tokens = len(requests)
-        for i, req in enumerate(requests):
-            try:
-                job = self._propose_job(req, step_tokens, ProposeJob)
-            except Exception as exc:
-                self._stop_drafting(req, exc)
-                continue
-            if job is None:
-                continue
-            step_tokens += job.max_len
-            jobs.append(job)
-            where.append(i)
-        if not jobs:
-            return drafts
-        blocks = await self._call_drafter([requests[i] for i in where], jobs)
-        for i, job, block in zip(where, jobs, blocks, strict=True):
-            drafts[i] = block.truncate(job.max_len)
-        return drafts
-
-    async def _call_drafter(self, requests: list[ServiceRequest], jobs: list,
-                            after: set[asyncio.Future] | None = None) -> list[DraftBlock]:
-        """One batched drafter call for ``jobs`` (``requests[i]``'s job is ``jobs[i]``),
-        once the calls in ``after`` are done: one block per job, empty where drafting
-        failed. Never raises: an unavailable drafter costs these jobs their drafts; a job
-        the drafter refuses (ValueError before anything was sent) stops drafting for its
-        request alone."""
-        from drafter_worker.client import DrafterUnavailable
-
-        if after:
-            await asyncio.wait(after)
-        began = time.perf_counter()
-        try:
-            blocks = list(await self.drafter.propose(jobs))
-        except DrafterUnavailable as exc:
-            log.warning("drafter unavailable, decoding this step without drafts: %s", exc)
-            self.stats.drafter_failures += 1
-            for req in requests:
-                req.drafter_failures += 1
-            return [DraftBlock.empty() for _ in jobs]
-        except ValueError as exc:  # a job refused before anything was sent: find which
-            log.warning("drafter refused a batch of %d jobs (%r); proposing one at a time",
-                        len(jobs), exc)
-            blocks = []
-            for req, job in zip(requests, jobs, strict=True):
-                try:
-                    blocks.extend(await self.drafter.propose([job]))
-                except ValueError as one:
-                    self._stop_drafting(req, one)
-                    blocks.append(DraftBlock.empty())
-                except DrafterUnavailable:
-                    req.drafter_failures += 1
-                    blocks.append(DraftBlock.empty())
-        seconds = time.perf_counter() - began
-        self.drafter_latency_s = seconds if self.drafter_latency_s is None else (
-            0.8 * self.drafter_latency_s + 0.2 * seconds)
-        return blocks
-
-    # ---- pipelined drafting ----
-
-    def _policy(self, req: ServiceRequest) -> AdaptiveDraftLength | None:
-        """``req``'s adaptive policy (made on first use), or None when not adaptive."""
-        if not (self.adaptive and self.cost_model is not None):
-            return None
-        if req.adaptive is None:
-            req.adaptive = AdaptiveDraftLength(self.cost_model)
-        return req.adaptive
-
-    def _usable(self, req: ServiceRequest, block: DraftBlock) -> DraftBlock:
-        """``block`` cut to what ``req`` may verify now."""
-        limit = self._usable_len(req)
-        return DraftBlock(block.tokens[:limit], block.dists[:limit])
-
-    async def _pipelined_drafts(self, active: list[ServiceRequest]) -> list[DraftBlock]:
-        """This step's draft per request: its run-ahead block where verification committed
-        what it assumed plus its guess; for the others a fresh draft or none, whichever the
-        cost model expects to commit more tokens per second. Time spent here is draft wait.
-        """
-        began = time.perf_counter()
-        await asyncio.sleep(0)  # lets drafter calls that have answered finish
-        # Wait for run-ahead calls still in flight, for at most a step's cost times the
-        # run-ahead hit rate (what waiting is expected to buy; a drafter slower than a step
-        # is stalled, not late): one whose assumed block was committed whole may hit, and a
-        # stale one must finish before its request's next call.
-        late = {r.ahead.task for r in active
-                if r.ahead is not None and not r.ahead.task.done()}
-        if late:
-            budget = None if self.cost_model is None else (
-                self.cost_model.cost(len(active)) * self.runahead_hit_rate)
-            await asyncio.wait(late, timeout=budget)
-        drafts = [DraftBlock.empty() for _ in active]
-        misses = []
-        for i, req in enumerate(active):
-            ahead = req.ahead
-            if ahead is None:
-                if req.speculate and not req.chose_no_draft:
-                    misses.append(i)
-                continue
-            if ahead.matches(req.decode.history):
-                block = ahead.block()
-                drafts[i] = self._usable(req, DraftBlock(block.tokens[1:], block.dists[1:]))
-                req.ahead = None
-                self.stats.runahead_hits += 1
-                self.runahead_hit_rate += 0.05 * (1.0 - self.runahead_hit_rate)
-                continue
-            self.stats.runahead_misses += 1
-            self.runahead_hit_rate -= 0.05 * self.runahead_hit_rate
-            if ahead.task.done():
-                req.ahead = None
-                if req.speculate:
-                    misses.append(i)
-            # else still in flight: this step goes undrafted; the next call for its id
-            # waits for it (`_run_ahead`).
-        if misses and self._fresh_pays(active, drafts, misses):
-            fed = sum(len(d) + 1 for d in drafts)
-            fresh = await self._propose([active[i] for i in misses], step_tokens=fed)
-            for i, block in zip(misses, fresh, strict=True):
-                drafts[i] = block
-        self.stats.draft_wait_seconds += time.perf_counter() - began
-        return drafts
-
-    def _fresh_pays(self, active: list[ServiceRequest], drafts: list[DraftBlock],
-                    misses: list[int]) -> bool:
-        """Whether waiting for fresh drafts for ``misses`` commits more tokens per second
-        than verifying them undrafted now: expected tokens (`expected_tokens` over each
-        request's acceptance) over the step's cost (`ForwardCostModel`) plus the drafter's
-        mean latency. Without a cost model: always (the serial step's choice)."""
-        if self.cost_model is None or not self.adaptive or self.drafter_latency_s is None:
-            return True
-        fed = sum(len(d) + 1 for d in drafts)
-        now = 0.0
-        for req, draft in zip(active, drafts, strict=True):
-            policy = self._policy(req)
-            now += 1.0 if policy is None or not len(draft) else expected_tokens(
-                policy.tracker.rates(len(draft)), len(draft))
-        gain, extra = 0.0, 0
-        for i in misses:
-            req, policy = active[i], self._policy(active[i])
-            budget = self._usable_len(req)
-            k = policy.choose(budget, self.drafter_max_len, fed + extra - 1) if budget else 0
-            if k:
-                gain += expected_tokens(policy.tracker.rates(k), k) - 1.0
-                extra += k
-        if gain <= 0:
-            return False
-        cost = self.cost_model.cost
-        return (now + gain) / (cost(fed + extra) + self.drafter_latency_s) > now / cost(fed)
-
-    def _usable_len(self, req: ServiceRequest) -> int:
-        """The most drafts ``req`` may verify now (budget, its own cap; 0 undrafted)."""
-        limit = req.decode.draft_budget()
-        if req.max_draft_len is not None:
-            limit = min(limit, req.max_draft_len)
-        return max(0, limit) if req.speculate else 0
-
-    def _run_ahead(self, batch: list[tuple[ServiceRequest, DraftBlock]]) -> None:
-        """Launches one batched run-ahead drafter call for this step's requests (each
-        assuming its block is committed whole), to run while the target verifies."""
-        from drafter_worker.client import ProposeJob
-
-        fed = sum(len(d) + 1 for _, d in batch)
-        jobs, owners = [], []
-        for req, draft in batch:
-            if not req.speculate:
-                continue
-            # The budget once this block and its bonus token are committed.
-            budget = req.decode.options.max_new_tokens - len(req.decode.generated) \
-                - len(draft) - 2
-            if req.max_draft_len is not None:
-                budget = min(budget, req.max_draft_len)
-            if self.drafter_max_len is not None:
-                budget = min(budget, self.drafter_max_len)
-            policy = self._policy(req)
-            k = budget if policy is None or budget <= 0 else policy.choose(
-                budget, None, batch_tokens=fed - 1)
-            if k <= 0:
-                req.chose_no_draft = policy is not None and budget > 0
-                continue
-            try:
-                # A snapshot: the rule appends to the history before this job is sent.
-                jobs.append(self._job(ProposeJob, req, list(req.decode.history), k + 1,
-                                      ahead=True, assumed=tuple(draft.tokens)))
-            except Exception as exc:
-                self._stop_drafting(req, exc)
-                continue
-            owners.append(req)
-        if not jobs:
-            return
-        # A request's previous call still in flight (late, now superseded) must finish first:
-        # one call per request id at a time.
-        after = {r.ahead.task for r in owners if r.ahead is not None and not r.ahead.task.done()}
-        task = asyncio.get_running_loop().create_task(self._call_drafter(owners, jobs, after))
-        self._drafting.add(task)
-        task.add_done_callback(self._drafting.discard)
-        for index, (req, job) in enumerate(zip(owners, jobs, strict=True)):
-            req.ahead = RunAhead(len(job.history), job.assumed, task, index)
-
-    def _propose_job(self, req: ServiceRequest, step_tokens: int, job_type):
-        """``req``'s `ProposeJob` for this step, or None when it drafts nothing now.
-        ``step_tokens``: tokens already in this step's forward (for the adaptive choice)."""
-        budget = self._usable_len(req)
-        if budget <= 0:
-            return None
-        policy = self._policy(req)
-        if policy is not None:
-            budget = policy.next_len(budget, self.drafter_max_len, batch_tokens=step_tokens - 1)
-            if budget <= 0:
-                return None
-        return self._job(job_type, req, req.decode.history, budget)
-
-    def _job(self, job_type, req: ServiceRequest, history, max_len: int, **extra):
-        """A `ProposeJob` (``job_type``) for ``req`` over ``history``: its hidden rows when
-        the drafter wants them, its sampling and seed; ``extra``: the run-ahead fields."""
-        return job_type(
-            request_id=req.id, history=history, max_len=max_len,
-            hidden_log=req.decode.hidden_log() if self.wants_hidden else None,
-            sampling=req.decode.sampling,
-            seed=0 if req.decode.options.seed is None else req.decode.options.seed, **extra)
-
-    def _stop_drafting(self, req: ServiceRequest, exc: BaseException) -> None:
-        """Drafting for ``req`` failed on its own (not the drafter's fault): it decodes
-        undrafted from now on, which is lossless; the others keep drafting."""
-        log.error("request %s: drafting failed (%r); it decodes without drafts", req.id, exc,
-                  exc_info=exc)
-        req.speculate = False
 
     def _hidden_for(self, req: ServiceRequest) -> bool:
         return self.wants_hidden and req.speculate
