@@ -612,3 +612,36 @@ def test_a_head_path_for_a_drafter_without_a_head_is_refused(tmp_path):
     with pytest.raises(ValueError, match="drafter_path=.*prompt-lookup"):
         check_drafter("prompt-lookup", drafter_path=str(head))
     check_drafter("eagle", drafter_path=str(head))  # the same path is fine where a head is used
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+def test_chunked_prefill_gives_eagle_the_same_rows_and_so_the_same_drafts(pipeline):
+    # The prompt's hidden rows reach the head chunk by chunk (budget 4: a step with nothing
+    # to verify takes 4 budgets, so a 40-token prompt goes in 3 chunks); the head drafts the
+    # same blocks as with the prompt whole: same counters, same tokens, plain decoding's.
+    from coordinator.scheduler import LocalTarget, Scheduler
+    from coordinator.step_plan import ChunkPolicy
+    from drafter_worker.local import LocalDrafter
+    from target_worker.engine import TargetEngine
+
+    decoder = tiny_decoder(16, seed=1)
+    prompt = [(3 * i + 1) % 14 + 1 for i in range(40)]
+
+    def run(budget):
+        async def go():
+            sched = Scheduler(LocalTarget(TargetEngine(decoder, max_slots=1)),
+                              LocalDrafter(tiny_eagle(decoder, seed=1)), max_active=1,
+                              adaptive=False, wants_hidden=True, pipeline=pipeline,
+                              hidden_dtype=torch.float32, chunking=ChunkPolicy(budget))
+            req = sched.submit(prompt, SpeculativeOptions(max_new_tokens=24))
+            await sched.run_until_idle()
+            await asyncio.sleep(0)
+            return req.decode.result
+
+        return asyncio.run(go())
+
+    whole, chunked = run(None), run(4)
+    assert chunked.generated_tokens == whole.generated_tokens == plain_decode(decoder, prompt, 24)
+    assert (chunked.drafted_tokens, chunked.accepted_tokens, chunked.forward_calls) == (
+        whole.drafted_tokens, whole.accepted_tokens, whole.forward_calls)
+    assert whole.drafted_tokens > 0
