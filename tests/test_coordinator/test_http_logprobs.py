@@ -8,6 +8,7 @@ field."""
 
 from __future__ import annotations
 
+import grpc
 import openai
 import pytest
 from service_harness import MODEL, LocalService
@@ -206,3 +207,31 @@ def test_out_of_bounds_fields_get_400_naming_them(client, chat, fields, param):
             client.completions.create(model=MODEL, prompt="abc", **{"max_tokens": 3, **fields})
     error = info.value.body
     assert error["param"] == param and error["message"].startswith(param), error
+
+
+def test_grpc_streams_the_same_log_probabilities_as_its_unary_answer(service):
+    req = generation_pb2.GenerateRequest(max_new_tokens=12, ignore_eos=True, logprobs=2,
+                                         prompt_logprobs=1, seed=9)
+    req.token_ids.ids.extend(PROMPT_IDS)
+    req.sampling.temperature = 0.7
+    unary = grpc_unary(service, req)
+    channel, stub = service.stub()
+    with channel:
+        chunks = list(stub.Generate(req, metadata=[("authorization", f"Bearer {TOKEN}")],
+                                    timeout=60))
+    streamed = [lp for c in chunks for lp in c.logprobs]
+    assert [lp.token_id for lp in streamed] == list(unary.token_ids)
+    assert [lp.logprob for lp in streamed] == pytest.approx(
+        [lp.logprob for lp in unary.logprobs], abs=TOL)
+    # The prompt's, on the first chunk only: every prompt token but the first.
+    assert [len(c.prompt_logprobs) for c in chunks] == [len(PROMPT_IDS) - 1] + [0] * (
+        len(chunks) - 1)
+    assert [lp.token_id for lp in chunks[0].prompt_logprobs] == PROMPT_IDS[1:]
+    assert [lp.token_id for lp in unary.prompt_logprobs] == PROMPT_IDS[1:]
+    assert all(len(lp.top) == 1 for lp in unary.prompt_logprobs)
+    bad = generation_pb2.GenerateRequest(max_new_tokens=3, logprobs=21)
+    bad.token_ids.ids.extend(PROMPT_IDS)
+    with pytest.raises(grpc.RpcError) as err:
+        grpc_unary(service, bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("logprobs")

@@ -196,3 +196,47 @@ def test_requests_without_logprobs_ship_none_and_compute_last_rows_only(decoder)
     # the draft (4 + 4 bytes each), 8 bytes of offset; under 50 bytes a row.
     extra = payload_bytes(asked) - payload_bytes(plain)
     assert 0 < extra <= 50 * 3
+
+
+def test_log_probabilities_cross_the_replicas_step_channel_unchanged(decoder):
+    """What a Ray replica ships (pickled over `target_worker.channel`) equals the engine's
+    own output, dense rows included."""
+    import numpy as np
+
+    from coordinator.scheduler import LocalTarget
+    from target_worker.actor import TargetActor
+    from target_worker.channel import ChannelTarget
+
+    actor = TargetActor(MODEL, max_slots=1, num_threads=1)
+    address = actor.open_channel("127.0.0.1", "s3cret")
+    dense = SAMPLINGS["dense"]
+
+    async def steps(target):
+        slot = await target.allocate()
+        first = await target.prefill([PrefillItem(slot, LONG[:6], dense, logprobs=3,
+                                                  prompt_logprobs=3, last=False,
+                                                  next_token=LONG[6]),
+                                      ])
+        last = await target.prefill([PrefillItem(slot, LONG[6:9], dense, offset=6,
+                                                 logprobs=3, prompt_logprobs=3)])
+        out = await target.verify([VerifyItem(slot, 9, [4, 5, 6], dense, logprobs=3)])
+        await target.free(slot)
+        return [first[0].logprobs, last[0].logprobs, out[0].logprobs]
+
+    async def both():
+        channel = ChannelTarget(address, "s3cret")
+        try:
+            return (await steps(channel),
+                    await steps(LocalTarget(TargetEngine(decoder, max_slots=1))))
+        finally:
+            await channel.close()
+
+    remote, local = asyncio.run(both())
+    for a, b in zip(remote, local, strict=True):
+        assert isinstance(a, RowLogprobs) and len(a) == len(b)
+        for name in ("top_ids", "top_logprobs", "offsets", "token_ids", "logprobs"):
+            assert np.allclose(getattr(a, name), getattr(b, name), atol=TOL), name
+        assert (a.full is None) == (b.full is None)
+    assert remote[2].full is not None  # a dense verify ships whole rows
+    assert len(remote[0]) == 6 and len(remote[1]) == 3
+    assert remote[0].value(5, LONG[6]) == pytest.approx(local[0].value(5, LONG[6]), abs=TOL)
