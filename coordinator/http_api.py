@@ -378,15 +378,51 @@ def _token_texts(tokenizer, ids: list[int]) -> dict[int, str]:
     return dict(zip(distinct, texts, strict=True))
 
 
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's ``bytes_to_unicode``) inverted: the printable
+    character standing for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = dict(zip(printable, printable, strict=True)), 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = 256 + extra, extra + 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+
+
+def _token_bytes(tokenizer, texts: dict[int, str]) -> dict[int, list[int]]:
+    """Each token's bytes (OpenAI chat's ``bytes``): for a byte-level BPE tokenizer (a
+    Hugging Face fast tokenizer whose decoder is ``ByteLevel``, as SmolLM2's) the bytes its
+    vocabulary entry stands for, so tokens that split a character still join into its UTF-8
+    (each alone decodes to U+FFFD); otherwise, and for added or special tokens, the UTF-8
+    of the token's text (vLLM's choice)."""
+    out = {t: list(text.encode("utf-8")) for t, text in texts.items()}
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if type(getattr(backend, "decoder", None)).__name__ != "ByteLevel":
+        return out
+    try:
+        added = set(tokenizer.get_added_vocab().values())
+        pieces = tokenizer.convert_ids_to_tokens(list(texts))
+    except Exception:  # a tokenizer without those: text bytes
+        return out
+    for t, piece in zip(texts, pieces, strict=True):
+        if t not in added and piece and all(c in _BYTE_DECODER for c in piece):
+            out[t] = [_BYTE_DECODER[c] for c in piece]
+    return out
+
+
 def _chat_logprobs(tokenizer, records: list) -> dict:
     """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}],
-    "refusal": None}`` for `TokenLogprob` ``records`` (``bytes``: the UTF-8 of ``token``)."""
+    "refusal": None}`` for `TokenLogprob` ``records`` (``bytes``: `_token_bytes`)."""
     texts = _token_texts(tokenizer, [t for r in records for t in (r.token, *(a for a, _ in
                                                                               r.top))])
+    raw = _token_bytes(tokenizer, texts)
 
     def entry(token: int, logprob: float) -> dict:
-        text = texts[token]
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": texts[token], "logprob": logprob, "bytes": raw[token]}
 
     return {"content": [{**entry(r.token, r.logprob),
                          "top_logprobs": [entry(t, v) for t, v in r.top]} for r in records],

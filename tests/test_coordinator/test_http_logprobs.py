@@ -235,3 +235,28 @@ def test_grpc_streams_the_same_log_probabilities_as_its_unary_answer(service):
         grpc_unary(service, bad)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("logprobs")
+
+
+def test_chat_bytes_of_tokens_that_split_a_character_join_into_its_utf8():
+    """A byte-level BPE token holding part of a character decodes alone to U+FFFD; its
+    ``bytes`` are the bytes it stands for, so a client can join them (OpenAI's purpose for
+    the field)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from coordinator.http_api import _chat_logprobs
+    from specd_core.logprobs import TokenLogprob
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["plain ascii text only"] * 4, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
+    text = "a \u20ac b<|end|>"
+    ids = fast.encode(text, add_special_tokens=False)
+    content = _chat_logprobs(fast, [TokenLogprob(t, -1.0, ((t, -1.0),)) for t in ids])["content"]
+    assert "\ufffd" in [e["token"] for e in content]  # the euro sign's bytes, one per token
+    assert bytes(b for e in content for b in e["bytes"]).decode() == text
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)
