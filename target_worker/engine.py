@@ -261,15 +261,18 @@ class TargetEngine:
         Returns:
             Per item, in order, a `StepOutput`: ``len(tokens)`` rows for a verify block; the
             last prompt position's row for a prefill's ``last`` chunk; rows None for an
-            earlier chunk. Hidden rows of every fed position when asked. None per item when
-            the decoder returns no logits (a tensor-parallel shard on a rank other than 0,
-            `target_worker.tp`).
+            earlier chunk. Hidden rows of every fed position when asked. Raw log
+            probabilities (`specd_core.logprobs.RowLogprobs`) when the item asks: every row
+            of a verify block; every row of a chunk scoring its prompt, else the ``last``
+            chunk's last row. None per item when the decoder returns no logits (a
+            tensor-parallel shard on a rank other than 0, `target_worker.tp`).
 
         Raises:
             ValueError: an unknown or repeated slot, empty ``tokens``, a ``start_pos``
                 beyond the slot's length (or, verifying, before its prompt), a chunk that
-                does not continue its slot, a token id outside the vocabulary, or the
-                context exceeded. Nothing is changed then.
+                does not continue its slot, a chunk scoring its prompt without a valid
+                ``next_token`` (when not ``last``), a token id outside the vocabulary, or
+                the context exceeded. Nothing is changed then.
         """
         if not items:
             return []
