@@ -240,3 +240,13 @@ def test_log_probabilities_cross_the_replicas_step_channel_unchanged(decoder):
     assert remote[2].full is not None  # a dense verify ships whole rows
     assert len(remote[0]) == 6 and len(remote[1]) == 3
     assert remote[0].value(5, LONG[6]) == pytest.approx(local[0].value(5, LONG[6]), abs=TOL)
+
+
+def test_a_prompt_chunk_scoring_its_prompt_needs_the_next_token(decoder):
+    engine = TargetEngine(decoder, max_slots=1)
+    slot = engine.allocate()
+    for bad in (None, 64, -1):
+        with pytest.raises(ValueError, match="next prompt token"):
+            engine.step([PrefillItem(slot, LONG[:5], SamplingParams(), last=False,
+                                     prompt_logprobs=1, next_token=bad)])
+        assert engine.slot_length(slot) == 0  # refused before anything was fed
