@@ -260,3 +260,31 @@ def test_chat_bytes_of_tokens_that_split_a_character_join_into_its_utf8():
     assert "\ufffd" in [e["token"] for e in content]  # the euro sign's bytes, one per token
     assert bytes(b for e in content for b in e["bytes"]).decode() == text
     assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)
+
+
+def test_streamed_chunks_whose_text_is_held_back_still_carry_their_log_probabilities():
+    """Tokens that end inside a character have no text yet: their chunk carries their
+    values with an empty delta, so the stream lists every token as the unary answer does."""
+    from service_harness import SplitCharTokenizer
+
+    svc = LocalService(http=True)
+    svc.tokenizer = SplitCharTokenizer(svc.tokenizer)
+    svc.start()
+    try:
+        with openai.OpenAI(base_url=f"http://{svc.http_address}/v1", api_key="x",
+                           max_retries=0, timeout=60) as c:
+            held = 0
+            for seed in range(4):
+                kw = dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0,
+                          seed=seed, logprobs=True, extra_body={"ignore_eos": True})
+                unary = c.chat.completions.create(**kw)
+                chunks = [ch.choices[0] for ch in c.chat.completions.create(stream=True, **kw)
+                          if ch.choices]
+                held += sum(1 for ch in chunks if ch.logprobs and not ch.delta.content)
+                streamed = [e for ch in chunks if ch.logprobs for e in ch.logprobs.content]
+                assert len(streamed) == len(unary.choices[0].logprobs.content) == 8
+                assert [e.bytes for e in streamed] == [
+                    e.bytes for e in unary.choices[0].logprobs.content]
+            assert held, "no chunk's text was held back: the case was not exercised"
+    finally:
+        svc.stop()
