@@ -9,10 +9,12 @@ router, the `coordinator.errors` contract), so the same request gives the same t
 APIs. It differs from gRPC's defaults as OpenAI's own API does: ``temperature`` defaults to
 1, chat ``max_tokens`` to the rest of the context, completion ``max_tokens`` to 16, and the
 text ends before a stop string (``include_stop_str_in_output: true`` keeps it, as gRPC does).
+Log probabilities (chat ``logprobs``/``top_logprobs``, completions ``logprobs``/``echo``) are
+the target's raw log-softmax (`specd_core.logprobs`), in OpenAI's shapes, streamed too.
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, for every
 status, malformed HTTP and bodies included: 400 names the field as the client wrote it
-(fields it does not support, such as ``logprobs``, ``tools``, ``response_format`` and any
+(fields it does not support, such as ``logit_bias``, ``tools``, ``response_format`` and any
 unknown field, are refused, never ignored), 401 a missing or wrong ``Authorization: Bearer``
 token (the gRPC API's token; ``/health`` is exempt; checked before the body is read), 404 an
 unknown model or path, 408/413/431 a body too slow or too large or headers too large
@@ -121,8 +123,6 @@ class _Body(_Strict):
     include_stop_str_in_output: bool = False
     speculation: SpeculationBody | None = None
     # Known but unsupported: refused by `_refuse_unsupported` with a message naming them.
-    logprobs: Any = None
-    top_logprobs: Any = None
     logit_bias: Any = None
 
 
@@ -130,6 +130,10 @@ class _Body(_Strict):
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 #: The most choices (``n``) one request may ask for: each takes a decoding slot.
 MAX_CHOICES = 16
+#: Alternatives per position: chat ``top_logprobs`` and completions ``logprobs`` (OpenAI's
+#: bounds).
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 
 
 class ChatMessage(_Strict):
@@ -141,6 +145,8 @@ class ChatMessage(_Strict):
 class ChatBody(_Body):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -151,15 +157,16 @@ class ChatBody(_Body):
 
 class CompletionBody(_Body):
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: Any = None
+    logprobs: int | None = None
+    echo: bool | None = None
     suffix: Any = None
     best_of: Any = None
 
 
 def _refuse_unsupported(body: _Body) -> None:
     """Raises a 400 naming the first field set to something this server cannot do."""
-    checks = ["logprobs", "top_logprobs", "logit_bias", "tools", "tool_choice", "functions",
-              "function_call", "parallel_tool_calls", "response_format", "echo", "suffix"]
+    checks = ["logit_bias", "tools", "tool_choice", "functions", "function_call",
+              "parallel_tool_calls", "response_format", "suffix"]
     for name in checks:
         value = getattr(body, name, None)
         if value not in (None, False) and not (name in ("tools", "functions") and value == []):
@@ -204,7 +211,15 @@ def grpc_request(body: _Body) -> tuple[generation_pb2.GenerateRequest, str]:
     _int_field("n", body.n, 1, MAX_CHOICES)
     req = generation_pb2.GenerateRequest(ignore_eos=body.ignore_eos)
     max_name, max_tokens = "max_tokens", body.max_tokens
+    min_tokens = 1
     if isinstance(body, ChatBody):
+        if body.top_logprobs is not None:
+            if not body.logprobs:
+                raise ApiError(400, "top_logprobs: requires logprobs: true",
+                               param="top_logprobs")
+            _int_field("top_logprobs", body.top_logprobs, 0, MAX_CHAT_TOP_LOGPROBS)
+        if body.logprobs:
+            req.logprobs = body.top_logprobs or 0
         if body.max_completion_tokens is not None:
             max_name, max_tokens = "max_completion_tokens", body.max_completion_tokens
         if not body.messages:
@@ -231,8 +246,17 @@ def grpc_request(body: _Body) -> tuple[generation_pb2.GenerateRequest, str]:
             req.token_ids.ids.extend(prompt)
         if max_tokens is None:
             max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
+        if body.logprobs is not None:
+            req.logprobs = _int_field("logprobs", body.logprobs, 0,
+                                      MAX_COMPLETION_LOGPROBS)
+        if body.echo:
+            # 0 scores (and echoes) the prompt without generating; with no ``logprobs``
+            # the prompt is still fed once (the path that answers it), its values dropped.
+            min_tokens = 0
+            if body.logprobs is not None or max_tokens == 0:
+                req.prompt_logprobs = body.logprobs or 0
     if max_tokens is not None:
-        req.max_new_tokens = _int_field(max_name, max_tokens, 1, _UINT32_MAX)
+        req.max_new_tokens = _int_field(max_name, max_tokens, min_tokens, _UINT32_MAX)
     temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
     req.sampling.temperature = temperature
     for name in ("top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -268,10 +292,11 @@ def grpc_request(body: _Body) -> tuple[generation_pb2.GenerateRequest, str]:
 #: A shared-validation message's leading field: ``sampling.top_p=...``, ``stop[2]: ...``.
 _FIELD_RE = re.compile(r"^(sampling\.)?([a-z_]+(?:\.[a-z_]+)?)(?=[=:\[])")
 #: gRPC request fields -> the OpenAI field they come from (others keep their name).
-_GRPC_TO_OPENAI = {"chat": "messages", "text": "prompt", "token_ids": "prompt"}
+_GRPC_TO_OPENAI = {"chat": "messages", "text": "prompt", "token_ids": "prompt",
+                   "prompt_logprobs": "logprobs"}
 _KNOWN_PARAMS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
                  "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-                 "stop", "stop_token_ids", "prompt", "messages", "speculation.drafter",
+                 "stop", "stop_token_ids", "prompt", "messages", "logprobs", "speculation.drafter",
                  "speculation.max_draft_len", "speculation.enabled"}
 
 
@@ -339,6 +364,110 @@ def _usage(reqs: list, results: list) -> dict:
     completion = sum(r.tokens_generated for r in results if r is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
+
+
+def _token_texts(tokenizer, ids: list[int]) -> dict[int, str]:
+    """Each distinct id of ``ids`` -> its text decoded alone (special tokens kept, as vLLM
+    shows them; a token holding part of a UTF-8 character decodes to U+FFFD)."""
+    distinct = list(dict.fromkeys(ids))
+    batch = getattr(tokenizer, "batch_decode", None)
+    if batch is not None:
+        texts = batch([[i] for i in distinct], skip_special_tokens=False)
+    else:
+        texts = [tokenizer.decode([i]) for i in distinct]
+    return dict(zip(distinct, texts, strict=True))
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's ``bytes_to_unicode``) inverted: the printable
+    character standing for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = dict(zip(printable, printable, strict=True)), 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = 256 + extra, extra + 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+
+
+def _token_bytes(tokenizer, texts: dict[int, str]) -> dict[int, list[int]]:
+    """Each token's bytes (OpenAI chat's ``bytes``): for a byte-level BPE tokenizer (a
+    Hugging Face fast tokenizer whose decoder is ``ByteLevel``, as SmolLM2's) the bytes its
+    vocabulary entry stands for, so tokens that split a character still join into its UTF-8
+    (each alone decodes to U+FFFD); otherwise, and for added or special tokens, the UTF-8
+    of the token's text (vLLM's choice)."""
+    out = {t: list(text.encode("utf-8")) for t, text in texts.items()}
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if type(getattr(backend, "decoder", None)).__name__ != "ByteLevel":
+        return out
+    try:
+        added = set(tokenizer.get_added_vocab().values())
+        pieces = tokenizer.convert_ids_to_tokens(list(texts))
+    except Exception:  # a tokenizer without those: text bytes
+        return out
+    for t, piece in zip(texts, pieces, strict=True):
+        if t not in added and piece and all(c in _BYTE_DECODER for c in piece):
+            out[t] = [_BYTE_DECODER[c] for c in piece]
+    return out
+
+
+def _chat_logprobs(tokenizer, records: list) -> dict:
+    """OpenAI chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}],
+    "refusal": None}`` for `TokenLogprob` ``records`` (``bytes``: `_token_bytes`)."""
+    texts = _token_texts(tokenizer, [t for r in records for t in (r.token, *(a for a, _ in
+                                                                              r.top))])
+    raw = _token_bytes(tokenizer, texts)
+
+    def entry(token: int, logprob: float) -> dict:
+        return {"token": texts[token], "logprob": logprob, "bytes": raw[token]}
+
+    return {"content": [{**entry(r.token, r.logprob),
+                         "top_logprobs": [entry(t, v) for t, v in r.top]} for r in records],
+            "refusal": None}
+
+
+def _completion_logprobs(tokenizer, ids: list[int], records: list, offset: int
+                         ) -> tuple[dict, int]:
+    """OpenAI completions ``logprobs`` for tokens ``ids`` (``records[i]`` is ``ids[i]``'s
+    `TokenLogprob`, None for the first prompt token: its value and alternatives are null)
+    whose text starts at character ``offset`` of the choice's text: ``{tokens,
+    token_logprobs, top_logprobs, text_offset}``; ``top_logprobs[i]`` maps token text to
+    value for the ``k`` alternatives plus the token itself (OpenAI's "up to logprobs + 1").
+    Also returns the offset after the last token."""
+    texts = _token_texts(tokenizer, [*ids, *(t for r in records if r is not None
+                                             for t, _ in r.top)])
+    tokens, values, tops, offsets = [], [], [], []
+    for token, r in zip(ids, records, strict=True):
+        text = texts[token]
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if r is None:
+            values.append(None)
+            tops.append(None)
+            continue
+        values.append(r.logprob)
+        top: dict[str, float] = {}
+        for t, v in r.top:
+            top.setdefault(texts[t], v)
+        top.setdefault(text, r.logprob)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}, offset
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """How a request's choices are answered beyond their text: ``chat`` or completions,
+    whether they carry ``logprobs``, and the echoed prompt (completions ``echo``: its text,
+    or None)."""
+
+    chat: bool
+    logprobs: bool
+    echo: str | None
 
 
 def _event(payload: dict) -> str:
@@ -534,9 +663,12 @@ class OpenAIApi:
 
             meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
                     "created": int(time.time()), "model": servicer.model_name}
+            shape = _Shape(chat, bool(body.logprobs) if chat else body.logprobs is not None,
+                           None if chat or not body.echo else _echo_text(servicer, body,
+                                                                          reqs[0]))
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                events = self._sse(servicer, reqs, trim, meta, chat, include_usage, max_name)
+                events = self._sse(servicer, reqs, trim, meta, shape, include_usage, max_name)
                 tracked = stack.pop_all()  # the stream holds it until it ends
                 return _CancellingStream(events, lambda: (cancel_all(), tracked.close()))
             try:
@@ -548,10 +680,23 @@ class OpenAIApi:
             if outs is None:  # the client went away: nobody to answer
                 return Response(status_code=499)
             choices = []
-            for i, (_tokens, text, result) in enumerate(outs):
-                choice = ({"index": i, "message": {"role": "assistant", "content": text}}
-                          if chat else {"index": i, "text": text})
-                choice.update(finish_reason=result.finish_reason, logprobs=None)
+            for i, (tokens, text, result) in enumerate(outs):
+                decode, logprobs = reqs[i].decode, None
+                if chat:
+                    choice = {"index": i, "message": {"role": "assistant", "content": text}}
+                    if shape.logprobs:
+                        logprobs = _chat_logprobs(servicer.tokenizer, decode.token_logprobs)
+                else:
+                    if shape.echo is not None:
+                        text = shape.echo + text
+                    choice = {"index": i, "text": text}
+                    if shape.logprobs:
+                        ids, records = tokens, decode.token_logprobs
+                        if shape.echo is not None:
+                            ids = decode.prefill_tokens() + ids
+                            records = decode.prompt_logprobs + records
+                        logprobs = _completion_logprobs(servicer.tokenizer, ids, records, 0)[0]
+                choice.update(finish_reason=result.finish_reason, logprobs=logprobs)
                 choices.append(choice)
             results = [out[2] for out in outs]
             return {**meta, "object": "chat.completion" if chat else "text_completion",
@@ -560,24 +705,57 @@ class OpenAIApi:
                         results[0] if len(results) == 1 else _combined(results),
                         sum(req.drafter_failures for req in reqs))}
 
-    async def _sse(self, servicer, reqs: list, trim: tuple[str, ...], meta: dict, chat: bool,
-                   include_usage: bool, max_name: str) -> AsyncIterator[str]:
+    async def _sse(self, servicer, reqs: list, trim: tuple[str, ...], meta: dict,
+                   shape: _Shape, include_usage: bool, max_name: str) -> AsyncIterator[str]:
         """Server-sent events: ``data: {chunk}`` per text delta of each choice (``index``),
-        each choice's finish chunk (with its ``speculation`` counters), the usage chunk when
-        asked, then ``data: [DONE]``. However the stream is cut after it started (a request
-        failed, the service stopped at the end of its grace, an internal error), it ends
-        with ``data: {"error": ...}`` in OpenAI's shape, then ``data: [DONE]``."""
+        with the log probabilities of the tokens it brought when asked (also when their text
+        is held back: then the delta is empty), each choice's finish chunk (with its
+        ``speculation`` counters), the usage chunk when asked, then ``data: [DONE]``. A
+        completion with ``echo`` first sends each choice's prompt (and its log
+        probabilities). However the stream is cut after it started (a request failed, the
+        service stopped at the end of its grace, an internal error), it ends with
+        ``data: {"error": ...}`` in OpenAI's shape, then ``data: [DONE]``."""
+        chat = shape.chat
         kind = "chat.completion.chunk" if chat else "text_completion"
         extra = {"usage": None} if include_usage else {}
+        offsets = [0] * len(reqs)  # completions: each choice's text_offset so far
+        echoed = [shape.echo is None] * len(reqs)
 
         def chunk(choices: list, **fields) -> str:
             return _event({**meta, "object": kind, "choices": choices, **extra, **fields})
 
-        def choice(i: int, text: str | None, finish: str | None = None) -> dict:
+        def choice(i: int, text: str | None, finish: str | None = None,
+                   logprobs: dict | None = None) -> dict:
             if chat:
                 delta = {} if text is None else {"content": text}
-                return {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+                return {"index": i, "delta": delta, "finish_reason": finish,
+                        "logprobs": logprobs}
+            return {"index": i, "text": text or "", "finish_reason": finish,
+                    "logprobs": logprobs}
+
+        def completion_logprobs(i: int, ids: list[int], records: list) -> dict:
+            logprobs, offsets[i] = _completion_logprobs(servicer.tokenizer, ids, records,
+                                                        offsets[i])
+            return logprobs
+
+        def deltas(i: int, c) -> list[str]:
+            """The chunks ``c`` (one of choice ``i``'s stream chunks) sends before its
+            finish chunk."""
+            out = []
+            if not echoed[i]:  # the echoed prompt comes first
+                echoed[i] = True
+                logprobs = None
+                if shape.logprobs:
+                    logprobs = completion_logprobs(i, reqs[i].decode.prefill_tokens(),
+                                                   c.prompt_logprobs)
+                out.append(chunk([choice(i, shape.echo, logprobs=logprobs)]))
+            logprobs = None
+            if shape.logprobs and c.logprobs:
+                logprobs = (_chat_logprobs(servicer.tokenizer, c.logprobs) if chat else
+                            completion_logprobs(i, c.token_ids, c.logprobs))
+            if c.text or logprobs is not None:
+                out.append(chunk([choice(i, c.text, logprobs=logprobs)]))
+            return out
 
         self._open_streams += 1
         self._no_streams.clear()
@@ -594,8 +772,8 @@ class OpenAIApi:
                     merged = await stack.enter_async_context(
                         contextlib.aclosing(_merge(streams, self._closing)))
                     async for i, c in merged:
-                        if c.text:
-                            yield chunk([choice(i, c.text)])
+                        for event in deltas(i, c):
+                            yield event
                         if c.result is not None:
                             results[i] = c.result
                             yield chunk([choice(i, None, c.result.finish_reason)],
@@ -703,6 +881,15 @@ async def _unless_disconnected(request: Request, work):
             await task
         return None
     return task.result()
+
+
+def _echo_text(servicer, body: CompletionBody, req) -> str:
+    """The prompt a completion with ``echo`` repeats: its text as sent, or a token-id
+    prompt's ids decoded."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else servicer._detokenize(req.decode.prefill_tokens())
 
 
 def _reject_constant(name: str):

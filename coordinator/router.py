@@ -9,15 +9,18 @@ serving replica, and shares one `DrafterPool` among them. It has the `Scheduler`
 draining: it stops getting requests, the ones it holds finish, then its loop stops and its
 actors are destroyed. A drafter leaves at once; its requests continue on another one.
 
-Supervision. A replica whose target call finds it dead (a Ray actor error) or that misses the
-call deadline (``target_timeout_s``) is taken out of placement at once: the requests it was
-decoding fail with `coordinator.errors.ReplicaUnavailable` (a message with no internals), the
-ones it had not started move to a serving replica (or get the same error when none serves),
-and it is re-created through the replica factory (fresh KV slots) under the same name, retried
-with backoff while the factory fails. A periodic probe and every Status catch a replica that
-died while idle. A drafter that fails ``unhealthy_after`` calls in a row is marked unhealthy
-(`DrafterPool`), its requests move, and it is replaced through the drafter factory. Health
-listeners (the gRPC health service) hear whenever "some replica can serve" changes.
+Supervision. A replica whose target call finds it dead (a Ray actor error, its step channel
+closed) or that misses the call's deadline (`StallWatchdog`: scaled by the replica's measured
+step cost, capped by ``target_timeout_s``) is taken out of placement at once: the requests it
+was decoding fail with `coordinator.errors.ReplicaUnavailable` (a message with no internals),
+the ones it had not started move to a serving replica (or get the same error when none
+serves), and it is re-created through the replica factory (fresh KV slots) under the same
+name, retried with backoff while the factory fails. A replica that died while idle is found
+the moment its step channel closes (`ChannelTarget.watch`), before a request is sent to it;
+a periodic probe and every Status catch one whose transport cannot tell. A drafter that fails
+``unhealthy_after`` calls in a row is marked unhealthy (`DrafterPool`), its requests move, and
+it is replaced through the drafter factory. Health listeners (the gRPC health service) hear
+whenever "some replica can serve" changes.
 
 Metrics (`Router.status`): per replica, requests, tokens/s (last 10 s), mean wall time of a
 verify call as the coordinator sees it, the replica's own forward time per call, and the
@@ -113,6 +116,68 @@ class RateMeter:
             self._events.popleft()
 
 
+#: A target call may take this many times its predicted cost before the replica is taken for
+#: stalled (`StallWatchdog`), but never less than `STALL_FLOOR_S` seconds.
+STALL_FACTOR = 10.0
+STALL_FLOOR_S = 10.0
+
+
+class StallWatchdog:
+    """The deadline of one target call, scaled by what this replica's calls have cost, so a
+    frozen replica (SIGSTOP, a wedged device, a hung collective) is found within ~``factor``
+    steps rather than after one fixed timeout sized for the worst prefill.
+
+    A call feeding ``tokens`` is predicted to take ``max(step, per_token * tokens)``, where
+    ``step`` is the moving average of a call's wall time and ``per_token`` the average
+    seconds per token fed (ratio of the averages: small calls' fixed cost makes it an
+    overestimate for big ones, which errs towards waiting). Its deadline is ``factor`` times
+    that, at least ``floor_s`` and at most ``cap_s``; ``cap_s`` alone until a call was
+    measured (the first prefill may be a long prompt).
+
+    Args:
+        cap_s: the most one call may take, seconds (``target_timeout_s``).
+        factor: how many times its predicted cost a call may take (> 1).
+        floor_s: the least deadline, seconds: covers a GC pause, a loaded machine, a
+            transport hiccup, and the calls too small to measure (allocate, free).
+        alpha: weight of the newest call in the moving averages.
+
+    Raises:
+        ValueError: ``cap_s`` or ``floor_s`` not > 0, or ``factor`` not > 1.
+    """
+
+    def __init__(self, cap_s: float, factor: float = STALL_FACTOR,
+                 floor_s: float = STALL_FLOOR_S, alpha: float = 0.2):
+        if not cap_s > 0 or not floor_s > 0 or not factor > 1:
+            raise ValueError(f"StallWatchdog needs cap_s > 0, floor_s > 0 and factor > 1, "
+                             f"got {cap_s!r}, {floor_s!r}, {factor!r}")
+        self.cap_s, self.factor, self.floor_s, self.alpha = cap_s, factor, floor_s, alpha
+        self._seconds: float | None = None  # moving average of a call's seconds
+        self._tokens = 0.0  # moving average of a call's tokens fed
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Records a prefill or verify call that fed ``tokens`` and took ``seconds``."""
+        if self._seconds is None:
+            self._seconds, self._tokens = seconds, float(tokens)
+            return
+        a = self.alpha
+        self._seconds += a * (seconds - self._seconds)
+        self._tokens += a * (tokens - self._tokens)
+
+    def predicted_s(self, tokens: int) -> float | None:
+        """Expected seconds of a call feeding ``tokens``; None before any measurement."""
+        if self._seconds is None:
+            return None
+        per_token = self._seconds / self._tokens if self._tokens > 0 else 0.0
+        return max(self._seconds, per_token * tokens)
+
+    def deadline_s(self, tokens: int = 0) -> float:
+        """Seconds a call feeding ``tokens`` may take before the replica counts as stalled."""
+        predicted = self.predicted_s(tokens)
+        if predicted is None:
+            return self.cap_s
+        return min(self.cap_s, max(self.floor_s, self.factor * predicted))
+
+
 class MeteredTarget:
     """A `Target` that counts, per kind (``prefill``, ``verify``): calls, wall seconds as the
     coordinator sees them (transport included), and payload bytes sent and received
@@ -121,19 +186,29 @@ class MeteredTarget:
     that supervises every call.
 
     Supervision: a call that raises a replica death error (`is_replica_death`) or runs past
-    ``timeout_s`` marks the replica failed (`failure` says why, for the log) and raises
+    its deadline marks the replica failed (`failure` says why, for the log) and raises
     `ReplicaFailed`; once failed, every call raises `ReplicaFailed` at once (a dead replica is
-    never waited on again).
+    never waited on again). The deadline is `StallWatchdog`'s: ``stall_factor`` times the
+    call's predicted cost from this replica's measured calls, at least ``stall_floor_s``, at
+    most ``timeout_s``.
 
     Args:
         inner: the replica's `Target`.
-        timeout_s: deadline of one call in seconds (allocate, free, prefill, verify), or None.
+        timeout_s: the most one call may take in seconds (allocate, free, prefill, verify),
+            or None: no deadline at all.
+        stall_factor, stall_floor_s: see `StallWatchdog`.
     """
 
-    def __init__(self, inner: Target, timeout_s: float | None = None):
+    def __init__(self, inner: Target, timeout_s: float | None = None,
+                 stall_factor: float = STALL_FACTOR, stall_floor_s: float = STALL_FLOOR_S):
         self.inner = inner
         self.timeout_s = timeout_s
+        self.watchdog = None if timeout_s is None else StallWatchdog(
+            timeout_s, stall_factor, min(stall_floor_s, timeout_s))
         self.failure: str | None = None
+        #: Called once (on the event loop) when the replica is first marked failed, by
+        #: whatever found it: a call (``free`` included), a probe, a closed channel.
+        self.on_failed: Callable[[], None] | None = None
         self.stats: dict[str, float] = {}
         for kind in ("prefill", "verify"):
             for key in ("calls", "seconds", "bytes_sent", "bytes_received"):
@@ -146,6 +221,8 @@ class MeteredTarget:
     def mark_failed(self, why: str) -> None:
         if self.failure is None:
             self.failure = why
+            if self.on_failed is not None:
+                self.on_failed()
 
     async def allocate(self) -> int:
         return await self._guarded("allocate", self.inner.allocate)
@@ -162,18 +239,22 @@ class MeteredTarget:
     async def verify(self, items: list) -> list:
         return await self._metered("verify", lambda: self.inner.verify(items), items)
 
-    async def _guarded(self, kind: str, call: Callable[[], Awaitable]):
+    async def _guarded(self, kind: str, call: Callable[[], Awaitable], tokens: int = 0):
         if self.failure is not None:
             raise ReplicaFailed(self.failure)
+        limit = None if self.watchdog is None else self.watchdog.deadline_s(tokens)
         try:
-            if self.timeout_s is None:
+            if limit is None:
                 return await call()
-            async with asyncio.timeout(self.timeout_s) as deadline:
+            async with asyncio.timeout(limit) as deadline:
                 return await call()
         except TimeoutError as exc:
-            if self.timeout_s is None or not deadline.expired():
+            if limit is None or not deadline.expired():
                 raise
-            self.mark_failed(f"{kind} did not answer within {self.timeout_s} s")
+            predicted = self.watchdog.predicted_s(tokens)
+            self.mark_failed(f"{kind} of {tokens} tokens did not answer within {limit:.3g} s"
+                             + ("" if predicted is None else
+                                f" (its measured cost predicts {predicted:.3g} s)"))
             raise ReplicaFailed(self.failure) from exc
         except Exception as exc:
             if not is_replica_death(exc):
@@ -183,9 +264,13 @@ class MeteredTarget:
 
     async def _metered(self, kind: str, call, items: list) -> list:
         sent = payload_bytes(items)
+        tokens = sum(len(item.tokens) for item in items)
         start = time.perf_counter()
-        out = await self._guarded(kind, call)
-        self.stats[f"{kind}_seconds"] += time.perf_counter() - start
+        out = await self._guarded(kind, call, tokens)
+        seconds = time.perf_counter() - start
+        if self.watchdog is not None:
+            self.watchdog.observe(tokens, seconds)
+        self.stats[f"{kind}_seconds"] += seconds
         self.stats[f"{kind}_calls"] += 1
         self.stats[f"{kind}_bytes_sent"] += sent
         self.stats[f"{kind}_bytes_received"] += payload_bytes(out)
@@ -335,6 +420,9 @@ class Replica:
     state: str = "serving"
     reported: dict = field(default_factory=dict)  # the replica's last status()
     restarts: int = 0
+    #: `time.monotonic` of the first of the unanswered status probes in a row while it held
+    #: no request (None: it answered the last one, or was busy).
+    silent_since: float | None = None
 
 
 _GAUGES = ("active_requests", "prefilling_requests", "waiting_requests", "used_slots",
@@ -366,9 +454,13 @@ class Router:
             each replica calibrates its own forward cost unless ``cost_model`` is given.
         cost_model: a `coordinator.adaptive.ForwardCostModel` shared by every replica
             (tests); None calibrates per replica.
-        target_timeout_s: deadline of one target call (a prefill or verify of a full batch
-            included), seconds; a replica that misses it is treated as dead. None: no
-            deadline (death errors are still detected).
+        target_timeout_s: the most one target call (a prefill or verify of a full batch
+            included) may take, seconds; a replica that misses its call's deadline is
+            treated as dead. The deadline is scaled by the replica's measured step cost
+            (`StallWatchdog`: ``stall_factor`` x the call's predicted time, at least
+            ``stall_floor_s``) and capped by this. None: no deadline (death errors are
+            still detected).
+        stall_factor, stall_floor_s: see `StallWatchdog`.
         probe_interval_s: how often idle replicas are asked for their status to find one
             that died while idle, seconds; None: only on `refresh` and `scale`.
         restart_delay_s: wait after a failed re-creation attempt (doubling, at most
@@ -384,9 +476,14 @@ class Router:
                  cost_model=None, target_timeout_s: float | None = None,
                  probe_interval_s: float | None = 5.0, restart_delay_s: float = 1.0,
                  pipeline: bool = False, chunking: ChunkPolicy | None = None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, stall_factor: float = STALL_FACTOR,
+                 stall_floor_s: float = STALL_FLOOR_S):
         if target_timeout_s is not None and not target_timeout_s > 0:
             raise ValueError(f"target_timeout_s must be > 0, got {target_timeout_s!r}")
+        if not stall_factor > 1 or not stall_floor_s > 0:
+            raise ValueError(f"stall_factor must be > 1 and stall_floor_s > 0, got "
+                             f"{stall_factor!r}, {stall_floor_s!r}")
+        self.stall_factor, self.stall_floor_s = stall_factor, stall_floor_s
         self.replica_factory = replica_factory
         self.adaptive = adaptive
         self.pipeline = pipeline
@@ -402,6 +499,7 @@ class Router:
         self.pool.on_failure = self._on_drafter_failure
         self.pool.on_unhealthy = self._on_drafter_unhealthy
         self._restarts: dict[str, asyncio.Task] = {}  # name -> its re-creation task
+        self._tasks: set[asyncio.Task] = set()  # watch / found-dead tasks in flight
         self._attempts: dict[str, asyncio.Task] = {}  # name -> the factory call in flight
         self._health_listeners: list[Callable[[bool], None]] = []
         self._health: bool | None = None
@@ -535,17 +633,24 @@ class Router:
 
     async def probe(self, timeout_s: float = 2.0) -> None:
         """Asks every serving replica for its ``status()``; one that answers with a death
-        error is taken out of service and restarted (as a failed call would). Silence is
-        not death here: the call deadline decides that."""
+        error is taken out of service and restarted (as a failed call would). So is an idle
+        one (holding no request) whose status probes all went unanswered for longer than a
+        call's deadline (`StallWatchdog`): frozen, found before a request waits on it. A
+        busy replica's silence is left to its calls' deadlines."""
         async def one(replica: Replica) -> None:
             target = replica.target
             try:
                 replica.reported = await asyncio.wait_for(target.replica_status(), timeout_s)
+                replica.silent_since = None
             except Exception as exc:  # never fail Status over metrics
-                if is_replica_death(exc) and replica.target is target:
+                if replica.target is not target:
+                    return  # replaced meanwhile
+                if is_replica_death(exc):
                     target.mark_failed(f"status probe: the replica died: {exc!r}")
                     await self._found_dead(replica)
-                elif not isinstance(exc, TimeoutError):
+                elif isinstance(exc, TimeoutError):
+                    await self._silent(replica, time.monotonic() - timeout_s)
+                else:
                     log.warning("replica %s status failed: %r", replica.name, exc)
 
         await asyncio.gather(*(one(r) for r in list(self.replicas.values())
@@ -651,7 +756,12 @@ class Router:
         """A metered target and loop for a replica; ``info["cost_model"]``, when the factory
         calibrated the replica's forward cost, is taken out of ``info`` for the loop."""
         cost_model = info.pop("cost_model", None) or self.cost_model
-        metered = MeteredTarget(target, self.target_timeout_s)
+        metered = MeteredTarget(target, self.target_timeout_s, self.stall_factor,
+                                self.stall_floor_s)
+        # However the failure is found, the replica leaves placement: a failure only a
+        # ``free`` met (the replica died just after a request finished) would otherwise
+        # wait for the next request, which it would fail.
+        metered.on_failed = lambda: self._spawn(self._failed(name, metered))
         scheduler = ReplicaScheduler(name, metered, self.pool, self._ids,
                                      max_active=self.max_active, wants_hidden=self.wants_hidden,
                                      adaptive=self.adaptive, cost_model=cost_model,
@@ -665,6 +775,7 @@ class Router:
     def _add_replica(self, name: str, target: Target, stop, info: dict) -> Replica:
         metered, scheduler = self._new_scheduler(name, target, info)
         replica = self.replicas[name] = Replica(name, scheduler, metered, stop, dict(info))
+        self._watch(replica)
         scheduler.start()
         if self._probe_task is None and self.probe_interval_s is not None:
             self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
@@ -707,6 +818,9 @@ class Router:
             self._probe_task = None
         for name in list(self._restarts):
             await self._cancel_restart(name)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for replica in list(self.replicas.values()):
             await replica.scheduler.close()
             self.replicas.pop(replica.name, None)
@@ -748,6 +862,57 @@ class Router:
             log.info("request %s moved from failed replica %s to %s", req.id, scheduler.name,
                      other.name)
 
+    async def _silent(self, replica: Replica, since: float) -> None:
+        """A status probe of ``replica`` sent at ``since`` went unanswered: an idle replica
+        silent for longer than a call's deadline is taken for stalled."""
+        target = replica.target
+        if replica.scheduler.requests or target.watchdog is None:
+            replica.silent_since = None  # busy: its calls' deadlines judge it
+            return
+        if replica.silent_since is None:
+            replica.silent_since = since
+        silent = time.monotonic() - replica.silent_since
+        limit = target.watchdog.deadline_s(0)
+        if silent >= limit and not target.failed:
+            target.mark_failed(f"stalled: idle, its status probes unanswered for {silent:.3g} s "
+                               f"(a call's deadline is {limit:.3g} s)")
+            await self._found_dead(replica)
+
+    def _watch(self, replica: Replica) -> None:
+        """Has a replica whose transport can tell (`target_worker.channel.ChannelTarget.
+        watch`) report its death the moment its connection closes, so an idle replica that
+        died is out of placement (and restarting) before a request is sent to it, rather
+        than at the next probe."""
+        target = replica.target
+        watch = getattr(target.inner, "watch", None)
+        if watch is None:
+            return
+
+        def closed(why: str) -> None:
+            # Not a replica replaced or removed (stopping it closes the channel).
+            if replica.target is target and self.replicas.get(replica.name) is replica:
+                target.mark_failed(f"its step channel closed: {why}")  # -> `_failed`
+
+        async def arm() -> None:
+            try:
+                await watch(closed)
+            except Exception as exc:  # its first call (or the probe) finds out instead
+                log.warning("replica %s: watching its channel failed: %r", replica.name, exc)
+
+        self._spawn(arm())
+
+    def _spawn(self, coro) -> None:
+        """Runs ``coro`` as a task the router keeps until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _failed(self, name: str, target: MeteredTarget) -> None:
+        """``target`` was marked failed: `_found_dead` for its replica, unless replaced."""
+        replica = self.replicas.get(name)
+        if replica is not None and replica.target is target:
+            await self._found_dead(replica)
+
     async def _found_dead(self, replica: Replica) -> None:
         """A probe found ``replica``'s process gone. An idle replica is handled here; a busy
         one's loop finds out at its next target call (which now fails at once)."""
@@ -770,6 +935,8 @@ class Router:
             self._retire(replica.scheduler)
             replica.target, replica.scheduler = self._new_scheduler(replica.name, target, info)
             replica.stop, replica.info, replica.reported = stop, dict(info), {}
+            replica.silent_since = None
+            self._watch(replica)
             replica.restarts += 1
             replica.state = "serving"
             replica.scheduler.start()

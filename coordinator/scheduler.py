@@ -418,7 +418,9 @@ class Scheduler(DraftingPolicy):
     async def _allocate(self, req: ServiceRequest) -> tuple[int, int]:
         """A slot for ``req`` and the prompt positions it already holds (a warm prefix)."""
         options = req.decode.options
-        if self.prefix_caching and options.start_pos == 0 and not self._hidden_for(req):
+        # Not for a request scoring its prompt: a reused prefix has no logits.
+        if (self.prefix_caching and options.start_pos == 0 and not self._hidden_for(req)
+                and options.prompt_logprobs is None):
             allocate_prefix = getattr(self.target, "allocate_prefix", None)
             if allocate_prefix is not None:
                 slot, reused = await allocate_prefix(req.decode.prefill_tokens())
@@ -460,12 +462,17 @@ class Scheduler(DraftingPolicy):
         for req, prompt, n in zip(waiting, prompts, chunks, strict=True):
             if not n:
                 continue
-            lo = req.prefilled
+            lo, options = req.prefilled, req.decode.options
+            last = lo + n == len(prompt)
+            score = options.prompt_logprobs is not None
             items.append(PrefillItem(slot=req.slot, tokens=prompt[lo:lo + n],
                                      sampling=req.decode.sampling,
                                      want_hidden=self._hidden_for(req),
-                                     start_pos=req.decode.options.start_pos, offset=lo,
-                                     last=lo + n == len(prompt)))
+                                     start_pos=options.start_pos, offset=lo, last=last,
+                                     logprobs=options.logprobs,
+                                     prompt_logprobs=options.prompt_logprobs,
+                                     next_token=prompt[lo + n] if score and not last
+                                     else None))
             owners.append(req)
             if req.prefill_started_at is None:
                 req.prefill_started_at = now
@@ -484,7 +491,8 @@ class Scheduler(DraftingPolicy):
                 items.append(VerifyItem(slot=r.slot, start_pos=r.decode.cache_len,
                                         tokens=r.decode.verify_tokens(d),
                                         sampling=r.decode.sampling,
-                                        want_hidden=self._hidden_for(r)))
+                                        want_hidden=self._hidden_for(r),
+                                        logprobs=r.decode.options.logprobs))
                 batch.append((r, d))
             except Exception as exc:
                 await self._fail(r, exc)
@@ -519,7 +527,7 @@ class Scheduler(DraftingPolicy):
                 continue
             try:
                 accepted_before = req.decode.result.accepted_tokens
-                req.decode.on_verify(draft, out.rows, out.hidden)
+                req.decode.on_verify(draft, out.rows, out.hidden, out.logprobs)
                 accepted = req.decode.result.accepted_tokens - accepted_before
                 if self.pipeline:
                     if req.adaptive is not None and (len(draft) or req in chose_none):
@@ -547,13 +555,21 @@ class Scheduler(DraftingPolicy):
             req.prefilled += len(item.tokens)
             if out.hidden is not None:
                 req.prompt_hidden.append(out.hidden)
+            if item.prompt_logprobs is not None:
+                try:
+                    if out.logprobs is None:
+                        raise ValueError("the target scored no prompt tokens")
+                    req.decode.on_prompt_logprobs(item.offset, out.logprobs)
+                except Exception as exc:
+                    await self._fail(req, exc)
+                    continue
             if not item.last:
                 continue
             hidden, req.prompt_hidden = req.prompt_hidden, []
             try:
                 req.decode.on_prefill(
                     out.rows, None if not hidden else
-                    hidden[0] if len(hidden) == 1 else torch.cat(hidden))
+                    hidden[0] if len(hidden) == 1 else torch.cat(hidden), out.logprobs)
             except Exception as exc:
                 await self._fail(req, exc)
                 continue

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from drafter_worker.server import CredentialInterceptor
 from specd.v1 import generation_pb2, generation_pb2_grpc
+from specd_core.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
 from specd_core.sampling import SamplingParams
 from specd_core.text import TextStream, encode_chat, encode_prompt
@@ -151,6 +152,30 @@ def _final_fields(req: ServiceRequest, result: SpeculativeDecodeResult) -> dict:
     }
 
 
+def logprob_protos(records: Sequence[TokenLogprob | None]
+                   ) -> list[generation_pb2.TokenLogprob]:
+    """``TokenLogprob`` messages of ``records`` (None entries, the first prompt token's,
+    skipped)."""
+    return [generation_pb2.TokenLogprob(
+                token_id=r.token, logprob=r.logprob,
+                top=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in r.top])
+            for r in records if r is not None]
+
+
+def _top_count(request: generation_pb2.GenerateRequest, name: str) -> int | None:
+    """``request.<name>`` (a top-alternatives count) or None when unset.
+
+    Raises:
+        InvalidRequest: over `MAX_TOP_LOGPROBS`.
+    """
+    if not request.HasField(name):
+        return None
+    value = getattr(request, name)
+    if value > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"{name}: must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+    return value
+
+
 def _with_max_new_tokens(request: generation_pb2.GenerateRequest, n: int
                          ) -> generation_pb2.GenerateRequest:
     copy = generation_pb2.GenerateRequest()
@@ -230,11 +255,17 @@ class StreamChunk:
         token_ids: the tokens emitted (empty on the final chunk).
         text: their stable text delta (the final chunk flushes the rest).
         result: the request's counters, on the final chunk only.
+        logprobs: one `TokenLogprob` per entry of ``token_ids`` when the request asked for
+            them, else None.
+        prompt_logprobs: on the first chunk of a request that asked for them, one entry per
+            prompt token (the first None); else None.
     """
 
     token_ids: list[int]
     text: str
     result: SpeculativeDecodeResult | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -323,10 +354,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         _check_stops(request)  # cheap, before tokenizing
         prompt = self._prompt_tokens(request)
         sampling = sampling_from_proto(request.sampling)
+        logprobs = _top_count(request, "logprobs")
+        prompt_logprobs = _top_count(request, "prompt_logprobs")
         if default_max_new_tokens and request.max_new_tokens == 0:
             request = _with_max_new_tokens(request, max(1, self.max_seq_len - len(prompt) + 1))
-        if request.max_new_tokens <= 0:
-            raise InvalidRequest("max_new_tokens: must be >= 1")
+        if request.max_new_tokens <= 0 and prompt_logprobs is None:
+            # 0 only scores the prompt, which needs prompt_logprobs to say anything.
+            raise InvalidRequest("max_new_tokens: must be >= 1 (0 only with prompt_logprobs)")
         if len(prompt) >= self.max_seq_len:
             raise InvalidRequest(f"prompt: {len(prompt)} tokens leave no room in the model's "
                                  f"context of {self.max_seq_len}")
@@ -358,6 +392,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             stop_token_ids=tuple(stops),
             stop_strings=tuple(request.stop),
             detokenize=self._detokenize,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         return prompt, options, speculate, max_draft_len
 
@@ -482,6 +518,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """
         text = TextStream(self.tokenizer)
         trimmer = StopTrimmer(trim_stops) if trim_stops else None
+        options, decode = req.decode.options, req.decode
+        # The prompt's log probabilities ride on the first chunk (all are known by then:
+        # the first token is sampled after the last prompt chunk).
+        prompt_logprobs = (None if options.prompt_logprobs is None else
+                           lambda: list(decode.prompt_logprobs))
+        seen = 0
         try:
             while True:
                 event = await req.events.get()
@@ -493,7 +535,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         raise RequestFailed(REQUEST_FAILED) from exc
                     if trimmer is not None:
                         delta = trimmer.push(delta)
-                    yield StreamChunk(list(event), delta)
+                    logprobs = None
+                    if options.logprobs is not None:
+                        # Recorded as each token was committed, so always there by now.
+                        logprobs = decode.token_logprobs[seen:seen + len(event)]
+                    seen += len(event)
+                    yield StreamChunk(list(event), delta, None, logprobs,
+                                      prompt_logprobs and prompt_logprobs())
+                    prompt_logprobs = None
                 elif isinstance(event, SpeculativeDecodeResult):
                     try:
                         delta = text.flush()
@@ -506,7 +555,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                             # The scheduler matches stop strings in a window of recent
                             # tokens; a match found here is one too.
                             event.finish_reason = "stop"
-                    yield StreamChunk([], delta, event)
+                    yield StreamChunk([], delta, event,
+                                      None if options.logprobs is None else [],
+                                      prompt_logprobs and prompt_logprobs())
                     return
                 elif isinstance(event, RequestError):
                     raise event
@@ -533,12 +584,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 async with contextlib.aclosing(
                         self.stream(req, trimmed_stops(request))) as chunks:
                     async for chunk in chunks:
+                        lp = {"logprobs": logprob_protos(chunk.logprobs or ()),
+                              "prompt_logprobs": logprob_protos(chunk.prompt_logprobs or ())}
                         if chunk.result is None:
                             yield generation_pb2.GenerateResponse(token_ids=chunk.token_ids,
-                                                                  text=chunk.text)
+                                                                  text=chunk.text, **lp)
                         else:
                             yield generation_pb2.GenerateResponse(
-                                text=chunk.text, **_final_fields(req, chunk.result))
+                                text=chunk.text, **_final_fields(req, chunk.result), **lp)
             except RequestError as exc:
                 await _abort_failed(context, exc)
 
@@ -549,8 +602,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 tokens, text, result = await self.collect(req, trimmed_stops(request))
             except RequestError as exc:
                 await _abort_failed(context, exc)
-            return generation_pb2.GenerateResult(text=text, token_ids=tokens,
-                                                 **_final_fields(req, result))
+            return generation_pb2.GenerateResult(
+                text=text, token_ids=tokens, **_final_fields(req, result),
+                logprobs=logprob_protos(req.decode.token_logprobs),
+                prompt_logprobs=logprob_protos(req.decode.prompt_logprobs))
 
     async def collect(self, req: ServiceRequest, trim_stops: Sequence[str] = ()
                       ) -> tuple[list[int], str, SpeculativeDecodeResult]:

@@ -53,11 +53,13 @@ class ServiceConfig:
             less one among all ranks (`default_target_threads`), and every core for steps
             carrying a prompt chunk (`default_prefill_threads`).
         drafter_timeout_s: deadline of one Propose call; a miss decodes the step undrafted.
-        target_timeout_s: deadline of one target call (allocate, prefill, verify, free) in
-            seconds; a replica that misses it is treated as dead: its requests fail with
-            UNAVAILABLE and it is re-created. Generous by default: a CPU prefill of a full
-            batch of long prompts takes minutes. A replica whose process dies is detected at
-            once whatever this is.
+        target_timeout_s: the most one target call (allocate, prefill, verify, free) may
+            take, seconds; a replica that misses its call's deadline is treated as stalled:
+            its requests fail with UNAVAILABLE and it is re-created. Each call's deadline is
+            scaled by the replica's measured step cost (`coordinator.router.StallWatchdog`:
+            10x the predicted time, at least 10 s) and capped by this, which is generous by
+            default: a CPU prefill of a full batch of long prompts takes minutes. A replica
+            whose process dies is detected at once whatever this is.
         tls_cert, tls_key: PEM file paths for TLS on the API.
         auth_token: bearer token required by the API (health checks exempt).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0 picks a

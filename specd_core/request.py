@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from .draft import DraftBlock
+from .logprobs import RowLogprobs, TokenLogprob, check_top_count
 from .rule import TargetRows, target_rows
 from .sampling import Sampler, SamplingParams
 
@@ -41,6 +42,10 @@ class SpeculativeOptions:
             emitted.
         stop_strings: strings that end the output at the end of the token completing them.
         detokenize: ids -> text, required when ``stop_strings`` is set.
+        logprobs: record each generated token's raw log probability with this many top
+            alternatives (0-20, `specd_core.logprobs`); None records none.
+        prompt_logprobs: the same for every prompt token after the first; None: none.
+            ``max_new_tokens`` 0 then scores the prompt without generating.
 
     Raises:
         ValueError: naming the bad field.
@@ -53,8 +58,12 @@ class SpeculativeOptions:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     detokenize: Callable[[Sequence[int]], str] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        check_top_count("logprobs", self.logprobs)
+        check_top_count("prompt_logprobs", self.prompt_logprobs)
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
             raise ValueError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 0:
@@ -194,6 +203,12 @@ class DecodeRequest:
         # none yet): kept whole so a drafter that lost its state can be sent all of them.
         self._hidden_log = _RowLog(hidden_dtype)
         self._hidden_taken = 0
+        #: Per generated token, its `TokenLogprob` (when ``options.logprobs`` is set).
+        self.token_logprobs: list[TokenLogprob] = []
+        #: Per prompt position, its `TokenLogprob` once its chunk is computed (when
+        #: ``options.prompt_logprobs`` is set); position 0 stays None (nothing precedes it).
+        self.prompt_logprobs: list[TokenLogprob | None] = (
+            [None] * self.num_prompt_tokens if options.prompt_logprobs is not None else [])
         self._stop_ids = frozenset(options.stop_token_ids)
         self._stop_strings = (
             _StopStrings(options.stop_strings, options.detokenize)
@@ -249,17 +264,52 @@ class DecodeRequest:
             raise RuntimeError("verify_tokens on a request that is not decoding")
         return [self.pending, *draft.tokens]
 
-    def on_prefill(self, rows: TargetRows, hidden: torch.Tensor | None = None) -> None:
+    def on_prompt_logprobs(self, offset: int, logprobs: RowLogprobs) -> None:
+        """Records the prompt log probabilities of a chunk fed at prompt ``offset``: its row
+        ``j`` scores prompt position ``offset + j + 1`` (rows past the prompt, the last
+        chunk's generating row, are left to `on_prefill`). Recording a position again (a
+        prompt computed anew on another replica) overwrites it.
+
+        Raises:
+            KeyError: a row does not list its prompt token.
+        """
+        k = self.options.prompt_logprobs
+        if k is None:
+            return
+        for j in range(min(len(logprobs), self.num_prompt_tokens - offset - 1)):
+            pos = offset + j + 1
+            self.prompt_logprobs[pos] = logprobs.record(j, self.history[pos], k)
+
+    def on_prefill(self, rows: TargetRows, hidden: torch.Tensor | None = None,
+                   logprobs: RowLogprobs | None = None) -> None:
         """Consumes the prompt's forward: ``rows`` for the last prompt position (1 row),
-        ``hidden`` ``[len(prompt), hidden_size]``. Samples and emits the first token."""
+        ``hidden`` ``[len(prompt), hidden_size]``, ``logprobs`` the last chunk's (its last
+        row is the generating one). Samples and emits the first token (none when
+        ``max_new_tokens`` is 0: a prompt scored, not continued)."""
         self.result.forward_calls += 1
         self.cache_len = self.options.start_pos + self.num_prompt_tokens
         if hidden is not None:
             self._hidden_log.append(hidden)
-        self._commit_anchor(rows.sample(len(rows) - 1, self.rng))
+        if self.finished:
+            return
+        token = rows.sample(len(rows) - 1, self.rng)
+        self._record(logprobs, -1, token)
+        self._commit_anchor(token)
+
+    def _record(self, logprobs: RowLogprobs | None, row: int, token: int) -> None:
+        """Records ``token``'s log probability at ``row`` (negative: from the end) when
+        this request keeps them."""
+        k = self.options.logprobs
+        if k is None:
+            return
+        if logprobs is None:
+            raise ValueError("the target returned no log probabilities for a request that "
+                             "asked for them")
+        self.token_logprobs.append(logprobs.record(row % len(logprobs), token, k))
 
     def on_verify(
-        self, draft: DraftBlock, rows: TargetRows, hidden: torch.Tensor | None = None
+        self, draft: DraftBlock, rows: TargetRows, hidden: torch.Tensor | None = None,
+        logprobs: RowLogprobs | None = None,
     ) -> int:
         """Applies the rule to a verified block and commits the result.
 
@@ -267,17 +317,24 @@ class DecodeRequest:
             draft: the block fed after the anchor (``len <= draft_budget()``).
             rows: target output for the ``len(draft) + 1`` fed positions.
             hidden: float32 ``[len(draft) + 1, hidden_size]`` target hidden rows, or None.
+            logprobs: the block's raw log probabilities (``len(draft) + 1`` rows), required
+                when the request records them.
 
         Returns:
             The absolute KV length to keep; the caller truncates the target cache to it.
 
         Raises:
-            ValueError: a draft longer than the budget, or rows of the wrong length.
+            ValueError: a draft longer than the budget, rows of the wrong length, or no
+                ``logprobs`` for a request that records them.
         """
         if len(draft) > self.draft_budget():
             raise ValueError(f"draft of {len(draft)} exceeds the budget {self.draft_budget()}")
         if len(rows) != len(draft) + 1:
             raise ValueError(f"expected {len(draft) + 1} target rows, got {len(rows)}")
+        if self.options.logprobs is not None and (logprobs is None
+                                                  or len(logprobs) != len(rows)):
+            raise ValueError(f"expected {len(rows)} rows of log probabilities, got "
+                             f"{None if logprobs is None else len(logprobs)}")
         result = self.result
         result.forward_calls += 1
         result.verification_steps += 1
@@ -290,6 +347,7 @@ class DecodeRequest:
             if replacement is not None:
                 break
             accepted += 1
+            self._record(logprobs, i, token)
             if self._emit(token):
                 # A stop inside the block: nothing after it is emitted or counted, and the
                 # cache keeps everything but this last emitted token.
@@ -300,6 +358,7 @@ class DecodeRequest:
             self._hidden_log.append(hidden[: accepted + 1])
         if replacement is None:  # every draft accepted: the last row's bonus token
             replacement = rows.sample(accepted, self.rng)
+        self._record(logprobs, accepted, replacement)
         self._commit_anchor(replacement)
         return self.cache_len
 

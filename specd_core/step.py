@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .logprobs import RowLogprobs
 from .rule import GreedyRows, ProbRows, SparseProbRows
 from .sampling import SamplingParams
 
@@ -31,6 +32,13 @@ class PrefillItem:
 
     ``want_hidden`` asks for the target's final hidden rows of every position fed (for a
     drafter that conditions on them).
+
+    Log probabilities (`specd_core.logprobs`; None asks for none, the default, and costs
+    nothing): ``logprobs`` ``k`` (0-20) on the ``last`` chunk asks for the last row's (the
+    first generated token's candidates and ``k`` alternatives); ``prompt_logprobs`` ``k``
+    asks for every row of this chunk, each scoring the prompt token after it (the chunk's
+    own next token, ``next_token`` for the last row of a chunk that is not ``last``), which
+    makes the chunk compute logits for every row, not just the last.
     """
 
     slot: int
@@ -40,6 +48,9 @@ class PrefillItem:
     start_pos: int = 0
     offset: int = 0
     last: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    next_token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,10 @@ class VerifyItem:
     request's committed KV length (`DecodeRequest.cache_len`), where the anchor is fed. The
     slot is rolled back to ``start_pos`` first, which discards the rejected positions of the
     previous step.
+
+    ``logprobs`` ``k`` (0-20; None: none, the default, at no cost) asks for every row's raw
+    log probabilities: the ``k`` most likely tokens and every token the row can commit
+    (`specd_core.logprobs.commit_candidates`).
     """
 
     slot: int
@@ -57,6 +72,7 @@ class VerifyItem:
     tokens: list[int]
     sampling: SamplingParams
     want_hidden: bool = False
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -69,10 +85,14 @@ class StepOutput:
             None for an earlier chunk, ``len(tokens)`` rows for a verification.
         hidden: float32 ``[n, hidden_size]`` final hidden rows of every fed position (the
             chunk's rows for a prefill), or None unless the item asked for them.
+        logprobs: raw log probabilities when the item asked (`specd_core.logprobs`): a
+            verification's ``len(tokens)`` rows; a prefill chunk's rows (every row with
+            ``prompt_logprobs``, else the ``last`` chunk's last row); None otherwise.
     """
 
     rows: GreedyRows | ProbRows | SparseProbRows | None
     hidden: torch.Tensor | None
+    logprobs: RowLogprobs | None = None
 
 
 def payload_bytes(obj) -> int:

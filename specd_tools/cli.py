@@ -395,9 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "less one, divided among all replicas x tp ranks, at least 1)")
     _add_scale_flags(serve)
     serve.add_argument("--target-timeout", type=float, default=600.0, metavar="SECONDS",
-                       help="a target call (prefill or verify of a batch) slower than this "
-                            "counts as a dead replica: its requests fail, it is re-created "
-                            "(default 600; a replica whose process dies is found at once)")
+                       help="the most a target call (prefill or verify of a batch) may take "
+                            "before its replica counts as stalled: its requests fail, it is "
+                            "re-created. Each call's own deadline is 10x its cost predicted "
+                            "from the replica's measured steps (at least 10 s), capped by "
+                            "this (default 600; a replica whose process dies is found at "
+                            "once)")
     serve.add_argument("--http-port", type=int, default=None, metavar="PORT",
                        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                             "/v1/completions, /v1/models, /health, /metrics) on --host:PORT, "

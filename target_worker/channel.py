@@ -154,6 +154,10 @@ class ChannelTarget:
         self._writer: asyncio.StreamWriter | None = None
         self._lock: asyncio.Lock | None = None
         self._broken: str | None = None
+        #: Between calls, a read that ends when the replica closes the connection (the
+        #: replica never sends unasked); `watch` arms it.
+        self._idle_read: asyncio.Future | None = None
+        self._on_closed: Callable[[str], None] | None = None
 
     async def _connect(self) -> None:
         host, _, port = self.address.rpartition(":")
@@ -164,6 +168,63 @@ class ChannelTarget:
         writer.write(_frame(self._secret))
         self._reader, self._writer = reader, writer
 
+    async def watch(self, on_closed: Callable[[str], None]) -> None:
+        """Connects now and, from then on, calls ``on_closed(why)`` (once, on this event
+        loop) as soon as the connection is found closed between calls: the replica's process
+        is gone (its kernel closed the socket), found without waiting for the next call or
+        probe. A call in flight reports it itself (`ChannelClosed`).
+
+        Raises:
+            ChannelClosed: the connection could not be made.
+        """
+        self._on_closed = on_closed
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._broken is not None:
+                raise ChannelClosed(self._broken)
+            if self._writer is None:
+                try:
+                    await self._connect()
+                except OSError as exc:
+                    self._break(f"connect: {exc!r}")
+                    raise ChannelClosed(f"target channel {self.address}: {self._broken}") \
+                        from exc
+            self._arm_idle_read()
+
+    def _arm_idle_read(self) -> None:
+        if self._on_closed is None or self._reader is None or self._broken is not None:
+            return
+        self._idle_read = asyncio.ensure_future(self._reader.read(1))
+        self._idle_read.add_done_callback(self._idle_read_done)
+
+    def _idle_read_done(self, read: asyncio.Future) -> None:
+        if read.cancelled() or read is not self._idle_read:
+            return  # a call took the connection over
+        self._idle_read = None
+        exc = read.exception()
+        # EOF (b""), a reset, or bytes nobody asked for: the stream is unusable either way.
+        self._break(f"closed while idle: {exc!r}" if exc is not None else
+                    "closed while idle" if not read.result() else "unasked bytes while idle")
+        if self._on_closed is not None:
+            self._on_closed(self._broken)
+
+    async def _take_idle_read(self) -> None:
+        """Stops the idle read before a call uses the connection; raises `ChannelClosed`
+        when it found the connection closed."""
+        read, self._idle_read = self._idle_read, None
+        if read is None:
+            return
+        if not read.done():
+            read.cancel()  # nothing read: cancelling a pending read consumes no bytes
+            await asyncio.gather(read, return_exceptions=True)
+            if not read.cancelled() and (read.exception() is not None or read.result()):
+                self._break("the connection broke while idle")
+            elif not read.cancelled():
+                self._break("closed while idle")
+        if self._broken is not None:
+            raise ChannelClosed(f"target channel {self.address}: {self._broken}")
+
     async def call(self, method: str, *args):
         """Runs ``method(*args)`` on the replica and returns its result."""
         if self._lock is None:
@@ -171,6 +232,7 @@ class ChannelTarget:
         async with self._lock:
             if self._broken is not None:
                 raise ChannelClosed(self._broken)
+            await self._take_idle_read()
             try:
                 if self._writer is None:
                     await self._connect()
@@ -185,6 +247,7 @@ class ChannelTarget:
             except (OSError, EOFError, asyncio.IncompleteReadError) as exc:
                 self._break(f"{method}: {exc!r}")
                 raise ChannelClosed(f"target channel {self.address}: {self._broken}") from exc
+            self._arm_idle_read()
         ok, value = pickle.loads(data)
         if not ok:
             raise value
@@ -211,6 +274,9 @@ class ChannelTarget:
         return await self.call("verify", items)
 
     async def close(self) -> None:
+        self._on_closed = None  # closing it ourselves is not a death
+        if self._idle_read is not None:
+            self._idle_read.cancel()
         if self._writer is not None:
             self._writer.close()
         self._broken = self._broken or "closed"

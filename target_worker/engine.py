@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from specd_core.logprobs import commit_candidates, row_logprobs
 from specd_core.rule import compact_rows, target_rows
 from specd_core.step import PrefillItem, StepOutput, VerifyItem
 
@@ -273,15 +274,18 @@ class TargetEngine:
         Returns:
             Per item, in order, a `StepOutput`: ``len(tokens)`` rows for a verify block; the
             last prompt position's row for a prefill's ``last`` chunk; rows None for an
-            earlier chunk. Hidden rows of every fed position when asked. None per item when
-            the decoder returns no logits (a tensor-parallel shard on a rank other than 0,
-            `target_worker.tp`).
+            earlier chunk. Hidden rows of every fed position when asked. Raw log
+            probabilities (`specd_core.logprobs.RowLogprobs`) when the item asks: every row
+            of a verify block; every row of a chunk scoring its prompt, else the ``last``
+            chunk's last row. None per item when the decoder returns no logits (a
+            tensor-parallel shard on a rank other than 0, `target_worker.tp`).
 
         Raises:
             ValueError: an unknown or repeated slot, empty ``tokens``, a ``start_pos``
                 beyond the slot's length (or, verifying, before its prompt), a chunk that
-                does not continue its slot, a token id outside the vocabulary, or the
-                context exceeded. Nothing is changed then.
+                does not continue its slot, a chunk scoring its prompt without a valid
+                ``next_token`` (when not ``last``), a token id outside the vocabulary, or
+                the context exceeded. Nothing is changed then.
         """
         if not items:
             return []
@@ -294,7 +298,9 @@ class TargetEngine:
         results = self._forward(
             [(list(item.tokens), _feed_pos(item), slot.cache)
              for item, slot in zip(items, slots, strict=True)],
-            [isinstance(item, PrefillItem) for item in items],
+            # A prefill needs only its last row's logits, unless it scores its prompt.
+            [isinstance(item, PrefillItem) and item.prompt_logprobs is None
+             for item in items],
         )
         if any(isinstance(item, PrefillItem) for item in items):
             self.stats["prefill_calls"] += 1
@@ -311,12 +317,13 @@ class TargetEngine:
                 if logits is None:  # a tensor-parallel rank other than 0: rank 0 answers
                     outputs.append(None)
                 elif not item.last:
-                    outputs.append(StepOutput(None, _own(hidden, item.want_hidden)))
+                    outputs.append(StepOutput(None, _own(hidden, item.want_hidden),
+                                              _prompt_logprobs(item, logits, tokens)))
                 else:
-                    rows = target_rows(logits, item.sampling, slot.tokens,
-                                       slot.num_prompt_tokens)
-                    outputs.append(StepOutput(compact_rows(rows),
-                                              _own(hidden, item.want_hidden)))
+                    rows = compact_rows(target_rows(logits[-1:], item.sampling, slot.tokens,
+                                                    slot.num_prompt_tokens))
+                    outputs.append(StepOutput(rows, _own(hidden, item.want_hidden),
+                                              _prompt_logprobs(item, logits, tokens, rows)))
                 continue
             if logits is None:
                 slot.tokens.extend(tokens)
@@ -325,10 +332,14 @@ class TargetEngine:
             # History = committed tokens + the anchor; the draft is the block rows follow.
             # Only penalties read the history: skip copying a long context when none is set.
             history = [*slot.tokens, tokens[0]] if item.sampling.has_penalties else tokens[:1]
-            rows = target_rows(logits, item.sampling, history, slot.num_prompt_tokens,
-                               tokens[1:])
+            rows = compact_rows(target_rows(logits, item.sampling, history,
+                                            slot.num_prompt_tokens, tokens[1:]))
             slot.tokens.extend(tokens)
-            outputs.append(StepOutput(compact_rows(rows), _own(hidden, item.want_hidden)))
+            logprobs = None
+            if item.logprobs is not None:
+                candidates, full = commit_candidates(rows, tokens[1:])
+                logprobs = row_logprobs(logits, item.logprobs, candidates, full)
+            outputs.append(StepOutput(rows, _own(hidden, item.want_hidden), logprobs))
         self.stats["rows_seconds"] += time.perf_counter() - t0
         return outputs
 
@@ -365,6 +376,11 @@ class TargetEngine:
             if isinstance(item, VerifyItem) and item.start_pos < slot.offset:
                 raise ValueError(f"slot {item.slot}: start_pos {item.start_pos} is before its "
                                  f"prompt's start {slot.offset}")
+            if (isinstance(item, PrefillItem) and item.prompt_logprobs is not None
+                    and not item.last and not (
+                        item.next_token is not None and 0 <= item.next_token < vocab)):
+                raise ValueError(f"slot {item.slot}: a prompt chunk scoring its prompt needs "
+                                 f"the next prompt token, got {item.next_token!r}")
             bad = [t for t in item.tokens if not 0 <= int(t) < vocab]
             if bad:
                 raise ValueError(
@@ -397,6 +413,27 @@ class TargetEngine:
         self.stats["forward_calls"] += 1
         self.stats["tokens_fed"] += fed
         return results
+
+
+def _prompt_logprobs(item: PrefillItem, logits: torch.Tensor, tokens: list[int],
+                     rows=None):
+    """A prefill chunk's `RowLogprobs`, or None when it asked for none. With
+    ``prompt_logprobs`` every row (``logits [n, vocab]``) scores the prompt token after it;
+    on the ``last`` chunk (``rows``: its last row's target rows) the last row lists what it
+    can commit instead, with ``logprobs`` alternatives (the wider of the two widths)."""
+    want_prompt = item.prompt_logprobs is not None
+    want_last = item.last and item.logprobs is not None
+    if not (want_prompt or want_last):
+        return None
+    k = max(item.prompt_logprobs or 0, item.logprobs or 0)
+    if not item.last:
+        return row_logprobs(logits, k, [np.array([t]) for t in [*tokens[1:], item.next_token]])
+    commits, full = commit_candidates(rows)
+    if not want_prompt:
+        return row_logprobs(logits[-1:], k, commits, full)
+    if full:  # only the last row may commit any token: list it whole, not every row
+        commits = [np.arange(logits.shape[-1])]
+    return row_logprobs(logits, k, [np.array([t]) for t in tokens[1:]] + commits)
 
 
 def _feed_pos(item: PrefillItem | VerifyItem) -> int:

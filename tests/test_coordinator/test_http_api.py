@@ -152,7 +152,7 @@ def test_greedy_and_seeded_text_equal_the_grpc_apis(service, client):
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "", "content": "x"}]},
      "messages[1].role"),
     ({"messages": [{"role": "user", "content": "hi", "name": 3}]}, "messages[0].name"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"extra_body": {"no_such_field": 1}}, "no_such_field"),

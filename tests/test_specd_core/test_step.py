@@ -18,15 +18,17 @@ def test_every_member_counts_by_the_documented_sizes():
     item = VerifyItem(slot=3, start_pos=500, tokens=list(range(11)),
                       sampling=SamplingParams(temperature=0.7), want_hidden=True)
     sampling = 8 * len(dataclasses.fields(SamplingParams))
-    assert payload_bytes([item]) == 8 + 8 + 8 * 11 + sampling + 1
+    # slot, start_pos, tokens, sampling, want_hidden, logprobs (None)
+    assert payload_bytes([item]) == 8 + 8 + 8 * 11 + sampling + 1 + 1
     prefill = PrefillItem(slot=1, tokens=[5] * 300, sampling=SamplingParams())
-    # slot, start_pos, offset, tokens, sampling, want_hidden, last
+    # slot, start_pos, offset, tokens, sampling, want_hidden, last, and the three log
+    # probability fields (None)
     assert (payload_bytes([item, prefill])
-            == payload_bytes(item) + 8 + 8 + 8 + 8 * 300 + sampling + 1 + 1)
+            == payload_bytes(item) + 8 + 8 + 8 + 8 * 300 + sampling + 1 + 1 + 3)
     hidden = torch.zeros(11, 16)
     out = StepOutput(GreedyRows(tuple(range(11))), hidden)
-    assert payload_bytes(out) == 8 * 11 + 11 * 16 * 4
-    assert payload_bytes(StepOutput(GreedyRows((1,)), None)) == 8 + 1
+    assert payload_bytes(out) == 8 * 11 + 11 * 16 * 4 + 1
+    assert payload_bytes(StepOutput(GreedyRows((1,)), None)) == 8 + 1 + 1
     sparse = SparseProbRows(np.array([0, 2], dtype=np.int64), np.array([4, 9], dtype=np.int32),
                             np.array([0.25, 0.75], dtype=np.float32), 49152)
     assert payload_bytes(sparse) == 16 + 8 + 8 + 8
