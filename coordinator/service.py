@@ -75,6 +75,14 @@ class ServiceConfig:
         http_port: serve the OpenAI-compatible HTTP API (`coordinator.http_api`) on
             ``host:http_port`` (0 picks a port; None: off), same token and TLS as gRPC. It
             listens from the start of the coordinator, answering 503 until the replicas serve.
+        target_resource: a Ray custom resource every target rank needs 1 of
+            (`create_target_replica` ``resource``), or None: Ray's GPU/CPU accounting
+            places them.
+        drafter_resource: a Ray custom resource each drafter worker needs 1 of, or None.
+        channel_tls: TLS on the per-step channels (replica sockets, drafter gRPC) with a
+            certificate generated for this service (`target_worker.tls`): ``"auto"`` (on a
+            cluster, ``address`` given; off for the embedded loopback-only service),
+            ``"on"`` or ``"off"``. The channels' own authentication applies either way.
     """
 
     model: str | None = None
@@ -105,6 +113,15 @@ class ServiceConfig:
     max_batched_tokens: int | None = DEFAULT_MAX_BATCHED_TOKENS
     max_partial_prefills: int = 1
     prefix_caching: bool = True
+    target_resource: str | None = None
+    drafter_resource: str | None = None
+    channel_tls: str = "auto"
+
+    @property
+    def tls_channels(self) -> bool:
+        """Whether the per-step channels run inside TLS (`channel_tls`)."""
+        return self.channel_tls == "on" or (self.channel_tls == "auto" and
+                                            self.address is not None)
 
 
 def default_target_threads(replicas: int, tp: int = 1, cpus: int | None = None) -> int:
@@ -224,6 +241,12 @@ class CoordinatorActor:
         self._events: list[tuple[str, float]] = []
         self._threads = config.target_threads or default_target_threads(
             config.target_replicas, config.tp)
+        #: (certificate PEM, key PEM) of the per-step channels' TLS, or None.
+        self._tls: tuple[bytes, bytes] | None = None
+        if config.tls_channels:
+            from target_worker.tls import generate_certificate
+
+            self._tls = generate_certificate()
 
     async def _start_replica(self, name: str):
         import asyncio
@@ -238,7 +261,8 @@ class CoordinatorActor:
         creating = loop.run_in_executor(None, lambda: create_target_replica(
             cfg.model, tp=cfg.tp, max_slots=cfg.max_active, num_threads=self._threads,
             dtype=cfg.dtype,
-            prefix_cache_tokens=DEFAULT_PREFIX_CACHE_TOKENS if cfg.prefix_caching else 0))
+            prefix_cache_tokens=DEFAULT_PREFIX_CACHE_TOKENS if cfg.prefix_caching else 0,
+            resource=cfg.target_resource))
         try:
             handle = await asyncio.shield(creating)
         except asyncio.CancelledError:  # a cancelled restart: destroy it once it exists
@@ -254,11 +278,14 @@ class CoordinatorActor:
             await loop.run_in_executor(None, destroy_target_replica, handle)
             raise
         # Per-step calls over the replica's own socket (a Ray call costs ~1 ms here: see
-        # target_worker.channel); a fresh secret per replica, loopback when embedded.
+        # target_worker.channel); a fresh secret per replica, loopback when embedded, every
+        # interface of its node (it may be another node) on a cluster, inside TLS there.
         secret = secrets.token_urlsafe(32)
         try:
             address = await handle.open_channel.remote(
-                "127.0.0.1" if cfg.address is None else "0.0.0.0", secret)
+                "127.0.0.1" if cfg.address is None else "0.0.0.0", secret,
+                *(self._tls or (None, None)))
+            info["node"] = await handle.node_ip.remote()
         except BaseException:
             await loop.run_in_executor(None, destroy_target_replica, handle)
             raise
@@ -270,7 +297,12 @@ class CoordinatorActor:
             self._replica_handles.pop(name, None)
             await loop.run_in_executor(None, destroy_target_replica, handle)
 
-        return ChannelTarget(address, secret, handle), stop, info
+        tls = None
+        if self._tls is not None:
+            from target_worker.tls import client_context
+
+            tls = client_context(self._tls[0])
+        return ChannelTarget(address, secret, handle, tls=tls), stop, info
 
     async def _start_drafter(self, name: str):
         import ray
@@ -280,7 +312,9 @@ class CoordinatorActor:
 
         cfg = self.config
         began = time.monotonic()
-        actor = DrafterActor.options(num_cpus=0).remote(
+        placement = {} if cfg.drafter_resource is None else {
+            "resources": {cfg.drafter_resource: 1}}
+        actor = DrafterActor.options(num_cpus=0, **placement).remote(
             cfg.drafter, cfg.ngram_size, cfg.max_draft_len, cfg.model, cfg.drafter_path,
             cfg.drafter_threads or 1)
         # Embedded: loopback only. On a cluster the actor may land on another node; it binds
@@ -290,7 +324,9 @@ class CoordinatorActor:
         # the model's context length.
         secret = secrets.token_urlsafe(32)
         try:
-            address = await actor.start.remote(host, 0, secret, await self._context_length())
+            address = await actor.start.remote(host, 0, secret, await self._context_length(),
+                                               *(self._tls or (None, None)))
+            node = await actor.node_ip.remote()
         except BaseException:
             ray.kill(actor)
             raise
@@ -301,9 +337,20 @@ class CoordinatorActor:
             self._drafter_actors.pop(name, None)
             ray.kill(actor)
 
+        credentials = server_name = None
+        if self._tls is not None:
+            import grpc
+
+            from target_worker.tls import CHANNEL_HOSTNAME
+
+            credentials = grpc.ssl_channel_credentials(root_certificates=self._tls[0])
+            server_name = CHANNEL_HOSTNAME
         # float16 hidden rows on the wire: half the bytes, ample for a drafter's input.
-        return DrafterClient(address, timeout_s=cfg.drafter_timeout_s,
-                             hidden_dtype="float16", secret=secret), stop
+        client = DrafterClient(address, timeout_s=cfg.drafter_timeout_s,
+                               hidden_dtype="float16", secret=secret,
+                               channel_credentials=credentials, tls_server_name=server_name)
+        client.node = node  # for Status
+        return client, stop
 
     async def _context_length(self) -> int:
         """The model's context length (read once, off the event loop: a GGUF takes ~3 s)."""
@@ -462,6 +509,12 @@ class Service:
     def __init__(self, config: ServiceConfig):
         if (config.tls_cert is None) != (config.tls_key is None):
             raise ValueError("--tls-cert and --tls-key must be given together")
+        if config.channel_tls not in ("auto", "on", "off"):
+            raise ValueError(f"channel_tls must be auto, on or off, got {config.channel_tls!r}")
+        for name in ("target_resource", "drafter_resource"):
+            value = getattr(config, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty resource name, got {value!r}")
         check_drafter(config.drafter, config.ngram_size, config.max_draft_len,
                       config.drafter_path)
         from .router import check_count

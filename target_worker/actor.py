@@ -1,9 +1,9 @@
 """The target worker as a Ray actor body: a plain class the service wraps with ``ray.remote``.
 
 Kept free of Ray imports so it is importable (and testable) anywhere; every method is a thin
-call into `TargetEngine`. Arguments and results travel by pickle, so they stay small: greedy
-rows are tuples of ints, sampling rows sparse when that is smaller, hidden rows only when an
-item asks for them.
+call into `TargetEngine`. The per-step calls travel over the replica's channel
+(`target_worker.channel`, `target_worker.step_codec`), so they stay small: greedy rows are
+ints, sampling rows sparse when that is smaller, hidden rows only when an item asks for them.
 """
 
 from __future__ import annotations
@@ -54,28 +54,48 @@ class TargetActor:
         self.engine = TargetEngine(decoder, max_slots=max_slots,
                                    prefix_cache_tokens=prefix_cache_tokens)
 
-    def open_channel(self, host: str = "127.0.0.1", secret: str = "") -> str:
+    def open_channel(self, host: str = "127.0.0.1", secret: str = "",
+                     tls_cert: bytes | None = None, tls_key: bytes | None = None) -> str:
         """Starts serving `CHANNEL_METHODS` on a `target_worker.channel.ChannelServer`
         (idempotent: a second call returns the first address); returns ``"host:port"``
         (for a wildcard ``host``, this node's IP). Calls through it and through Ray run on
         different threads: only the channel may then drive the engine.
 
+        Args:
+            host: the interface to bind ("0.0.0.0": every interface of this node).
+            secret: the channel's shared key (`target_worker.channel` handshake).
+            tls_cert, tls_key: PEM certificate and key to serve TLS with
+                (`target_worker.tls`), or None for none.
+
         Raises:
-            ValueError: an empty ``secret``.
+            ValueError: an empty ``secret``, or only one of ``tls_cert`` / ``tls_key``.
         """
         from .channel import ChannelServer
 
         if not secret:
             raise ValueError("open_channel needs a secret")
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("open_channel needs both tls_cert and tls_key, or neither")
         if getattr(self, "_channel", None) is None:  # TPRank sets up its own state
+            tls = None
+            if tls_cert is not None:
+                from .tls import server_context
+
+                tls = server_context(tls_cert, tls_key)
             self._channel = ChannelServer(lambda method, args: getattr(self, method)(*args),
-                                          self.CHANNEL_METHODS, secret, host)
+                                          self.CHANNEL_METHODS, secret, host, tls=tls)
         advertised = host
         if host in ("0.0.0.0", "::", ""):
             import ray
 
             advertised = ray.util.get_node_ip_address()
         return f"{advertised}:{self._channel.port}"
+
+    def node_ip(self) -> str:
+        """The IP address of the Ray node this replica runs on."""
+        import ray
+
+        return ray.util.get_node_ip_address()
 
     def allocate(self) -> int:
         """A free slot id. Raises RuntimeError when every slot is in use."""
