@@ -13,9 +13,10 @@ little-endian) are the buffers, so hidden and probability rows are not copied in
 Payloads (positional lists; ``tokens`` are lists of ints, ``sampling`` a `SamplingParams`):
 
 - a call: ``[method, *args]`` for ``allocate`` (no args), ``allocate_prefix`` (tokens),
-  ``free`` (slot), ``prefill`` (a list of `PrefillItem` as ``[slot, tokens, sampling,
-  want_hidden, start_pos, offset, last]``) and ``verify`` (a list of `VerifyItem` as ``[slot,
-  start_pos, tokens, sampling, want_hidden]``); `SamplingParams` is ``[temperature, top_k,
+  ``free`` (slot), ``prefill`` and ``verify`` (each a list of items, either kind in one
+  step: a `PrefillItem` as ``[0, slot, tokens, sampling, want_hidden, start_pos, offset,
+  last]``, a `VerifyItem` as ``[1, slot, start_pos, tokens, sampling, want_hidden]``);
+  `SamplingParams` is ``[temperature, top_k,
   top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty]``. Any other method
   name travels with no arguments (the server refuses it by name).
 - a result: ``[1, value]``: an int (allocate), ``[slot, reused]`` (allocate_prefix), None
@@ -145,10 +146,10 @@ def _sampling(p: SamplingParams) -> list:
 def _item(item) -> list:
     kind = type(item)
     if kind is PrefillItem:
-        return [item.slot, item.tokens, _sampling(item.sampling), item.want_hidden,
+        return [_PREFILL, item.slot, item.tokens, _sampling(item.sampling), item.want_hidden,
                 item.start_pos, item.offset, item.last]
     if kind is VerifyItem:
-        return [item.slot, item.start_pos, item.tokens, _sampling(item.sampling),
+        return [_VERIFY, item.slot, item.start_pos, item.tokens, _sampling(item.sampling),
                 item.want_hidden]
     raise TypeError(f"the replica channel cannot encode a {kind.__name__}")
 
@@ -232,6 +233,7 @@ def _list(value, what: str, n: int | None = None) -> list:
     return value
 
 
+_PREFILL, _VERIFY = 0, 1  # item kinds
 _INTS = frozenset({int})
 _NUMBERS = frozenset({int, float})
 
@@ -351,26 +353,27 @@ def _sampling_from(value, cache: dict) -> SamplingParams:
     return params
 
 
-def _prefill_from(value, cache: dict) -> PrefillItem:
-    if type(value) is not list or len(value) != 7:
-        raise WireError("a prefill item is a list of 7 fields")
-    slot, tokens, sampling, want_hidden, start_pos, offset, last = value
-    if type(slot) is not int or type(start_pos) is not int or type(offset) is not int or \
-            type(want_hidden) is not bool or type(last) is not bool:
-        raise WireError("prefill item: slot, start_pos and offset must be ints, want_hidden "
-                        "and last bools")
-    return PrefillItem(slot, _tokens(tokens, "tokens"), _sampling_from(sampling, cache),
-                       want_hidden, start_pos, offset, last)
-
-
-def _verify_from(value, cache: dict) -> VerifyItem:
-    if type(value) is not list or len(value) != 5:
-        raise WireError("a verify item is a list of 5 fields")
-    slot, start_pos, tokens, sampling, want_hidden = value
-    if type(slot) is not int or type(start_pos) is not int or type(want_hidden) is not bool:
-        raise WireError("verify item: slot and start_pos must be ints, want_hidden a bool")
-    return VerifyItem(slot, start_pos, _tokens(tokens, "tokens"),
-                      _sampling_from(sampling, cache), want_hidden)
+def _item_from(value, cache: dict) -> PrefillItem | VerifyItem:
+    """A `PrefillItem` (``[0, slot, tokens, sampling, want_hidden, start_pos, offset, last]``)
+    or a `VerifyItem` (``[1, slot, start_pos, tokens, sampling, want_hidden]``)."""
+    if type(value) is not list or not value:
+        raise WireError("an item is a non-empty list")
+    kind = value[0]
+    if kind == _VERIFY and type(kind) is int and len(value) == 6:
+        _, slot, start_pos, tokens, sampling, want_hidden = value
+        if type(slot) is not int or type(start_pos) is not int or type(want_hidden) is not bool:
+            raise WireError("verify item: slot and start_pos must be ints, want_hidden a bool")
+        return VerifyItem(slot, start_pos, _tokens(tokens, "tokens"),
+                          _sampling_from(sampling, cache), want_hidden)
+    if kind == _PREFILL and type(kind) is int and len(value) == 8:
+        _, slot, tokens, sampling, want_hidden, start_pos, offset, last = value
+        if type(slot) is not int or type(start_pos) is not int or type(offset) is not int or \
+                type(want_hidden) is not bool or type(last) is not bool:
+            raise WireError("prefill item: slot, start_pos and offset must be ints, "
+                            "want_hidden and last bools")
+        return PrefillItem(slot, _tokens(tokens, "tokens"), _sampling_from(sampling, cache),
+                           want_hidden, start_pos, offset, last)
+    raise WireError(f"an item of unknown kind {kind!r} or with {len(value) - 1} fields")
 
 
 def decode_call(body: bytes | bytearray | memoryview) -> tuple[str, tuple]:
@@ -396,9 +399,8 @@ def decode_call(body: bytes | bytearray | memoryview) -> tuple[str, tuple]:
         return method, (_tokens(arg, "tokens"),)
     if method == "free":
         return method, (_int(arg, "slot"),)
-    build = _prefill_from if method == "prefill" else _verify_from
     cache: dict = {}
-    return method, ([build(item, cache) for item in _list(arg, f"{method} items")],)
+    return method, ([_item_from(item, cache) for item in _list(arg, f"{method} items")],)
 
 
 def decode_reply(method: str, body: bytes | bytearray | memoryview):

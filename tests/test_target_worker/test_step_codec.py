@@ -49,6 +49,9 @@ def test_calls_round_trip():
     assert decode_call(joined(encode_call("prefill", (prefill,)))) == (
         "prefill", ([prefill[0], PrefillItem(0, [9], SamplingParams())],))
     assert decode_call(joined(encode_call("verify", (verify,)))) == ("verify", (verify,))
+    # One step mixes verify blocks and prompt chunks (chunked prefill).
+    mixed = [verify[0], prefill[0]]
+    assert decode_call(joined(encode_call("verify", (mixed,)))) == ("verify", (mixed,))
     assert decode_call(joined(encode_call("allocate", ()))) == ("allocate", ())
     assert decode_call(joined(encode_call("allocate_prefix", ([1, 2],)))) == (
         "allocate_prefix", ([1, 2],))
@@ -106,18 +109,21 @@ def test_encoding_refuses_what_the_format_does_not_carry():
         encode_call("shutdown", (1,))
 
 
-VERIFY = [1, 7, [5, 6], [0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0], False]
+VERIFY = [1, 1, 7, [5, 6], [0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0], False]
 
 
 @pytest.mark.parametrize("body", [
     message(["verify", [VERIFY]], version=2),                        # another version
     message(["verify", [VERIFY]]) + b"x",                             # trailing bytes
-    message(["verify", [[True, 7, [5], VERIFY[3], False]]]),          # a bool slot
-    message(["verify", [[1, 7, [5.0], VERIFY[3], False]]]),           # a float token
-    message(["verify", [[1, 7, [5], VERIFY[3], 0]]]),                 # an int want_hidden
-    message(["verify", [[1, 7, [5], [0.0, 0, 1.0, 0.0, 1.0, 0.0], False]]]),  # 6 fields
-    message(["verify", [[1, 7, [5], [-1.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0], False]]]),  # bad temp
-    message(["verify", [VERIFY[:4]]]),                                 # a missing field
+    message(["verify", [[1, True, 7, [5], VERIFY[4], False]]]),       # a bool slot
+    message(["verify", [[1, 1, 7, [5.0], VERIFY[4], False]]]),        # a float token
+    message(["verify", [[1, 1, 7, [5], VERIFY[4], 0]]]),              # an int want_hidden
+    message(["verify", [[1, 1, 7, [5], [0.0, 0, 1.0, 0.0, 1.0, 0.0], False]]]),  # 6 fields
+    message(["verify", [[1, 1, 7, [5], [-1.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0], False]]]),  # temp
+    message(["verify", [[1, 1, 7, [5], [0.0, False, 1.0, 0.0, 1.0, 0.0, 0.0], False]]]),
+    message(["verify", [VERIFY[:5]]]),                                 # a missing field
+    message(["verify", [[2, *VERIFY[1:]]]]),                           # an unknown kind
+    message(["verify", [[True, *VERIFY[1:]]]]),                        # a bool kind
     message(["verify", {"items": []}]),                               # a map
     message(["allocate", 1]),                                         # args for allocate
     message(["shutdown", 1]),                                         # args for unknown
