@@ -79,8 +79,9 @@ class ServiceConfig:
             (`create_target_replica` ``resource``), or None: Ray's GPU/CPU accounting
             places them.
         drafter_resource: a Ray custom resource each drafter worker needs 1 of, or None.
-        channel_tls: TLS on the per-step channels (replica sockets, drafter gRPC) with a
-            certificate generated for this service (`target_worker.tls`): ``"auto"`` (on a
+        channel_tls: TLS on the per-step channels (replica sockets, drafter gRPC), each
+            worker with a key pair of its own whose certificate the coordinator pins
+            (`target_worker.tls`): ``"auto"`` (on a
             cluster, ``address`` given; off for the embedded loopback-only service),
             ``"on"`` or ``"off"``. The channels' own authentication applies either way.
     """
@@ -241,12 +242,6 @@ class CoordinatorActor:
         self._events: list[tuple[str, float]] = []
         self._threads = config.target_threads or default_target_threads(
             config.target_replicas, config.tp)
-        #: (certificate PEM, key PEM) of the per-step channels' TLS, or None.
-        self._tls: tuple[bytes, bytes] | None = None
-        if config.tls_channels:
-            from target_worker.tls import generate_certificate
-
-            self._tls = generate_certificate()
 
     async def _start_replica(self, name: str):
         import asyncio
@@ -283,8 +278,8 @@ class CoordinatorActor:
         secret = secrets.token_urlsafe(32)
         try:
             address = await handle.open_channel.remote(
-                "127.0.0.1" if cfg.address is None else "0.0.0.0", secret,
-                *(self._tls or (None, None)))
+                "127.0.0.1" if cfg.address is None else "0.0.0.0", secret, cfg.tls_channels)
+            cert = await handle.channel_certificate.remote()
             info["node"] = await handle.node_ip.remote()
         except BaseException:
             await loop.run_in_executor(None, destroy_target_replica, handle)
@@ -298,10 +293,10 @@ class CoordinatorActor:
             await loop.run_in_executor(None, destroy_target_replica, handle)
 
         tls = None
-        if self._tls is not None:
+        if cert is not None:  # the replica's own certificate, trusted alone
             from target_worker.tls import client_context
 
-            tls = client_context(self._tls[0])
+            tls = client_context(cert)
         return ChannelTarget(address, secret, handle, tls=tls), stop, info
 
     async def _start_drafter(self, name: str):
@@ -325,7 +320,8 @@ class CoordinatorActor:
         secret = secrets.token_urlsafe(32)
         try:
             address = await actor.start.remote(host, 0, secret, await self._context_length(),
-                                               *(self._tls or (None, None)))
+                                               cfg.tls_channels)
+            cert = await actor.certificate.remote()
             node = await actor.node_ip.remote()
         except BaseException:
             ray.kill(actor)
@@ -338,12 +334,12 @@ class CoordinatorActor:
             ray.kill(actor)
 
         credentials = server_name = None
-        if self._tls is not None:
+        if cert is not None:  # the worker's own certificate, trusted alone
             import grpc
 
             from target_worker.tls import CHANNEL_HOSTNAME
 
-            credentials = grpc.ssl_channel_credentials(root_certificates=self._tls[0])
+            credentials = grpc.ssl_channel_credentials(root_certificates=cert)
             server_name = CHANNEL_HOSTNAME
         # float16 hidden rows on the wire: half the bytes, ample for a drafter's input.
         client = DrafterClient(address, timeout_s=cfg.drafter_timeout_s,

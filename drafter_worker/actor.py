@@ -45,8 +45,7 @@ class _DrafterActor:
         self._address: str | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, secret: str | None = None,
-                    max_history: int | None = None, tls_cert: bytes | None = None,
-                    tls_key: bytes | None = None) -> str:
+                    max_history: int | None = None, tls: bool = False) -> str:
         """Starts serving (idempotent: a second call returns the first address).
 
         Args:
@@ -55,7 +54,8 @@ class _DrafterActor:
                 required unless ``host`` is loopback).
             max_history: `SessionLimits.max_history` (the model's context length), or None
                 for the default.
-            tls_cert, tls_key: PEM certificate and key to serve TLS with (both or neither).
+            tls: serve TLS with a key pair generated here (the private key never leaves
+                this process); `certificate` gives the certificate to trust.
 
         Returns:
             ``"host:port"`` to connect to; for a wildcard ``host`` the node's IP address.
@@ -67,11 +67,14 @@ class _DrafterActor:
         if self._server is None:
             limits = SessionLimits() if max_history is None else SessionLimits(
                 max_history=max_history)
-            if (tls_cert is None) != (tls_key is None):
-                raise ValueError("tls_cert and tls_key go together")
-            tls = None if tls_cert is None else (tls_cert, tls_key)
+            pair = None
+            if tls:
+                from target_worker.tls import generate_certificate
+
+                pair = generate_certificate()
+                self._certificate = pair[0]
             server, bound = await start_drafter_server(self.drafter, host, port, secret=secret,
-                                                       limits=limits, tls=tls)
+                                                       limits=limits, tls=pair)
             advertised = ray.util.get_node_ip_address() if host in _WILDCARD_HOSTS else host
             self._server, self._address = server, f"{advertised}:{bound}"
         return self._address
@@ -81,6 +84,10 @@ class _DrafterActor:
         server, self._server, self._address = self._server, None, None
         if server is not None:
             await server.stop(grace_s)
+
+    def certificate(self) -> bytes | None:
+        """The PEM certificate its TLS serves (`start` with ``tls``), or None."""
+        return getattr(self, "_certificate", None)
 
     def node_ip(self) -> str:
         """The IP address of the Ray node this worker runs on."""

@@ -388,8 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scale_flags(serve)
     serve.add_argument("--target-resource", default=None, metavar="NAME",
                        help="place every target rank on Ray nodes offering the custom "
-                            "resource NAME (1 per rank; `ray start --resources "
-                            "'{\"NAME\": N}'`); default: where Ray's GPU/CPU accounting "
+                            "resource NAME (1 per rank, offered by ray start --resources "
+                            "'{\"NAME\": N}'); default: where Ray's GPU/CPU accounting "
                             "puts them")
     serve.add_argument("--drafter-resource", default=None, metavar="NAME",
                        help="place every drafter worker on Ray nodes offering the custom "

@@ -54,8 +54,8 @@ class TargetActor:
         self.engine = TargetEngine(decoder, max_slots=max_slots,
                                    prefix_cache_tokens=prefix_cache_tokens)
 
-    def open_channel(self, host: str = "127.0.0.1", secret: str = "",
-                     tls_cert: bytes | None = None, tls_key: bytes | None = None) -> str:
+    def open_channel(self, host: str = "127.0.0.1", secret: str = "", tls: bool = False
+                     ) -> str:
         """Starts serving `CHANNEL_METHODS` on a `target_worker.channel.ChannelServer`
         (idempotent: a second call returns the first address); returns ``"host:port"``
         (for a wildcard ``host``, this node's IP). Calls through it and through Ray run on
@@ -64,32 +64,36 @@ class TargetActor:
         Args:
             host: the interface to bind ("0.0.0.0": every interface of this node).
             secret: the channel's shared key (`target_worker.channel` handshake).
-            tls_cert, tls_key: PEM certificate and key to serve TLS with
-                (`target_worker.tls`), or None for none.
+            tls: serve inside TLS with a key pair generated here (the private key never
+                leaves this process); `channel_certificate` gives the certificate to trust.
 
         Raises:
-            ValueError: an empty ``secret``, or only one of ``tls_cert`` / ``tls_key``.
+            ValueError: an empty ``secret``.
         """
         from .channel import ChannelServer
 
         if not secret:
             raise ValueError("open_channel needs a secret")
-        if (tls_cert is None) != (tls_key is None):
-            raise ValueError("open_channel needs both tls_cert and tls_key, or neither")
         if getattr(self, "_channel", None) is None:  # TPRank sets up its own state
-            tls = None
-            if tls_cert is not None:
-                from .tls import server_context
+            context = None
+            self._channel_cert = None
+            if tls:
+                from .tls import generate_certificate, server_context
 
-                tls = server_context(tls_cert, tls_key)
+                self._channel_cert, key = generate_certificate()
+                context = server_context(self._channel_cert, key)
             self._channel = ChannelServer(lambda method, args: getattr(self, method)(*args),
-                                          self.CHANNEL_METHODS, secret, host, tls=tls)
+                                          self.CHANNEL_METHODS, secret, host, tls=context)
         advertised = host
         if host in ("0.0.0.0", "::", ""):
             import ray
 
             advertised = ray.util.get_node_ip_address()
         return f"{advertised}:{self._channel.port}"
+
+    def channel_certificate(self) -> bytes | None:
+        """The PEM certificate of the channel's TLS (`open_channel` with ``tls``), or None."""
+        return getattr(self, "_channel_cert", None)
 
     def node_ip(self) -> str:
         """The IP address of the Ray node this replica runs on."""

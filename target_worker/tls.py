@@ -1,11 +1,13 @@
-"""TLS for the per-step channels between nodes: one self-signed certificate per service.
+"""TLS for the per-step channels between nodes: a self-signed certificate per worker.
 
-The coordinator generates a key pair and a certificate for the name `CHANNEL_HOSTNAME` when it
-starts (`generate_certificate`), hands certificate and key to each replica and drafter through
-Ray (the same way it hands them their secrets), and trusts that certificate alone on its end
-(`client_context`; gRPC: ``root_certificates`` plus ``grpc.ssl_target_name_override``). A
-machine in the middle then has neither the key to terminate TLS nor the secret to pass the
-channel's own handshake. TLS 1.3 only.
+Each target replica and drafter worker generates its own key pair and a certificate for the
+name `CHANNEL_HOSTNAME` when it opens its channel (`generate_certificate`); only the
+certificate travels (through Ray) to the coordinator, which trusts that certificate alone for
+that worker (`client_context`; gRPC: ``root_certificates`` plus
+``grpc.ssl_target_name_override``). Private keys never leave the process that uses them, so a
+machine that reads the network (Ray's own traffic included) cannot decrypt the channels, and
+one in the middle has neither the key to terminate TLS nor the secret to pass the channel's
+own handshake. TLS 1.3 only.
 """
 
 from __future__ import annotations

@@ -449,3 +449,25 @@ def test_tls_carries_the_same_calls_and_refuses_a_wrong_certificate():
             assert closed_by_peer(raw)
     finally:
         server.close()
+
+
+def test_a_replica_serves_tls_with_a_key_of_its_own():
+    pytest.importorskip("cryptography")
+    from target_worker.tls import client_context
+
+    replica = TargetActor(MODEL, max_slots=1, num_threads=1)
+    address = replica.open_channel("127.0.0.1", "s3cret", tls=True)
+    cert = replica.channel_certificate()
+    assert cert.startswith(b"-----BEGIN CERTIFICATE-----") and b"PRIVATE" not in cert
+
+    async def go():
+        target = ChannelTarget(address, "s3cret", tls=client_context(cert))
+        try:
+            slot = await target.allocate()
+            await target.free(slot)
+            return slot
+        finally:
+            await target.close()
+
+    assert asyncio.run(go()) == 0
+    replica._channel.close()
