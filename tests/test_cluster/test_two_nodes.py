@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -23,6 +25,7 @@ from service_harness import MODEL, serve_process
 
 from coordinator.server import GENERATION_SERVICE
 from specd.v1 import generation_pb2, generation_pb2_grpc
+from target_worker.tls import CHANNEL_HOSTNAME
 
 _UNAVAILABLE = unavailable_reason()
 pytestmark = [
@@ -135,9 +138,36 @@ def test_the_target_runs_on_node_b_and_gives_the_single_node_tokens(reference_to
     assert drafter.node == cluster.head_ip
     assert drafter.address.startswith(cluster.head_ip + ":")
     assert greedy_tokens(address) == reference_tokens
+    # Between nodes the replica's channel speaks TLS with a certificate of its own.
+    assert tls_names(cluster, "TPRank") == {CHANNEL_HOSTNAME}
     after = status(address)
     assert after.drafters[0].calls > 0  # the tokens crossed nodes with drafts
     assert after.steps > 0
+
+
+def tls_names(cluster: NamespaceCluster, process: str) -> set[str]:
+    """Common names of the TLS certificates presented on the TCP ports that processes whose
+    name contains ``process`` listen on in node B's namespace (ports that are not TLS give
+    none)."""
+    listing = subprocess.run(["ip", "netns", "exec", cluster.netns, "ss", "-ltnpH"],
+                             capture_output=True, text=True, check=True).stdout
+    ports = {int(line.split()[3].rsplit(":", 1)[1]) for line in listing.splitlines()
+             if process in line}
+    names = set()
+    for port in ports:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        try:
+            with socket.create_connection((cluster.b_ip, port), timeout=5) as raw, \
+                    context.wrap_socket(raw) as tls:
+                der = tls.getpeercert(binary_form=True)
+        except (OSError, ssl.SSLError):
+            continue
+        from cryptography import x509
+
+        cert = x509.load_der_x509_certificate(der)
+        names.update(a.value for a in cert.subject)
+    return names
 
 
 def watch_health(address: str, events: list, stop: threading.Event) -> None:
