@@ -84,7 +84,8 @@ class NamespaceCluster:
         head_resources: those of the head.
     """
 
-    def __init__(self, node_b_resources: dict, head_resources: dict | None = None):
+    def __init__(self, node_b_resources: dict, head_resources: dict | None = None,
+                 dashboard: bool = False):
         tag = f"{os.getpid() % 100000}"
         self.netns = f"specd-b-{tag}"
         self.veth = (f"vsa{tag}", f"vsb{tag}")
@@ -101,6 +102,10 @@ class NamespaceCluster:
         self.head: subprocess.Popen | None = None
         self.node_b: subprocess.Popen | None = None
         self.gcs_port: int | None = None
+        #: The head's dashboard port on 127.0.0.1 (the job server: ``ray job submit``), or
+        #: None without one.
+        self.dashboard_port: int | None = None
+        self._dashboard = dashboard
         self._made_netns = False
 
     @property
@@ -125,9 +130,20 @@ class NamespaceCluster:
             with socket.socket() as probe:
                 probe.bind((self.head_ip, 0))
                 self.gcs_port = probe.getsockname()[1]
+            dashboard = ["--include-dashboard=false"]
+            if self._dashboard:
+                with socket.socket() as probe, socket.socket() as agent:
+                    probe.bind(("127.0.0.1", 0))
+                    agent.bind((self.head_ip, 0))
+                    self.dashboard_port = probe.getsockname()[1]
+                    agent_port = agent.getsockname()[1]
+                # The agent's own port too: its default (52365) may be another Ray's here.
+                dashboard = ["--include-dashboard=true", "--dashboard-host", "127.0.0.1",
+                             "--dashboard-port", str(self.dashboard_port),
+                             "--dashboard-agent-listen-port", str(agent_port)]
             self.head = self._ray_start(
                 ["--head", "--node-ip-address", self.head_ip, "--port", str(self.gcs_port),
-                 "--include-dashboard=false"], self.head_resources)
+                 *dashboard], self.head_resources)
             self.wait_for_nodes(1, 90)
             self.start_node_b()
         except BaseException:

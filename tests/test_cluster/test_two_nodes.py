@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -106,8 +107,9 @@ class Serve:
 
 @pytest.fixture(scope="module")
 def cluster():
-    made = NamespaceCluster(node_b_resources={"specd_target": 1},
-                            head_resources={"specd_head": 1})
+    # Two of each: the served service's replica and drafter, and the batch job's.
+    made = NamespaceCluster(node_b_resources={"specd_target": 2},
+                            head_resources={"specd_head": 2}, dashboard=True)
     made.start()
     try:
         yield made
@@ -143,6 +145,34 @@ def test_the_target_runs_on_node_b_and_gives_the_single_node_tokens(reference_to
     after = status(address)
     assert after.drafters[0].calls > 0  # the tokens crossed nodes with drafts
     assert after.steps > 0
+
+
+def test_the_readmes_batch_job_runs_across_the_two_nodes(reference_tokens, cluster, served,
+                                                         tmp_path):
+    """``ray job submit -- python -m specd_tools.batch`` on the head: the job's own service
+    joins the cluster, its target on node B, its drafter on the head."""
+    import json
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n"
+                               for i, p in enumerate(["abab", "hello there"])))
+    results = tmp_path / "results.jsonl"
+    deadline = time.monotonic() + 120
+    while True:  # the job agent may still be starting: Ray answers "try again later"
+        job = subprocess.run(
+            [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address",
+             f"http://127.0.0.1:{cluster.dashboard_port}", "--", sys.executable, "-m",
+             "specd_tools.batch", "--input", str(prompts), "--output", str(results),
+             "--model", MODEL, "--max-new-tokens", "12", "--target-resource", "specd_target",
+             "--drafter-resource", "specd_head"],
+            env=cluster.env, capture_output=True, text=True, timeout=400, cwd=cluster.tmp)
+        if "No available agent" not in job.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert sorted(r["id"] for r in lines) == [0, 1]
+    assert all(len(r["token_ids"]) > 0 for r in lines)
 
 
 def tls_names(cluster: NamespaceCluster, process: str) -> set[str]:
