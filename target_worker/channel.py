@@ -17,7 +17,7 @@ Built to face a shared network (an attacker who can see, replay and inject packe
   with ``HMAC-SHA256(secret, "specd-channel-v1 server" || server_nonce || client_nonce)``,
   which the client checks. A captured opening replayed on a new connection answers a nonce
   that connection never sent, so it fails. Before authentication the server reads only frames
-  of exactly the handshake's size (a longer length header closes the connection unread),
+  of exactly the handshake's size (any other length header closes the connection unread),
   within `HANDSHAKE_TIMEOUT_S` overall, and holds at most `MAX_UNAUTHENTICATED` connections in
   the handshake at once (further ones are closed at accept).
 - **Frames after it** carry a message of `target_worker.step_codec` (msgpack with raw tensor
