@@ -65,7 +65,8 @@ class PoolMember:
 
     def status(self) -> dict:
         """``name, address, state, calls, errors, latency_s`` (summed seconds),
-        ``mean_latency_s, assigned_requests, in_flight, restarts``; the counters include
+        ``mean_latency_s, assigned_requests, in_flight, restarts, node`` (the IP of the Ray
+        node its worker runs on, "" when unknown); the counters include
         the workers it replaced."""
         s = self.stats()
         calls = int(s["calls"])
@@ -80,6 +81,7 @@ class PoolMember:
             "assigned_requests": len(self.assigned),
             "in_flight": self.in_flight,
             "restarts": self.restarts,
+            "node": str(getattr(self.client, "node", "")),
         }
 
     def stats(self) -> dict:

@@ -576,7 +576,8 @@ class Router:
         return {**total, "replicas": replicas, "drafters": self.pool.status()}
 
     def replica_status(self, replica: Replica) -> dict:
-        """One replica's metrics. Means are per verify call (one per step): ``step_seconds``
+        """One replica's metrics (``node``: the IP of the Ray node its rank 0 runs on, from its
+        factory's ``info``). Means are per verify call (one per step): ``step_seconds``
         (coordinator-side wall time, transport included), ``bytes_sent_per_step`` /
         ``bytes_received_per_step`` (`payload_bytes` of the verify items and outputs: token
         ids, positions, sampling parameters, target rows and hidden rows, 8 bytes per int or
@@ -603,6 +604,7 @@ class Router:
             "state": replica.state,
             "restarts": replica.restarts,
             "tp": int(replica.info.get("tp", 1)),
+            "node": str(replica.info.get("node", "")),
             **s,
             "requests_placed": replica.scheduler.placed,
             "tokens_emitted": replica.scheduler.tokens_emitted,

@@ -693,7 +693,7 @@ def _drafter_proto(d: dict) -> generation_pb2.DrafterStatus:
         name=d["name"], address=d["address"], state=d["state"], calls=d["calls"],
         errors=d["errors"], mean_latency_seconds=d["mean_latency_s"],
         assigned_requests=d["assigned_requests"], in_flight=d["in_flight"],
-        restarts=d.get("restarts", 0))
+        restarts=d.get("restarts", 0), node=d.get("node", ""))
 
 
 class BearerTokenInterceptor(CredentialInterceptor):

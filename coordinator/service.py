@@ -78,6 +78,15 @@ class ServiceConfig:
         http_port: serve the OpenAI-compatible HTTP API (`coordinator.http_api`) on
             ``host:http_port`` (0 picks a port; None: off), same token and TLS as gRPC. It
             listens from the start of the coordinator, answering 503 until the replicas serve.
+        target_resource: a Ray custom resource every target rank needs 1 of
+            (`create_target_replica` ``resource``), or None: Ray's GPU/CPU accounting
+            places them.
+        drafter_resource: a Ray custom resource each drafter worker needs 1 of, or None.
+        channel_tls: TLS on the per-step channels (replica sockets, drafter gRPC), each
+            worker with a key pair of its own whose certificate the coordinator pins
+            (`target_worker.tls`): ``"auto"`` (on a
+            cluster, ``address`` given; off for the embedded loopback-only service),
+            ``"on"`` or ``"off"``. The channels' own authentication applies either way.
     """
 
     model: str | None = None
@@ -108,6 +117,15 @@ class ServiceConfig:
     max_batched_tokens: int | None = DEFAULT_MAX_BATCHED_TOKENS
     max_partial_prefills: int = 1
     prefix_caching: bool = True
+    target_resource: str | None = None
+    drafter_resource: str | None = None
+    channel_tls: str = "auto"
+
+    @property
+    def tls_channels(self) -> bool:
+        """Whether the per-step channels run inside TLS (`channel_tls`)."""
+        return self.channel_tls == "on" or (self.channel_tls == "auto" and
+                                            self.address is not None)
 
 
 def default_target_threads(replicas: int, tp: int = 1, cpus: int | None = None) -> int:
@@ -259,7 +277,8 @@ class CoordinatorActor:
         creating = loop.run_in_executor(None, lambda: create_target_replica(
             cfg.model, tp=cfg.tp, max_slots=cfg.max_active, num_threads=self._threads,
             dtype=cfg.dtype, prefill_threads=self._prefill_threads,
-            prefix_cache_tokens=DEFAULT_PREFIX_CACHE_TOKENS if cfg.prefix_caching else 0))
+            prefix_cache_tokens=DEFAULT_PREFIX_CACHE_TOKENS if cfg.prefix_caching else 0,
+            resource=cfg.target_resource))
         try:
             handle = await asyncio.shield(creating)
         except asyncio.CancelledError:  # a cancelled restart: destroy it once it exists
@@ -275,11 +294,14 @@ class CoordinatorActor:
             await loop.run_in_executor(None, destroy_target_replica, handle)
             raise
         # Per-step calls over the replica's own socket (a Ray call costs ~1 ms here: see
-        # target_worker.channel); a fresh secret per replica, loopback when embedded.
+        # target_worker.channel); a fresh secret per replica, loopback when embedded, every
+        # interface of its node (it may be another node) on a cluster, inside TLS there.
         secret = secrets.token_urlsafe(32)
         try:
             address = await handle.open_channel.remote(
-                "127.0.0.1" if cfg.address is None else "0.0.0.0", secret)
+                "127.0.0.1" if cfg.address is None else "0.0.0.0", secret, cfg.tls_channels)
+            cert = await handle.channel_certificate.remote()
+            info["node"] = await handle.node_ip.remote()
         except BaseException:
             await loop.run_in_executor(None, destroy_target_replica, handle)
             raise
@@ -293,7 +315,12 @@ class CoordinatorActor:
 
         from .adaptive import calibrate_target
 
-        target = ChannelTarget(address, secret, handle)
+        tls = None
+        if cert is not None:  # the replica's own certificate, trusted alone
+            from target_worker.tls import client_context
+
+            tls = client_context(cert)
+        target = ChannelTarget(address, secret, handle, tls=tls)
         if cfg.adaptive and cfg.drafter != "none":
             # Start-up work, not the first request's: its loop would calibrate at its first
             # admission, inside that request's time (seconds of forwards on a busy machine).
@@ -314,7 +341,9 @@ class CoordinatorActor:
 
         cfg = self.config
         began = time.monotonic()
-        actor = DrafterActor.options(num_cpus=0).remote(
+        placement = {} if cfg.drafter_resource is None else {
+            "resources": {cfg.drafter_resource: 1}}
+        actor = DrafterActor.options(num_cpus=0, **placement).remote(
             cfg.drafter, cfg.ngram_size, cfg.max_draft_len, cfg.model, cfg.drafter_path,
             cfg.drafter_threads or 1)
         # Embedded: loopback only. On a cluster the actor may land on another node; it binds
@@ -324,7 +353,10 @@ class CoordinatorActor:
         # the model's context length.
         secret = secrets.token_urlsafe(32)
         try:
-            address = await actor.start.remote(host, 0, secret, await self._context_length())
+            address = await actor.start.remote(host, 0, secret, await self._context_length(),
+                                               cfg.tls_channels)
+            cert = await actor.certificate.remote()
+            node = await actor.node_ip.remote()
         except BaseException:
             ray.kill(actor)
             raise
@@ -335,9 +367,20 @@ class CoordinatorActor:
             self._drafter_actors.pop(name, None)
             ray.kill(actor)
 
+        credentials = server_name = None
+        if cert is not None:  # the worker's own certificate, trusted alone
+            import grpc
+
+            from target_worker.tls import CHANNEL_HOSTNAME
+
+            credentials = grpc.ssl_channel_credentials(root_certificates=cert)
+            server_name = CHANNEL_HOSTNAME
         # float16 hidden rows on the wire: half the bytes, ample for a drafter's input.
-        return DrafterClient(address, timeout_s=cfg.drafter_timeout_s,
-                             hidden_dtype="float16", secret=secret), stop
+        client = DrafterClient(address, timeout_s=cfg.drafter_timeout_s,
+                               hidden_dtype="float16", secret=secret,
+                               channel_credentials=credentials, tls_server_name=server_name)
+        client.node = node  # for Status
+        return client, stop
 
     async def _context_length(self) -> int:
         """The model's context length (read once, off the event loop: a GGUF takes ~3 s)."""
@@ -496,6 +539,12 @@ class Service:
     def __init__(self, config: ServiceConfig):
         if (config.tls_cert is None) != (config.tls_key is None):
             raise ValueError("--tls-cert and --tls-key must be given together")
+        if config.channel_tls not in ("auto", "on", "off"):
+            raise ValueError(f"channel_tls must be auto, on or off, got {config.channel_tls!r}")
+        for name in ("target_resource", "drafter_resource"):
+            value = getattr(config, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty resource name, got {value!r}")
         check_drafter(config.drafter, config.ngram_size, config.max_draft_len,
                       config.drafter_path)
         from .router import check_count

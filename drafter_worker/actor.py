@@ -45,7 +45,7 @@ class _DrafterActor:
         self._address: str | None = None
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, secret: str | None = None,
-                    max_history: int | None = None) -> str:
+                    max_history: int | None = None, tls: bool = False) -> str:
         """Starts serving (idempotent: a second call returns the first address).
 
         Args:
@@ -54,6 +54,8 @@ class _DrafterActor:
                 required unless ``host`` is loopback).
             max_history: `SessionLimits.max_history` (the model's context length), or None
                 for the default.
+            tls: serve TLS with a key pair generated here (the private key never leaves
+                this process); `certificate` gives the certificate to trust.
 
         Returns:
             ``"host:port"`` to connect to; for a wildcard ``host`` the node's IP address.
@@ -65,8 +67,14 @@ class _DrafterActor:
         if self._server is None:
             limits = SessionLimits() if max_history is None else SessionLimits(
                 max_history=max_history)
+            pair = None
+            if tls:
+                from target_worker.tls import generate_certificate
+
+                pair = generate_certificate()
+                self._certificate = pair[0]
             server, bound = await start_drafter_server(self.drafter, host, port, secret=secret,
-                                                       limits=limits)
+                                                       limits=limits, tls=pair)
             advertised = ray.util.get_node_ip_address() if host in _WILDCARD_HOSTS else host
             self._server, self._address = server, f"{advertised}:{bound}"
         return self._address
@@ -76,6 +84,14 @@ class _DrafterActor:
         server, self._server, self._address = self._server, None, None
         if server is not None:
             await server.stop(grace_s)
+
+    def certificate(self) -> bytes | None:
+        """The PEM certificate its TLS serves (`start` with ``tls``), or None."""
+        return getattr(self, "_certificate", None)
+
+    def node_ip(self) -> str:
+        """The IP address of the Ray node this worker runs on."""
+        return ray.util.get_node_ip_address()
 
     def address(self) -> str | None:
         """The served ``"host:port"``, or None when stopped."""

@@ -132,6 +132,8 @@ class DrafterClient:
         timeout_s: deadline of every RPC, in seconds (> 0).
         hidden_dtype: the wire dtype of hidden rows ("float32", "float16", "bfloat16").
         channel_credentials: ``grpc.ChannelCredentials`` for TLS, or None for plaintext.
+        tls_server_name: the name to check the worker's certificate against instead of the
+            address's host (``grpc.ssl_target_name_override``; `target_worker.tls`).
         secret: the worker's shared secret, sent as `SECRET_METADATA_KEY` metadata on every
             call; None sends none (a worker started without one).
         stream: send proposals over one persistent ``ProposeStream`` (a round trip costs
@@ -154,6 +156,7 @@ class DrafterClient:
         channel_credentials: grpc.ChannelCredentials | None = None,
         secret: str | None = None,
         stream: bool = True,
+        tls_server_name: str | None = None,
     ):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -165,6 +168,7 @@ class DrafterClient:
         self.timeout_s = float(timeout_s)
         self.hidden_dtype = hidden_dtype
         self._credentials = channel_credentials
+        self._tls_server_name = tls_server_name
         self._metadata = None if secret is None else ((SECRET_METADATA_KEY, secret),)
         self._channel: grpc.aio.Channel | None = None
         self._stub: drafter_pb2_grpc.DrafterStub | None = None
@@ -181,8 +185,11 @@ class DrafterClient:
             if self._credentials is None:
                 self._channel = grpc.aio.insecure_channel(self.address, options=grpc_options())
             else:
+                options = grpc_options()
+                if self._tls_server_name is not None:
+                    options.append(("grpc.ssl_target_name_override", self._tls_server_name))
                 self._channel = grpc.aio.secure_channel(
-                    self.address, self._credentials, options=grpc_options()
+                    self.address, self._credentials, options=options
                 )
             self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
         return self._stub

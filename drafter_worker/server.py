@@ -272,7 +272,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
 async def start_drafter_server(
     drafter: Drafter, host: str = "127.0.0.1", port: int = 0, *, secret: str | None = None,
-    limits: SessionLimits | None = None,
+    limits: SessionLimits | None = None, tls: tuple[bytes, bytes] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Starts a grpc.aio server for ``drafter`` on the running event loop.
 
@@ -287,6 +287,8 @@ async def start_drafter_server(
             `SECRET_METADATA_KEY` metadata (`SharedSecretInterceptor`). Without one any local
             process may call, so only a loopback ``host`` is allowed (and a warning logged).
         limits: `SessionLimits` for the servicer (default: its defaults).
+        tls: ``(certificate PEM, private key PEM)`` to serve TLS with (between nodes:
+            `target_worker.tls`), or None for plaintext.
 
     Returns:
         ``(server, bound_port)``. Stop it with ``await server.stop(grace_seconds)``.
@@ -311,7 +313,12 @@ async def start_drafter_server(
     # IPv6 literals need brackets in a gRPC target.
     target_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     try:
-        bound = server.add_insecure_port(f"{target_host}:{port}")
+        if tls is None:
+            bound = server.add_insecure_port(f"{target_host}:{port}")
+        else:
+            cert, key = tls
+            bound = server.add_secure_port(f"{target_host}:{port}",
+                                           grpc.ssl_server_credentials([(key, cert)]))
     except RuntimeError as e:
         raise RuntimeError(f"drafter server cannot bind {host}:{port}: {e}") from e
     if bound == 0:  # older grpc versions report a failed bind as port 0

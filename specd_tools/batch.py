@@ -148,6 +148,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"))
+    parser.add_argument("--target-resource", default=None, metavar="NAME",
+                        help="place target ranks on nodes offering this Ray custom resource "
+                             "(as specd serve --target-resource)")
+    parser.add_argument("--drafter-resource", default=None, metavar="NAME",
+                        help="place drafter workers on nodes offering this resource")
     args = parser.parse_args(argv)
     try:
         jobs = read_jobs(args.input)
@@ -161,7 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ray_address = "auto" if os.environ.get("RAY_ADDRESS") else None
         service = Service(ServiceConfig(model=args.model, port=0, address=ray_address,
                                         drafter=args.drafter, max_active=args.concurrency,
-                                        dtype=args.dtype))
+                                        dtype=args.dtype,
+                                        target_resource=args.target_resource,
+                                        drafter_resource=args.drafter_resource))
         address = service.start()
     try:
         ran = run_batch(address, jobs, args.output, args.concurrency, args.max_new_tokens,

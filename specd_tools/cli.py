@@ -304,6 +304,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tp=args.tp, target_replicas=args.target_replicas, drafters=args.drafters,
         metrics_port=args.metrics_port, adaptive=not args.no_adaptive,
         target_timeout_s=args.target_timeout,
+        target_resource=args.target_resource, drafter_resource=args.drafter_resource,
+        channel_tls=args.channel_tls,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
         max_prompt_bytes=args.max_prompt_bytes, pipeline=not args.no_pipeline,
@@ -394,6 +396,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch threads per target rank (default: this machine's cores "
                             "less one, divided among all replicas x tp ranks, at least 1)")
     _add_scale_flags(serve)
+    serve.add_argument("--target-resource", default=None, metavar="NAME",
+                       help="place every target rank on Ray nodes offering the custom "
+                            "resource NAME (1 per rank, offered by ray start --resources "
+                            "'{\"NAME\": N}'); default: where Ray's GPU/CPU accounting "
+                            "puts them")
+    serve.add_argument("--drafter-resource", default=None, metavar="NAME",
+                       help="place every drafter worker on Ray nodes offering the custom "
+                            "resource NAME (1 per worker)")
+    serve.add_argument("--channel-tls", choices=("auto", "on", "off"), default="auto",
+                       help="TLS on the per-step channels (target replica sockets, drafter "
+                            "gRPC) with a certificate generated for this service: auto = on "
+                            "with --address (a cluster), off for the embedded loopback-only "
+                            "service")
     serve.add_argument("--target-timeout", type=float, default=600.0, metavar="SECONDS",
                        help="the most a target call (prefill or verify of a batch) may take "
                             "before its replica counts as stalled: its requests fail, it is "

@@ -100,10 +100,11 @@ def status_table(status: generation_pb2.StatusResponse) -> str:
         "",
     ]
     lines += _table(
-        ["replica", "state", "tp", "active", "prefill", "waiting", "slots", "tok/s",
+        ["replica", "node", "state", "tp", "active", "prefill", "waiting", "slots", "tok/s",
          "tok/step", "step ms", "ttft p50/p90 ms", "itl p50 ms", "prefix hits", "tokens",
          "restarts", "failed"],
-        [[r.name, r.state, r.tp, r.active_requests, r.prefilling_requests, r.waiting_requests,
+        [[r.name, r.node or "-", r.state, r.tp, r.active_requests, r.prefilling_requests,
+          r.waiting_requests,
           f"{r.used_slots}/{r.total_slots}", f"{r.tokens_per_second:.1f}",
           f"{r.tokens_emitted / r.steps:.2f}" if r.steps else "-",
           f"{r.step_seconds * 1e3:.1f}",
@@ -114,9 +115,10 @@ def status_table(status: generation_pb2.StatusResponse) -> str:
     lines.append("")
     if s.drafters:
         lines += _table(
-            ["drafter", "state", "calls", "errors", "mean ms", "requests", "in flight",
+            ["drafter", "node", "state", "calls", "errors", "mean ms", "requests", "in flight",
              "restarts"],
-            [[d.name, d.state, d.calls, d.errors, f"{d.mean_latency_seconds * 1e3:.1f}",
+            [[d.name, d.node or "-", d.state, d.calls, d.errors,
+              f"{d.mean_latency_seconds * 1e3:.1f}",
               d.assigned_requests, d.in_flight, d.restarts] for d in s.drafters])
     else:
         lines.append("(no drafter workers)")

@@ -1,9 +1,9 @@
 """The target worker as a Ray actor body: a plain class the service wraps with ``ray.remote``.
 
 Kept free of Ray imports so it is importable (and testable) anywhere; every method is a thin
-call into `TargetEngine`. Arguments and results travel by pickle, so they stay small: greedy
-rows are tuples of ints, sampling rows sparse when that is smaller, hidden rows only when an
-item asks for them.
+call into `TargetEngine`. The per-step calls travel over the replica's channel
+(`target_worker.channel`, `target_worker.step_codec`), so they stay small: greedy rows are
+ints, sampling rows sparse when that is smaller, hidden rows only when an item asks for them.
 """
 
 from __future__ import annotations
@@ -57,11 +57,18 @@ class TargetActor:
                                    prefix_cache_tokens=prefix_cache_tokens,
                                    prefill_threads=prefill_threads)
 
-    def open_channel(self, host: str = "127.0.0.1", secret: str = "") -> str:
+    def open_channel(self, host: str = "127.0.0.1", secret: str = "", tls: bool = False
+                     ) -> str:
         """Starts serving `CHANNEL_METHODS` on a `target_worker.channel.ChannelServer`
         (idempotent: a second call returns the first address); returns ``"host:port"``
         (for a wildcard ``host``, this node's IP). Calls through it and through Ray run on
         different threads: only the channel may then drive the engine.
+
+        Args:
+            host: the interface to bind ("0.0.0.0": every interface of this node).
+            secret: the channel's shared key (`target_worker.channel` handshake).
+            tls: serve inside TLS with a key pair generated here (the private key never
+                leaves this process); `channel_certificate` gives the certificate to trust.
 
         Raises:
             ValueError: an empty ``secret``.
@@ -71,14 +78,31 @@ class TargetActor:
         if not secret:
             raise ValueError("open_channel needs a secret")
         if getattr(self, "_channel", None) is None:  # TPRank sets up its own state
+            context = None
+            self._channel_cert = None
+            if tls:
+                from .tls import generate_certificate, server_context
+
+                self._channel_cert, key = generate_certificate()
+                context = server_context(self._channel_cert, key)
             self._channel = ChannelServer(lambda method, args: getattr(self, method)(*args),
-                                          self.CHANNEL_METHODS, secret, host)
+                                          self.CHANNEL_METHODS, secret, host, tls=context)
         advertised = host
         if host in ("0.0.0.0", "::", ""):
             import ray
 
             advertised = ray.util.get_node_ip_address()
         return f"{advertised}:{self._channel.port}"
+
+    def channel_certificate(self) -> bytes | None:
+        """The PEM certificate of the channel's TLS (`open_channel` with ``tls``), or None."""
+        return getattr(self, "_channel_cert", None)
+
+    def node_ip(self) -> str:
+        """The IP address of the Ray node this replica runs on."""
+        import ray
+
+        return ray.util.get_node_ip_address()
 
     def allocate(self) -> int:
         """A free slot id. Raises RuntimeError when every slot is in use."""

@@ -364,6 +364,7 @@ def create_target_replica(
     placement_timeout_s: float = 600.0,
     prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
     prefill_threads: int | None = None,
+    resource: str | None = None,
 ):
     """Starts a target replica of ``tp`` ranks; returns its Ray actor handle (rank 0).
 
@@ -386,6 +387,11 @@ def create_target_replica(
             (0: none; `target_worker.engine.TargetEngine`).
         prefill_threads: torch threads per rank for prompt-chunk-sized steps (None: the
             rank's ``num_threads``).
+        resource: a Ray custom resource every rank needs 1 of (``ray start --resources
+            '{"NAME": N}'`` on the nodes meant for targets), or None: ranks go where the
+            GPU/CPU accounting puts them. With ``tp > 1`` each bundle asks for it, so one
+            node must offer ``tp`` of it. A replica that fits no live node waits (its
+            `ray.get` calls wait) until one joins.
 
     Raises:
         ValueError: ``tp`` does not fit the model (`validate_tp`), or a bad argument.
@@ -404,13 +410,18 @@ def create_target_replica(
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None, got {dtype!r}")
     if use_gpu is None:
         use_gpu = _cluster_has_gpu()
+    if resource is not None and (not isinstance(resource, str) or not resource):
+        raise ValueError(f"resource must be a non-empty name, got {resource!r}")
     gpus = 1 if use_gpu else 0
     options = {"num_cpus": CPU_PER_RANK, "num_gpus": gpus}
+    if resource is not None:
+        options["resources"] = {resource: 1}
     pg = None
     if tp > 1:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        bundle = {"CPU": CPU_PER_RANK, **({"GPU": 1} if use_gpu else {})}
+        bundle = {"CPU": CPU_PER_RANK, **({"GPU": 1} if use_gpu else {}),
+                  **({resource: 1} if resource is not None else {})}
         pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK")
         try:
             ray.get(pg.ready(), timeout=placement_timeout_s)
@@ -421,6 +432,7 @@ def create_target_replica(
                 f"within {placement_timeout_s} s: {exc}"
             ) from exc
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, 0)
+        options.pop("resources", None)  # the bundle holds it
     handle = ray.remote(TPRank).options(**options).remote(
         model, max_slots, num_threads, 0, tp, pg, use_gpu, dtype, vocab_parallel,
         prefix_cache_tokens, prefill_threads)

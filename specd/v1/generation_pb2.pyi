@@ -175,7 +175,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("name", "state", "tp", "active_requests", "waiting_requests", "used_slots", "total_slots", "requests_placed", "steps", "tokens_emitted", "tokens_per_second", "step_seconds", "forward_seconds_per_call", "bytes_sent_per_step", "bytes_received_per_step", "drafter_failures", "restarts", "failed", "draft_wait_seconds_per_step", "runahead_hits", "runahead_misses", "target_busy_fraction", "pipeline", "prefilling_requests", "ttft_p50_seconds", "ttft_p90_seconds", "itl_p50_seconds", "itl_p90_seconds", "prefill_p50_seconds", "prefix_hits", "prefix_queries", "prefix_hit_tokens")
+    __slots__ = ("name", "state", "tp", "active_requests", "waiting_requests", "used_slots", "total_slots", "requests_placed", "steps", "tokens_emitted", "tokens_per_second", "step_seconds", "forward_seconds_per_call", "bytes_sent_per_step", "bytes_received_per_step", "drafter_failures", "restarts", "failed", "draft_wait_seconds_per_step", "runahead_hits", "runahead_misses", "target_busy_fraction", "pipeline", "prefilling_requests", "ttft_p50_seconds", "ttft_p90_seconds", "itl_p50_seconds", "itl_p90_seconds", "prefill_p50_seconds", "prefix_hits", "prefix_queries", "prefix_hit_tokens", "node")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,7 @@ class ReplicaStatus(_message.Message):
     PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: str
     tp: int
@@ -240,10 +241,11 @@ class ReplicaStatus(_message.Message):
     prefix_hits: int
     prefix_queries: int
     prefix_hit_tokens: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., used_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., requests_placed: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_emitted: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ..., forward_seconds_per_call: _Optional[float] = ..., bytes_sent_per_step: _Optional[float] = ..., bytes_received_per_step: _Optional[float] = ..., drafter_failures: _Optional[int] = ..., restarts: _Optional[int] = ..., failed: _Optional[int] = ..., draft_wait_seconds_per_step: _Optional[float] = ..., runahead_hits: _Optional[int] = ..., runahead_misses: _Optional[int] = ..., target_busy_fraction: _Optional[float] = ..., pipeline: _Optional[bool] = ..., prefilling_requests: _Optional[int] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p90_seconds: _Optional[float] = ..., itl_p50_seconds: _Optional[float] = ..., itl_p90_seconds: _Optional[float] = ..., prefill_p50_seconds: _Optional[float] = ..., prefix_hits: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+    node: str
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., used_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., requests_placed: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_emitted: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ..., forward_seconds_per_call: _Optional[float] = ..., bytes_sent_per_step: _Optional[float] = ..., bytes_received_per_step: _Optional[float] = ..., drafter_failures: _Optional[int] = ..., restarts: _Optional[int] = ..., failed: _Optional[int] = ..., draft_wait_seconds_per_step: _Optional[float] = ..., runahead_hits: _Optional[int] = ..., runahead_misses: _Optional[int] = ..., target_busy_fraction: _Optional[float] = ..., pipeline: _Optional[bool] = ..., prefilling_requests: _Optional[int] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p90_seconds: _Optional[float] = ..., itl_p50_seconds: _Optional[float] = ..., itl_p90_seconds: _Optional[float] = ..., prefill_p50_seconds: _Optional[float] = ..., prefix_hits: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
 
 class DrafterStatus(_message.Message):
-    __slots__ = ("name", "address", "state", "calls", "errors", "mean_latency_seconds", "assigned_requests", "in_flight", "restarts")
+    __slots__ = ("name", "address", "state", "calls", "errors", "mean_latency_seconds", "assigned_requests", "in_flight", "restarts", "node")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +255,7 @@ class DrafterStatus(_message.Message):
     ASSIGNED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     state: str
@@ -262,7 +265,8 @@ class DrafterStatus(_message.Message):
     assigned_requests: int
     in_flight: int
     restarts: int
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., calls: _Optional[int] = ..., errors: _Optional[int] = ..., mean_latency_seconds: _Optional[float] = ..., assigned_requests: _Optional[int] = ..., in_flight: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...
+    node: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., calls: _Optional[int] = ..., errors: _Optional[int] = ..., mean_latency_seconds: _Optional[float] = ..., assigned_requests: _Optional[int] = ..., in_flight: _Optional[int] = ..., restarts: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("active_requests", "waiting_requests", "used_slots", "total_slots", "steps", "tokens_generated", "drafter_failures", "model", "drafter", "forward_calls", "replicas", "drafters", "failed")

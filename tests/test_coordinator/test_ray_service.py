@@ -51,6 +51,9 @@ def test_greedy_through_ray_and_grpc_equals_the_core(ray_service):
         assert final.speculation.accepted_tokens > 0
         status = stub.Status(generation_pb2.StatusRequest(), timeout=10)
         assert status.used_slots == 0 and status.drafter == "prompt-lookup"
+        # Embedded: everything on this one loopback node, named in Status.
+        assert [r.node for r in status.replicas] == ["127.0.0.1"]
+        assert [d.node for d in status.drafters] == ["127.0.0.1"]
 
 
 def test_killing_the_drafter_actor_mid_stream_keeps_the_tokens(ray_service):

@@ -232,3 +232,34 @@ def test_an_unauthenticated_message_is_refused_before_it_is_received():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_drafter_over_tls_serves_a_client_trusting_its_certificate_only():
+    pytest.importorskip("cryptography")
+    from target_worker.tls import CHANNEL_HOSTNAME, generate_certificate
+
+    cert, key = generate_certificate()
+    other, _ = generate_certificate()
+    history = [1, 2, 3, 1, 2, 3, 1]
+
+    async def main():
+        server, port = await start_drafter_server(lookup(), host="127.0.0.1", secret=SECRET,
+                                                  tls=(cert, key))
+        address = f"127.0.0.1:{port}"
+        try:
+            trusted = grpc.ssl_channel_credentials(root_certificates=cert)
+            async with DrafterClient(address, timeout_s=5, secret=SECRET,
+                                     channel_credentials=trusted,
+                                     tls_server_name=CHANNEL_HOSTNAME) as client:
+                (block,) = await client.propose([ProposeJob("r", history, 4)])
+                assert block == lookup().propose(history, None, 4) and len(block) > 0
+            for credentials in (grpc.ssl_channel_credentials(root_certificates=other), None):
+                async with DrafterClient(address, timeout_s=5, secret=SECRET,
+                                         channel_credentials=credentials,
+                                         tls_server_name=CHANNEL_HOSTNAME) as client:
+                    with pytest.raises(DrafterUnavailable):  # wrong certificate / plaintext
+                        await client.propose([ProposeJob("r", history, 4)])
+        finally:
+            await server.stop(None)
+
+    run(main())

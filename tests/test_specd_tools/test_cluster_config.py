@@ -30,3 +30,16 @@ def test_a_gpu_node_type_fits_a_smollm2_tp3_replica_on_one_node():
     config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
     gpus = [t.get("resources", {}).get("GPU", 0) for t in config["available_node_types"].values()]
     assert max(gpus) >= 3
+
+
+def test_the_placement_resources_named_in_the_readme_are_offered():
+    # `specd serve --target-resource specd_target --drafter-resource specd_drafter`: every GPU
+    # node type offers one specd_target per GPU, the head the drafters' resource.
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    types = config["available_node_types"]
+    assert types[config["head_node_type"]]["resources"].get("specd_drafter", 0) >= 1
+    for name, node in types.items():
+        resources = node.get("resources", {})
+        if name != config["head_node_type"]:
+            assert resources.get("specd_target", 0) == resources.get("GPU", 1), name
+    assert "--target-resource specd_target" in (ROOT / "README.md").read_text()

@@ -71,15 +71,16 @@ def test_specd_status_prints_a_table_and_json(served, capsys):
     table = capsys.readouterr().out
     assert f"model {MODEL}" in table
     header = next(line for line in table.splitlines() if line.startswith("replica"))
-    assert header.split()[:3] == ["replica", "state", "tp"]
+    assert header.split()[:4] == ["replica", "node", "state", "tp"]
     row = table.splitlines()[table.splitlines().index(header) + 1].split()
-    assert row[1] == "serving"
+    assert row[1:3] == ["127.0.0.1", "serving"]  # embedded: everything on this node
     assert any(line.startswith("drafter ") and "calls" in line for line in table.splitlines())
 
     assert cli.main(["status", "--server", address, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["model"] == MODEL and len(data["replicas"]) == 1
     assert data["replicas"][0]["state"] == "serving" and "tokens_per_second" in data["replicas"][0]
+    assert data["replicas"][0]["node"] == "127.0.0.1" == data["drafters"][0]["node"]
     assert {"active_requests", "waiting_requests", "drafters"} <= set(data)
 
 

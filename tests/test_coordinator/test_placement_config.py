@@ -1,0 +1,32 @@
+"""Placement and channel-TLS settings are checked before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.service import Service, ServiceConfig
+from specd_tools.cli import build_parser
+
+MODEL = "tiny-random:vocab=64,seed=0,layers=2"
+
+
+@pytest.mark.parametrize("field,value", [("target_resource", ""), ("drafter_resource", " "),
+                                         ("target_resource", 3), ("channel_tls", "maybe")])
+def test_bad_placement_or_tls_settings_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        Service(ServiceConfig(model=MODEL, **{field: value}))
+
+
+def test_channel_tls_is_on_for_a_cluster_and_off_embedded_by_default():
+    assert not ServiceConfig().tls_channels
+    assert ServiceConfig(address="auto").tls_channels
+    assert not ServiceConfig(address="auto", channel_tls="off").tls_channels
+    assert ServiceConfig(channel_tls="on").tls_channels
+
+
+def test_serve_takes_the_placement_flags():
+    args = build_parser().parse_args(["serve", "--address", "auto", "--target-resource",
+                                      "specd_target", "--drafter-resource", "specd_drafter",
+                                      "--channel-tls", "off"])
+    assert (args.target_resource, args.drafter_resource, args.channel_tls) == (
+        "specd_target", "specd_drafter", "off")

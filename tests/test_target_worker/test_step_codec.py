@@ -1,0 +1,158 @@
+"""The channel's data format: every step type round-trips bit-exactly, and a message that does
+not follow the format (another version, a wrong type or size, trailing bytes, msgpack
+extensions, a pickle) is refused before anything is built from it."""
+
+from __future__ import annotations
+
+import pickle
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from specd_core.rule import GreedyRows, ProbRows, SparseProbRows
+from specd_core.sampling import SamplingParams
+from specd_core.step import PrefillItem, StepOutput, VerifyItem
+from target_worker.engine import SlotsExhausted
+from target_worker.step_codec import (
+    WIRE_VERSION,
+    WireError,
+    decode_call,
+    decode_reply,
+    encode_call,
+    encode_error,
+    encode_result,
+)
+
+
+def joined(chunks) -> bytes:
+    return b"".join(bytes(memoryview(c)) for c in chunks)
+
+
+def message(payload, buffers=(), version=WIRE_VERSION, sizes=None) -> bytes:
+    header = msgpack.packb([version, payload, list(sizes if sizes is not None else
+                                                   [len(b) for b in buffers])])
+    return len(header).to_bytes(4, "little") + header + b"".join(buffers)
+
+
+SAMPLING = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05,
+                          repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.5)
+
+
+def test_calls_round_trip():
+    prefill = [PrefillItem(slot=2, tokens=[1, 2, 3], sampling=SAMPLING, want_hidden=True,
+                           start_pos=4, offset=1, last=False),
+               PrefillItem(slot=0, tokens=[np.int64(9)], sampling=SamplingParams())]
+    verify = [VerifyItem(slot=1, start_pos=7, tokens=[5, 6], sampling=SAMPLING,
+                         want_hidden=True)]
+    assert decode_call(joined(encode_call("prefill", (prefill,)))) == (
+        "prefill", ([prefill[0], PrefillItem(0, [9], SamplingParams())],))
+    assert decode_call(joined(encode_call("verify", (verify,)))) == ("verify", (verify,))
+    # One step mixes verify blocks and prompt chunks (chunked prefill).
+    mixed = [verify[0], prefill[0]]
+    assert decode_call(joined(encode_call("verify", (mixed,)))) == ("verify", (mixed,))
+    assert decode_call(joined(encode_call("allocate", ()))) == ("allocate", ())
+    assert decode_call(joined(encode_call("allocate_prefix", ([1, 2],)))) == (
+        "allocate_prefix", ([1, 2],))
+    assert decode_call(joined(encode_call("free", (3,)))) == ("free", (3,))
+    assert decode_call(joined(encode_call("shutdown", ()))) == ("shutdown", ())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_outputs_round_trip_bit_exactly(dtype):
+    dense = torch.softmax(torch.randn(3, 50), -1)
+    sparse = SparseProbRows.from_dense(torch.where(dense > 0.03, dense, 0.0))
+    outputs = [StepOutput(GreedyRows((1, 2, 3)), torch.randn(3, 8).to(dtype)),
+               StepOutput(ProbRows(dense), None),
+               StepOutput(sparse, torch.empty(0, 8, dtype=dtype)),
+               StepOutput(None, None)]
+    got = decode_reply("verify", joined(encode_result("verify", outputs)))
+    assert got[0].rows == outputs[0].rows and got[0].hidden.dtype == dtype
+    assert got[0].hidden.equal(outputs[0].hidden)
+    assert got[1].rows.probs.equal(dense) and got[1].hidden is None
+    for name in ("offsets", "token_ids", "probs"):
+        a, b = getattr(got[2].rows, name), getattr(sparse, name)
+        assert a.dtype == b.dtype and np.array_equal(a, b) and a.flags.writeable
+    assert got[2].rows.vocab_size == 50 and got[2].hidden.shape == (0, 8)
+    assert got[3] == StepOutput(None, None)
+    assert decode_reply("allocate_prefix", joined(encode_result("allocate_prefix", (3, 0)))) \
+        == (3, 0)
+    assert decode_reply("free", joined(encode_result("free", None))) is None
+
+
+def test_errors_arrive_as_their_type_or_runtime_error():
+    with pytest.raises(SlotsExhausted, match="all 4"):
+        decode_reply("allocate", joined(encode_error(SlotsExhausted("all 4 slots"))))
+    with pytest.raises(ValueError, match="bad slot"):
+        decode_reply("verify", joined(encode_error(ValueError("bad slot"))))
+
+    class Custom(KeyError):
+        pass
+
+    with pytest.raises(KeyError, match="Custom"):  # the nearest listed base, named
+        decode_reply("free", joined(encode_error(Custom("x"))))
+    with pytest.raises(RuntimeError, match="SystemExit"):
+        decode_reply("free", message([0, "SystemExit", "bye"]))
+
+
+def test_encoding_refuses_what_the_format_does_not_carry():
+    with pytest.raises(TypeError):
+        encode_call("verify", ([{"slot": 1}],))
+    with pytest.raises(TypeError):
+        encode_result("verify", [StepOutput(GreedyRows((1,)), torch.zeros(2, dtype=torch.float64))])
+    with pytest.raises(TypeError):
+        encode_result("allocate", "0")
+    with pytest.raises(ValueError):
+        encode_call("free", ())
+    with pytest.raises(ValueError):
+        encode_call("shutdown", (1,))
+
+
+VERIFY = [1, 1, 7, [5, 6], [0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0], False]
+
+
+@pytest.mark.parametrize("body", [
+    message(["verify", [VERIFY]], version=2),                        # another version
+    message(["verify", [VERIFY]]) + b"x",                             # trailing bytes
+    message(["verify", [[1, True, 7, [5], VERIFY[4], False]]]),       # a bool slot
+    message(["verify", [[1, 1, 7, [5.0], VERIFY[4], False]]]),        # a float token
+    message(["verify", [[1, 1, 7, [5], VERIFY[4], 0]]]),              # an int want_hidden
+    message(["verify", [[1, 1, 7, [5], [0.0, 0, 1.0, 0.0, 1.0, 0.0], False]]]),  # 6 fields
+    message(["verify", [[1, 1, 7, [5], [-1.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0], False]]]),  # temp
+    message(["verify", [[1, 1, 7, [5], [0.0, False, 1.0, 0.0, 1.0, 0.0, 0.0], False]]]),
+    message(["verify", [VERIFY[:5]]]),                                 # a missing field
+    message(["verify", [[2, *VERIFY[1:]]]]),                           # an unknown kind
+    message(["verify", [[True, *VERIFY[1:]]]]),                        # a bool kind
+    message(["verify", {"items": []}]),                               # a map
+    message(["allocate", 1]),                                         # args for allocate
+    message(["shutdown", 1]),                                         # args for unknown
+    message([7]),                                                     # no method name
+    b"\x00\x00",                                                      # no header length
+    (10).to_bytes(4, "little") + b"\xc1" * 10,                        # not msgpack
+    message(["free", msgpack.ExtType(1, b"x")]),                      # an extension type
+    message(["free", 1], sizes=[5]),                                  # buffers beyond it
+    pickle.dumps(("allocate", ())),                                   # a pickle
+])
+def test_malformed_calls_are_refused(body):
+    with pytest.raises(WireError):
+        decode_call(body)
+
+
+TENSOR_OK = ["float32", [2, 2], 0]
+
+
+@pytest.mark.parametrize("rows,buffers", [
+    ([1, ["float64", [2, 2], 0]], [b"\0" * 32]),                      # a dtype not carried
+    ([1, ["float32", [2, 3], 0]], [b"\0" * 16]),                      # size != shape
+    ([1, ["float32", [-1, 4], 0]], [b"\0" * 16]),                     # negative dim
+    ([1, ["float32", [2, 2], 1]], [b"\0" * 16]),                      # no such buffer
+    ([1, ["float32", [16], 0]], [b"\0" * 64]),                        # not 2-D probs
+    ([2, ["int64", [2], 0], ["int32", [1], 1], ["float32", [1], 2], 10],
+     [np.array([0, 3], "<i8").tobytes(), np.array([1], "<i4").tobytes(),
+      np.array([1.0], "<f4").tobytes()]),                             # offsets past the ids
+    ([9, 1], []),                                                     # unknown rows kind
+])
+def test_malformed_outputs_are_refused(rows, buffers):
+    with pytest.raises(WireError):
+        decode_reply("verify", message([1, [[rows, None]]], buffers))
