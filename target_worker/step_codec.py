@@ -15,14 +15,17 @@ Payloads (positional lists; ``tokens`` are lists of ints, ``sampling`` a `Sampli
 - a call: ``[method, *args]`` for ``allocate`` (no args), ``allocate_prefix`` (tokens),
   ``free`` (slot), ``prefill`` and ``verify`` (each a list of items, either kind in one
   step: a `PrefillItem` as ``[0, slot, tokens, sampling, want_hidden, start_pos, offset,
-  last]``, a `VerifyItem` as ``[1, slot, start_pos, tokens, sampling, want_hidden]``);
+  last, logprobs, prompt_logprobs, next_token]``, a `VerifyItem` as ``[1, slot, start_pos,
+  tokens, sampling, want_hidden, logprobs]``; the last three / one are ints or None);
   `SamplingParams` is ``[temperature, top_k,
   top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty]``. Any other method
   name travels with no arguments (the server refuses it by name).
 - a result: ``[1, value]``: an int (allocate), ``[slot, reused]`` (allocate_prefix), None
-  (free) or a list of `StepOutput` as ``[rows, hidden]`` (prefill, verify), where rows are
-  None, ``[0, argmax ints]`` (`GreedyRows`), ``[1, tensor]`` (`ProbRows`) or ``[2, offsets,
-  token_ids, probs, vocab_size]`` (`SparseProbRows`) and hidden is None or a tensor.
+  (free) or a list of `StepOutput` as ``[rows, hidden, logprobs]`` (prefill, verify), where
+  rows are None, ``[0, argmax ints]`` (`GreedyRows`), ``[1, tensor]`` (`ProbRows`) or ``[2,
+  offsets, token_ids, probs, vocab_size]`` (`SparseProbRows`), hidden is None or a tensor,
+  and logprobs None or ``[top_ids, top_logprobs, offsets, token_ids, logprobs, full or
+  None]`` arrays (`specd_core.logprobs.RowLogprobs`).
 - an error: ``[0, type name, message]``; the client raises `ERRORS` [name] (RuntimeError for
   a name not listed) with the message.
 
@@ -41,6 +44,7 @@ import msgpack
 import numpy as np
 import torch
 
+from specd_core.logprobs import RowLogprobs
 from specd_core.rule import GreedyRows, ProbRows, SparseProbRows
 from specd_core.sampling import SamplingParams
 from specd_core.step import PrefillItem, StepOutput, VerifyItem
@@ -54,7 +58,8 @@ __all__ = ["ERRORS", "METHODS", "WIRE_VERSION", "WireError", "decode_call", "dec
            "encode_call", "encode_error", "encode_result"]
 
 #: Bumped on any change to the layout above; a peer on another version is refused.
-WIRE_VERSION = 1
+#: 2: log probabilities (item fields and `StepOutput.logprobs`).
+WIRE_VERSION = 2
 #: The calls this format knows.
 METHODS = ("allocate", "allocate_prefix", "free", "prefill", "verify")
 #: Exception types an error reply may name (anything else arrives as RuntimeError).
@@ -127,7 +132,17 @@ class _Encoder:
     def output(self, out) -> list:
         if type(out) is not StepOutput:
             raise TypeError(f"the replica channel cannot encode a {type(out).__name__}")
-        return [self.rows(out.rows), None if out.hidden is None else self.tensor(out.hidden)]
+        return [self.rows(out.rows), None if out.hidden is None else self.tensor(out.hidden),
+                self.logprobs(out.logprobs)]
+
+    def logprobs(self, lp) -> list | None:
+        if lp is None:
+            return None
+        if type(lp) is not RowLogprobs:
+            raise TypeError(f"the replica channel cannot encode a {type(lp).__name__}")
+        return [self.array(lp.top_ids), self.array(lp.top_logprobs), self.array(lp.offsets),
+                self.array(lp.token_ids), self.array(lp.logprobs),
+                None if lp.full is None else self.array(lp.full)]
 
     def finish(self, payload) -> list:
         sizes = [memoryview(b).nbytes for b in self.buffers]
@@ -147,10 +162,11 @@ def _item(item) -> list:
     kind = type(item)
     if kind is PrefillItem:
         return [_PREFILL, item.slot, item.tokens, _sampling(item.sampling), item.want_hidden,
-                item.start_pos, item.offset, item.last]
+                item.start_pos, item.offset, item.last, item.logprobs, item.prompt_logprobs,
+                item.next_token]
     if kind is VerifyItem:
         return [_VERIFY, item.slot, item.start_pos, item.tokens, _sampling(item.sampling),
-                item.want_hidden]
+                item.want_hidden, item.logprobs]
     raise TypeError(f"the replica channel cannot encode a {kind.__name__}")
 
 
@@ -332,9 +348,27 @@ class _Decoder:
         raise WireError(f"unknown rows kind {kind!r}")
 
     def output(self, value) -> StepOutput:
-        rows, hidden = _list(value, "step output", 2)
+        rows, hidden, logprobs = _list(value, "step output", 3)
         return StepOutput(self.rows(rows),
-                          None if hidden is None else self.tensor(hidden, "hidden"))
+                          None if hidden is None else self.tensor(hidden, "hidden"),
+                          self.logprobs(logprobs))
+
+    def logprobs(self, value) -> RowLogprobs | None:
+        if value is None:
+            return None
+        top_ids, top, offsets, ids, values, full = _list(value, "logprobs", 6)
+        top_ids, top = self.array(top_ids, "top_ids"), self.array(top, "top_logprobs")
+        offsets, ids = self.array(offsets, "offsets"), self.array(ids, "token_ids")
+        values = self.array(values, "logprobs")
+        full = None if full is None else self.array(full, "full")
+        n = offsets.shape[0] - 1 if offsets.ndim == 1 else -1
+        if top_ids.ndim != 2 or top.shape != top_ids.shape or top_ids.shape[0] != n or \
+                ids.ndim != 1 or values.shape != ids.shape or n < 0 or \
+                int(offsets[0]) != 0 or int(offsets[-1]) != ids.shape[0] or \
+                np.any(np.diff(offsets) < 0) or \
+                (full is not None and (full.ndim != 2 or full.shape[0] != n)):
+            raise WireError("log probabilities with inconsistent shapes")
+        return RowLogprobs(top_ids, top, offsets, ids, values, full)
 
 
 def _sampling_from(value, cache: dict) -> SamplingParams:
@@ -353,26 +387,38 @@ def _sampling_from(value, cache: dict) -> SamplingParams:
     return params
 
 
+def _optional_int(value, what: str) -> int | None:
+    if value is not None and type(value) is not int:
+        raise WireError(f"{what} must be an int or None, got {type(value).__name__}")
+    return value
+
+
 def _item_from(value, cache: dict) -> PrefillItem | VerifyItem:
-    """A `PrefillItem` (``[0, slot, tokens, sampling, want_hidden, start_pos, offset, last]``)
-    or a `VerifyItem` (``[1, slot, start_pos, tokens, sampling, want_hidden]``)."""
+    """A `PrefillItem` (``[0, slot, tokens, sampling, want_hidden, start_pos, offset, last,
+    logprobs, prompt_logprobs, next_token]``) or a `VerifyItem` (``[1, slot, start_pos,
+    tokens, sampling, want_hidden, logprobs]``)."""
     if type(value) is not list or not value:
         raise WireError("an item is a non-empty list")
     kind = value[0]
-    if kind == _VERIFY and type(kind) is int and len(value) == 6:
-        _, slot, start_pos, tokens, sampling, want_hidden = value
+    if kind == _VERIFY and type(kind) is int and len(value) == 7:
+        _, slot, start_pos, tokens, sampling, want_hidden, logprobs = value
         if type(slot) is not int or type(start_pos) is not int or type(want_hidden) is not bool:
             raise WireError("verify item: slot and start_pos must be ints, want_hidden a bool")
         return VerifyItem(slot, start_pos, _tokens(tokens, "tokens"),
-                          _sampling_from(sampling, cache), want_hidden)
-    if kind == _PREFILL and type(kind) is int and len(value) == 8:
-        _, slot, tokens, sampling, want_hidden, start_pos, offset, last = value
+                          _sampling_from(sampling, cache), want_hidden,
+                          _optional_int(logprobs, "logprobs"))
+    if kind == _PREFILL and type(kind) is int and len(value) == 11:
+        (_, slot, tokens, sampling, want_hidden, start_pos, offset, last, logprobs,
+         prompt_logprobs, next_token) = value
         if type(slot) is not int or type(start_pos) is not int or type(offset) is not int or \
                 type(want_hidden) is not bool or type(last) is not bool:
             raise WireError("prefill item: slot, start_pos and offset must be ints, "
                             "want_hidden and last bools")
         return PrefillItem(slot, _tokens(tokens, "tokens"), _sampling_from(sampling, cache),
-                           want_hidden, start_pos, offset, last)
+                           want_hidden, start_pos, offset, last,
+                           _optional_int(logprobs, "logprobs"),
+                           _optional_int(prompt_logprobs, "prompt_logprobs"),
+                           _optional_int(next_token, "next_token"))
     raise WireError(f"an item of unknown kind {kind!r} or with {len(value) - 1} fields")
 
 

@@ -81,6 +81,32 @@ def test_outputs_round_trip_bit_exactly(dtype):
     assert decode_reply("free", joined(encode_result("free", None))) is None
 
 
+def test_log_probabilities_round_trip_and_bad_shapes_are_refused():
+    from specd_core.logprobs import RowLogprobs
+
+    items = [PrefillItem(slot=0, tokens=[1, 2], sampling=SAMPLING, logprobs=2,
+                         prompt_logprobs=3, next_token=7, last=False),
+             VerifyItem(slot=1, start_pos=3, tokens=[4], sampling=SAMPLING, logprobs=0)]
+    assert decode_call(joined(encode_call("verify", (items,)))) == ("verify", (items,))
+    lp = RowLogprobs(np.array([[3, 1], [0, 2]], np.int32),
+                     np.array([[-0.1, -2.0], [-0.5, -1.5]], np.float32),
+                     np.array([0, 1, 3], np.int64), np.array([3, 0, 4], np.int32),
+                     np.array([-0.1, -0.5, -4.0], np.float32))
+    dense = RowLogprobs(lp.top_ids, lp.top_logprobs, lp.offsets, lp.token_ids, lp.logprobs,
+                        np.log(np.full((2, 5), 0.2, np.float32)))
+    got = decode_reply("verify", joined(encode_result("verify", [
+        StepOutput(GreedyRows((3, 0)), None, lp), StepOutput(None, None, dense)])))
+    for a, b in ((got[0].logprobs, lp), (got[1].logprobs, dense)):
+        for name in ("top_ids", "top_logprobs", "offsets", "token_ids", "logprobs"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert got[0].logprobs.full is None and np.array_equal(got[1].logprobs.full, dense.full)
+    # Offsets past the listed tokens: refused, never indexed.
+    bad = RowLogprobs(lp.top_ids, lp.top_logprobs, np.array([0, 1, 9], np.int64),
+                      lp.token_ids, lp.logprobs)
+    with pytest.raises(WireError, match="inconsistent"):
+        decode_reply("verify", joined(encode_result("verify", [StepOutput(None, None, bad)])))
+
+
 def test_errors_arrive_as_their_type_or_runtime_error():
     with pytest.raises(SlotsExhausted, match="all 4"):
         decode_reply("allocate", joined(encode_error(SlotsExhausted("all 4 slots"))))
