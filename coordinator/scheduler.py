@@ -308,6 +308,11 @@ class Scheduler:
         self.drafter_latency_s: float | None = None
         #: Share of run-aheads that were used (EMA over request-steps; pipelined).
         self.runahead_hit_rate = 0.5
+        #: Send each finished request's output to the drafter's cross-request cache
+        #: (``drafter.remember``; `DrafterInfo.remembers_outputs`, suffix decoding).
+        self.remember_outputs = False
+        #: Drafter releases in flight (`settle_drafter` waits for them).
+        self._releasing: set[asyncio.Task] = set()
 
     # ---- public ----
 
@@ -547,6 +552,8 @@ class Scheduler:
                 accepted_before = req.decode.result.accepted_tokens
                 req.decode.on_verify(draft, out.rows, out.hidden)
                 accepted = req.decode.result.accepted_tokens - accepted_before
+                if req.adaptive is not None:
+                    req.adaptive.tick()
                 if self.pipeline:
                     if req.adaptive is not None and (len(draft) or req in chose_none):
                         req.adaptive.tracker.record(len(draft), accepted)
@@ -704,7 +711,20 @@ class Scheduler:
         blocks = await self._call_drafter([requests[i] for i in where], jobs)
         for i, job, block in zip(where, jobs, blocks, strict=True):
             drafts[i] = block.truncate(job.max_len)
+            self._record_call(requests[i], len(block) > 0)
         return drafts
+
+    def _record_call(self, req: ServiceRequest, proposed: bool) -> None:
+        """Tells ``req``'s adaptive policy whether a drafter call proposed anything, and
+        what a call costs: the drafter's mean call time over a step's modelled cost (dry
+        calls back off where that share is not negligible:
+        `AdaptiveDraftLength.record_call`)."""
+        if req.adaptive is None:
+            return
+        share = 0.0
+        if self.drafter_latency_s is not None and self.cost_model is not None:
+            share = self.drafter_latency_s / self.cost_model.cost(max(1, len(self.active)))
+        req.adaptive.record_call(proposed, share)
 
     async def _call_drafter(self, requests: list[ServiceRequest], jobs: list,
                             after: set[asyncio.Future] | None = None) -> list[DraftBlock]:
@@ -790,12 +810,14 @@ class Scheduler:
                 req.ahead = None
                 self.stats.runahead_hits += 1
                 self.runahead_hit_rate += 0.05 * (1.0 - self.runahead_hit_rate)
+                self._record_call(req, True)
                 continue
             self.stats.runahead_misses += 1
             self.runahead_hit_rate -= 0.05 * self.runahead_hit_rate
             if ahead.task.done():
                 req.ahead = None
-                if req.speculate:
+                self._record_call(req, len(ahead.block()) > 0)
+                if req.speculate and not (req.adaptive is not None and req.adaptive.resting()):
                     misses.append(i)
             # else still in flight: this step goes undrafted; the next call for its id
             # waits for it (`_run_ahead`).
@@ -859,6 +881,9 @@ class Scheduler:
             if self.drafter_max_len is not None:
                 budget = min(budget, self.drafter_max_len)
             policy = self._policy(req)
+            if policy is not None and policy.resting():
+                req.chose_no_draft = True  # no run-ahead, and no fresh call next step
+                continue
             k = budget if policy is None or budget <= 0 else policy.choose(
                 budget, None, batch_tokens=fed - 1)
             if k <= 0:
@@ -890,6 +915,8 @@ class Scheduler:
         if budget <= 0:
             return None
         policy = self._policy(req)
+        if policy is not None and policy.resting():
+            return None
         if policy is not None:
             budget = policy.next_len(budget, self.drafter_max_len, batch_tokens=step_tokens - 1)
             if budget <= 0:
@@ -964,14 +991,29 @@ class Scheduler:
         if self.drafter is not None:
             pending = req.ahead.task if req.ahead is not None else None
             req.ahead = None
-            asyncio.get_running_loop().create_task(self._release_drafter(req.id, pending))
+            output = list(req.decode.generated) if self.remember_outputs else None
+            task = asyncio.get_running_loop().create_task(
+                self._release_drafter(req.id, pending, output))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
 
-    async def _release_drafter(self, request_id: str, pending: asyncio.Future | None) -> None:
+    async def settle_drafter(self) -> None:
+        """Waits until every drafter release in flight (and the output it sends to a
+        cross-request cache) is done: the in-process path's end, so the next request's
+        drafter sees this one's output."""
+        if self._releasing:
+            await asyncio.wait(set(self._releasing))
+
+    async def _release_drafter(self, request_id: str, pending: asyncio.Future | None,
+                               output: list[int] | None = None) -> None:
         """Tells the drafter to forget ``request_id``, after its call in flight (a release
-        that overtook it would leave state the call then re-creates)."""
+        that overtook it would leave state the call then re-creates); ``output``: the
+        request's tokens for the drafter's cross-request cache (`remember_outputs`)."""
         if pending is not None and not pending.done():
             await asyncio.wait({pending})
         await self.drafter.release([request_id])
+        if output:
+            await self.drafter.remember([output])
 
     async def _drop_cancelled(self) -> None:
         for req in [r for r in self.active if r.cancelled]:
