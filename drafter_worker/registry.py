@@ -134,9 +134,12 @@ def check_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
                            else max_draft_len)
     if suffix_cache_requests is not None:
         if name not in SUFFIX_DRAFTERS:
-            raise ValueError(f"suffix_cache_requests is for the suffix drafters; drafter "
-                             f"{name!r} keeps no cache")
-        _suffix(name, ngram_size, 1, suffix_cache_requests, cache_nodes=1)
+            raise ValueError(f"suffix_cache_requests: only the suffix drafters keep a "
+                             f"cache; drafter {name!r} keeps none")
+        if isinstance(suffix_cache_requests, bool) or not isinstance(
+                suffix_cache_requests, int) or suffix_cache_requests < 1:
+            raise ValueError(f"suffix_cache_requests must be an int >= 1, got "
+                             f"{suffix_cache_requests!r}")
     if spec.has_head:
         from .eagle import DEFAULT_HEAD
 
