@@ -212,3 +212,38 @@ def test_a_drafter_with_nothing_to_say_is_rarely_asked_where_calls_cost(pipeline
     # step (pipelined: a dry run-ahead, then a fresh call).
     assert calls["fast"] <= 10, calls
     assert calls["slow"] >= n // 2 and calls["fixed"] >= n // 2, calls
+
+
+def test_specd_serve_path_with_two_suffix_drafter_actors():
+    # The `specd serve --drafter suffix --drafters 2 --suffix-cache-requests N` path on an
+    # embedded Ray: drafter actors built with the flag, outputs sent to both.
+    import grpc
+    from service_harness import MODEL
+
+    from coordinator.service import Service, ServiceConfig
+    from specd.v1 import generation_pb2_grpc
+
+    svc = Service(ServiceConfig(model=MODEL, port=0, drafter="suffix", drafters=2,
+                                suffix_cache_requests=50, max_draft_len=6, target_threads=1,
+                                drafter_timeout_s=2.0, adaptive=False))
+    svc.start()
+    try:
+        decoder = load_model(MODEL)[0]
+        prompt = PROMPTS[1]
+        expected = plain_decode(decoder, prompt, 30)
+        with grpc.insecure_channel(svc.address) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            finals = []
+            for _ in range(3):
+                req = request(prompt, max_new=30)
+                tokens, final = [], None
+                for chunk in stub.Generate(req, timeout=120):
+                    tokens.extend(chunk.token_ids)
+                    final = chunk
+                assert tokens == expected
+                finals.append(final)
+        # The last run drafts the earlier runs' output from the global cache (that both
+        # workers hold every output is checked in-process above).
+        assert finals[-1].speculation.accepted_tokens >= 20
+    finally:
+        svc.stop()
