@@ -11,7 +11,8 @@ rotated per request so machine drift hits all systems alike; a drafter object li
 requests, so the suffix drafters' global cache fills as a service's would. The first
 ``--warmup`` requests fill the cache and are not scored. Printed per system: decode tok/s
 (tokens after the first over the time after the first; the ratio to plain is the figure to
-read on a busy machine), tokens per target forward (verification steps), accept rate, and for
+read on a busy machine), tokens per target forward (verification steps), accept rate (overall
+and at the first 8 draft positions), and for
 the suffix drafters the global cache's hit rate (proposals whose draft came from previous
 outputs) and size. Greedy outputs must be identical across systems (checked).
 
@@ -97,8 +98,8 @@ def in_process(args, decoder, tokenizer, prompts: list[list[int]]) -> dict:
     cost = calibrate_for(decoder, repeats=2)
     drafters = {name: _build(name, args.max_draft_len) for name in args.systems}
     stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None) if tokenizer else ()
-    totals = {name: {"tokens": 0, "decode_s": 0.0, "steps": 0, "drafted": 0, "accepted": 0}
-              for name in args.systems}
+    totals = {name: {"tokens": 0, "decode_s": 0.0, "steps": 0, "drafted": 0, "accepted": 0,
+                     "evaluated_at": [], "accepted_at": []} for name in args.systems}
     mismatches = []
     for i, prompt in enumerate(prompts):
         names = list(args.systems)
@@ -123,6 +124,11 @@ def in_process(args, decoder, tokenizer, prompts: list[list[int]]) -> dict:
             row["steps"] += result.verification_steps
             row["drafted"] += result.drafted_tokens
             row["accepted"] += result.accepted_tokens
+            for key, per in (("evaluated_at", result.evaluated_at_position),
+                             ("accepted_at", result.accepted_at_position)):
+                row[key].extend([0] * (len(per) - len(row[key])))
+                for j, v in enumerate(per):
+                    row[key][j] += v
         if len({tuple(v) for v in outs.values()}) > 1:
             mismatches.append(i)
         if args.progress:
@@ -136,6 +142,8 @@ def in_process(args, decoder, tokenizer, prompts: list[list[int]]) -> dict:
             "tokens_per_forward": round(row["tokens"] / row["steps"], 3)
             if row["steps"] else None,
             "accept_rate": round(row["accepted"] / row["drafted"], 3) if row["drafted"] else None,
+            "accept_rate_per_position": [round(a / e, 2) for a, e in zip(
+                row["accepted_at"], row["evaluated_at"], strict=False) if e][:8],
         }
         if plain and plain["decode_s"] and plain["tokens"]:
             entry["vs_plain"] = round(tps / (plain["tokens"] / plain["decode_s"]), 3)

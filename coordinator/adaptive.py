@@ -415,18 +415,19 @@ class AdaptiveDraftLength:
             chain=True)``: a first match drafts a few tokens, and a block that lands grows
             the next one quickly). Never share one between requests.
 
-    Dry drafter calls back off where calls cost: a call that proposed nothing (prompt lookup
-    without a match) makes the request skip the drafter for 1, 2, 4, ... up to `MAX_REST`
-    verified steps (`record_call`, `resting`, `tick`) when the caller says a call costs at
-    least `DRY_CALL_SHARE` of a step, so a drafter with nothing to say costs one call in
-    `MAX_REST` steps instead of one (or, pipelined, two: a dry run-ahead used to be followed
-    by a synchronous fresh call) every step. Any proposal ends the back-off.
+    Dry synchronous drafter calls back off where calls cost: a call that proposed nothing
+    (prompt lookup without a match) makes the request skip the drafter for 1, 2, 4, up to
+    `MAX_REST` verified steps (`record_call`, `resting`, `tick`) when the caller says a call
+    costs at least `DRY_CALL_SHARE` of a step, so a drafter with nothing to say costs about
+    one call in `MAX_REST` steps instead of one every step. Any proposal ends the back-off.
+    (The pipelined scheduler reports only its synchronous calls: a run-ahead overlaps the
+    forward.)
 
     Not thread-safe; one instance per request.
     """
 
     #: The most verified steps a request rests from a drafter that keeps proposing nothing.
-    MAX_REST = 16
+    MAX_REST = 8
     #: A drafter call costing at least this share of a step backs off when dry: a call that
     #: costs 2% of a step, made every step for nothing, alone puts decoding below 0.98x plain.
     DRY_CALL_SHARE = 0.02

@@ -715,9 +715,10 @@ class Scheduler:
         return drafts
 
     def _record_call(self, req: ServiceRequest, proposed: bool) -> None:
-        """Tells ``req``'s adaptive policy whether a drafter call proposed anything, and
-        what a call costs: the drafter's mean call time over a step's modelled cost (dry
-        calls back off where that share is not negligible:
+        """Tells ``req``'s adaptive policy whether a synchronous drafter call (the serial
+        step's, or a fresh one after a run-ahead miss: on the critical path, unlike a
+        run-ahead) proposed anything, and what a call costs: the drafter's mean call time
+        over a step's modelled cost (dry calls back off where that share is not negligible:
         `AdaptiveDraftLength.record_call`)."""
         if req.adaptive is None:
             return
@@ -810,14 +811,17 @@ class Scheduler:
                 req.ahead = None
                 self.stats.runahead_hits += 1
                 self.runahead_hit_rate += 0.05 * (1.0 - self.runahead_hit_rate)
-                self._record_call(req, True)
                 continue
             self.stats.runahead_misses += 1
             self.runahead_hit_rate -= 0.05 * self.runahead_hit_rate
             if ahead.task.done():
                 req.ahead = None
-                self._record_call(req, len(ahead.block()) > 0)
-                if req.speculate and not (req.adaptive is not None and req.adaptive.resting()):
+                # A run-ahead that proposed nothing (adaptive): verified undrafted now, with
+                # no synchronous fresh call (its next run-ahead is on its way). Asking again
+                # at once, on the critical path, is what made prompt lookup slower than plain
+                # decoding on open questions (issue 23).
+                dry = req.adaptive is not None and not len(ahead.block())
+                if req.speculate and not dry:
                     misses.append(i)
             # else still in flight: this step goes undrafted; the next call for its id
             # waits for it (`_run_ahead`).
@@ -881,9 +885,6 @@ class Scheduler:
             if self.drafter_max_len is not None:
                 budget = min(budget, self.drafter_max_len)
             policy = self._policy(req)
-            if policy is not None and policy.resting():
-                req.chose_no_draft = True  # no run-ahead, and no fresh call next step
-                continue
             k = budget if policy is None or budget <= 0 else policy.choose(
                 budget, None, batch_tokens=fed - 1)
             if k <= 0:
