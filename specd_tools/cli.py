@@ -737,8 +737,10 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-draft-len", type=int, default=None,
                    help=f"most drafts per step (default: the cap adaptive chooses under, "
                         f"{lookup.adaptive_draft_len} for prompt lookup; with --no-adaptive "
-                        f"{lookup.draft_len} for prompt lookup; {EAGLE_MAX_DRAFT_LEN} for "
-                        f"EAGLE)")
+                        f"{lookup.draft_len} for prompt lookup; "
+                        f"{drafter_spec('suffix').adaptive_draft_len} / "
+                        f"{drafter_spec('suffix').draft_len} for suffix decoding; "
+                        f"{EAGLE_MAX_DRAFT_LEN} for EAGLE)")
     p.add_argument("--no-adaptive", "--fixed-draft-len", dest="no_adaptive",
                    action="store_true",
                    help="draft --max-draft-len every step instead of choosing the length "
