@@ -255,3 +255,29 @@ def test_specd_serve_path_with_two_suffix_drafter_actors():
         assert finals[-1].speculation.accepted_tokens >= 20
     finally:
         svc.stop()
+
+
+def test_the_pool_sends_finished_outputs_to_every_serving_worker():
+    from coordinator.drafter_pool import DrafterPool
+
+    class Fake:
+        def __init__(self, fail=False):
+            self.got, self.fail, self.stats = [], fail, {}
+
+        async def remember(self, outputs):
+            if self.fail:
+                raise RuntimeError("down")
+            self.got.extend(outputs)
+
+    async def go():
+        pool = DrafterPool()
+        a, b, c, broken = Fake(), Fake(), Fake(), Fake(fail=True)
+        for name, client in (("a", a), ("b", b), ("c", c), ("broken", broken)):
+            pool.add(name, client)
+        pool.members["c"].state = "unhealthy"
+        await pool.remember([[1, 2, 3]])  # a failing member costs nothing to the others
+        await pool.remember([])
+        return a, b, c
+
+    a, b, c = asyncio.run(go())
+    assert a.got == b.got == [[1, 2, 3]] and c.got == []
