@@ -415,8 +415,22 @@ class AdaptiveDraftLength:
             chain=True)``: a first match drafts a few tokens, and a block that lands grows
             the next one quickly). Never share one between requests.
 
+    Dry synchronous drafter calls back off where calls cost: a call that proposed nothing
+    (prompt lookup without a match) makes the request skip the drafter for 1, 2, 4, up to
+    `MAX_REST` verified steps (`record_call`, `resting`, `tick`) when the caller says a call
+    costs at least `DRY_CALL_SHARE` of a step, so a drafter with nothing to say costs about
+    one call in `MAX_REST` steps instead of one every step. Any proposal ends the back-off.
+    (The pipelined scheduler reports only its synchronous calls: a run-ahead overlaps the
+    forward.)
+
     Not thread-safe; one instance per request.
     """
+
+    #: The most verified steps a request rests from a drafter that keeps proposing nothing.
+    MAX_REST = 8
+    #: A drafter call costing at least this share of a step backs off when dry: a call that
+    #: costs 2% of a step, made every step for nothing, alone puts decoding below 0.98x plain.
+    DRY_CALL_SHARE = 0.02
 
     def __init__(self, cost_model: ForwardCostModel, tracker: AcceptanceTracker | None = None):
         self.cost_model = cost_model
@@ -426,6 +440,28 @@ class AdaptiveDraftLength:
         self.chosen: list[int] = []
         #: True between `next_len` and the `update` that reports its step.
         self.awaiting_update = False
+        #: Drafter calls in a row that proposed nothing, and steps left to rest.
+        self.dry_calls = 0
+        self._rest = 0
+
+    def record_call(self, proposed: bool, call_share: float = 1.0) -> None:
+        """Reports one drafter call's outcome: ``proposed`` False (an empty block) starts
+        or lengthens the back-off when ``call_share`` (a call's measured time over a step's,
+        >= 0) is at least `DRY_CALL_SHARE`; True ends it."""
+        if proposed:
+            self.dry_calls, self._rest = 0, 0
+        elif call_share >= self.DRY_CALL_SHARE:
+            self.dry_calls += 1
+            self._rest = min(self.MAX_REST, 2 ** (self.dry_calls - 1))
+
+    def resting(self) -> bool:
+        """Whether the drafter is skipped for this request now (after dry calls)."""
+        return self._rest > 0
+
+    def tick(self) -> None:
+        """One verified step of the request passed (counts down the rest)."""
+        if self._rest > 0:
+            self._rest -= 1
 
     def next_len(self, budget: int, drafter_max: int | None = None, batch_tokens: int = 0) -> int:
         """Drafts to request this step, in ``[0, min(budget, drafter_max)]``; 0 means do not

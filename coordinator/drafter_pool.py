@@ -14,6 +14,9 @@ Supervision: a member whose calls fail ``unhealthy_after`` times in a row is mar
 so the owner (`coordinator.router.Router`) can `stop_worker` it and `replace` it with a fresh
 worker under the same name (its counters carry on).
 
+Cross-request caches (suffix decoding) are **replicated**: `remember` sends every finished
+output to every serving member, so no routing for locality is needed.
+
 Moving a request is always safe: the new drafter's client does not know the id, so its first
 call sends the whole history (``known = 0``), and drafts never change a greedy output (the
 rejection rule keeps sampled outputs distributed as the target's).
@@ -270,6 +273,21 @@ class DrafterPool:
                 by_member.setdefault(member.name, []).append(rid)
         for name, ids in by_member.items():
             await self.members[name].client.release(ids)
+
+    async def remember(self, outputs: Sequence[Sequence[int]]) -> None:
+        """Sends finished outputs to every serving member (best effort, never raises), so
+        each worker's cross-request cache (suffix decoding) holds every request's output
+        whichever worker drafted it: a request's hit rate does not depend on which worker it
+        lands on, and placement stays free for load balancing."""
+        if not outputs:
+            return
+        members = self.serving()
+        results = await asyncio.gather(*(m.client.remember(outputs) for m in members
+                                         if callable(getattr(m.client, "remember", None))),
+                                       return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                log.warning("sending outputs to a drafter failed: %r", result)
 
     # ---- internals ----
 

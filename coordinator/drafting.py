@@ -115,7 +115,21 @@ class DraftingPolicy:
         blocks = await self._call_drafter([requests[i] for i in where], jobs)
         for i, job, block in zip(where, jobs, blocks, strict=True):
             drafts[i] = block.truncate(job.max_len)
+            self._record_call(requests[i], len(block) > 0)
         return drafts
+
+    def _record_call(self, req: ServiceRequest, proposed: bool) -> None:
+        """Tells ``req``'s adaptive policy whether a synchronous drafter call (the serial
+        step's, or a fresh one after a run-ahead miss: on the critical path, unlike a
+        run-ahead) proposed anything, and what a call costs: the drafter's mean call time
+        over a step's modelled cost (dry calls back off where that share is not negligible:
+        `AdaptiveDraftLength.record_call`)."""
+        if req.adaptive is None:
+            return
+        share = 0.0
+        if self.drafter_latency_s is not None and self.cost_model is not None:
+            share = self.drafter_latency_s / self.cost_model.cost(max(1, len(self.active)))
+        req.adaptive.record_call(proposed, share)
 
     async def _call_drafter(self, requests: list[ServiceRequest], jobs: list,
                             after: set[asyncio.Future] | None = None) -> list[DraftBlock]:
@@ -206,7 +220,12 @@ class DraftingPolicy:
             self.runahead_hit_rate -= 0.05 * self.runahead_hit_rate
             if ahead.task.done():
                 req.ahead = None
-                if req.speculate:
+                # A run-ahead that proposed nothing (adaptive): verified undrafted now, with
+                # no synchronous fresh call (its next run-ahead is on its way). Asking again
+                # at once, on the critical path, is what made prompt lookup slower than plain
+                # decoding on open questions (issue 23).
+                dry = req.adaptive is not None and not len(ahead.block())
+                if req.speculate and not dry:
                     misses.append(i)
             # else still in flight: this step goes undrafted; the next call for its id
             # waits for it (`_run_ahead`).
@@ -301,6 +320,8 @@ class DraftingPolicy:
         if budget <= 0:
             return None
         policy = self._policy(req)
+        if policy is not None and policy.resting():
+            return None
         if policy is not None:
             budget = policy.next_len(budget, self.drafter_max_len, batch_tokens=step_tokens - 1)
             if budget <= 0:

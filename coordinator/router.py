@@ -508,6 +508,8 @@ class Router:
         self.wants_hidden = False
         #: The drafter's own cap on one proposal (its `DrafterInfo`), None until known.
         self.drafter_max_len: int | None = None
+        #: The drafter keeps a cross-request cache: finished outputs go to every worker.
+        self.remember_outputs = False
         self._ids = itertools.count()
         self._replica_names = itertools.count()
         self._drafter_names = itertools.count()
@@ -708,10 +710,12 @@ class Router:
                 info = await self.pool.info()
                 self.wants_hidden = info.wants_hidden
                 self.drafter_max_len = info.max_draft_len or None
+                self.remember_outputs = info.remembers_outputs
                 self._hidden_known = True
                 for replica in self.replicas.values():
                     replica.scheduler.wants_hidden = self.wants_hidden
                     replica.scheduler.drafter_max_len = self.drafter_max_len
+                    replica.scheduler.remember_outputs = self.remember_outputs
         elif want < len(have):
             leaving = sorted(have, key=lambda m: (m.state == "serving", len(m.assigned),
                                                   m.in_flight))[:len(have) - want]
@@ -772,6 +776,7 @@ class Router:
                                      chunking=self.chunking,
                                      prefix_caching=self.prefix_caching)
         scheduler.drafter_max_len = self.drafter_max_len
+        scheduler.remember_outputs = self.remember_outputs
         return metered, scheduler
 
     def _add_replica(self, name: str, target: Target, stop, info: dict) -> Replica:

@@ -282,6 +282,11 @@ class Scheduler(DraftingPolicy):
         self.drafter_latency_s: float | None = None
         #: Share of run-aheads that were used (EMA over request-steps; pipelined).
         self.runahead_hit_rate = 0.5
+        #: Send each finished request's output to the drafter's cross-request cache
+        #: (``drafter.remember``; `DrafterInfo.remembers_outputs`, suffix decoding).
+        self.remember_outputs = False
+        #: Drafter releases in flight (`settle_drafter` waits for them).
+        self._releasing: set[asyncio.Task] = set()
 
     # ---- public ----
 
@@ -529,6 +534,8 @@ class Scheduler(DraftingPolicy):
                 accepted_before = req.decode.result.accepted_tokens
                 req.decode.on_verify(draft, out.rows, out.hidden, out.logprobs)
                 accepted = req.decode.result.accepted_tokens - accepted_before
+                if req.adaptive is not None:
+                    req.adaptive.tick()
                 if self.pipeline:
                     if req.adaptive is not None and (len(draft) or req in chose_none):
                         req.adaptive.tracker.record(len(draft), accepted)
@@ -715,14 +722,29 @@ class Scheduler(DraftingPolicy):
         if self.drafter is not None:
             pending = req.ahead.task if req.ahead is not None else None
             req.ahead = None
-            asyncio.get_running_loop().create_task(self._release_drafter(req.id, pending))
+            output = list(req.decode.generated) if self.remember_outputs else None
+            task = asyncio.get_running_loop().create_task(
+                self._release_drafter(req.id, pending, output))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
 
-    async def _release_drafter(self, request_id: str, pending: asyncio.Future | None) -> None:
+    async def settle_drafter(self) -> None:
+        """Waits until every drafter release in flight (and the output it sends to a
+        cross-request cache) is done: the in-process path's end, so the next request's
+        drafter sees this one's output."""
+        if self._releasing:
+            await asyncio.wait(set(self._releasing))
+
+    async def _release_drafter(self, request_id: str, pending: asyncio.Future | None,
+                               output: list[int] | None = None) -> None:
         """Tells the drafter to forget ``request_id``, after its call in flight (a release
-        that overtook it would leave state the call then re-creates)."""
+        that overtook it would leave state the call then re-creates); ``output``: the
+        request's tokens for the drafter's cross-request cache (`remember_outputs`)."""
         if pending is not None and not pending.done():
             await asyncio.wait({pending})
         await self.drafter.release([request_id])
+        if output:
+            await self.drafter.remember([output])
 
     async def _drop_cancelled(self) -> None:
         for req in [r for r in self.active if r.cancelled]:

@@ -44,6 +44,9 @@ class ServiceConfig:
         address: a Ray address to join (``"auto"`` or ``HOST:PORT``); None embeds a local Ray.
         drafter: ``"prompt-lookup"``, ``"eagle"``, ``"eagle+lookup"`` or ``"none"``.
         drafter_path: the EAGLE head file (None: the head shipped for SmolLM2).
+        suffix_cache_requests: ``--drafter suffix`` / ``suffix+lookup``: previous outputs
+            each drafter worker's global cache keeps (None: 10,000); every finished output
+            goes to every drafter worker.
         max_active: requests decoding at once per target replica; the rest wait.
         adaptive: choose each request's draft length per step (`Scheduler` ``adaptive``).
         tp: ranks (tensor-parallel degree) of each target replica.
@@ -98,6 +101,7 @@ class ServiceConfig:
     ngram_size: int = DEFAULT_NGRAM_SIZE
     max_draft_len: int | None = LOOKUP_DRAFT_LEN
     drafter_path: str | None = None
+    suffix_cache_requests: int | None = None
     max_active: int = 32
     adaptive: bool = True
     tp: int = 1
@@ -345,7 +349,7 @@ class CoordinatorActor:
             "resources": {cfg.drafter_resource: 1}}
         actor = DrafterActor.options(num_cpus=0, **placement).remote(
             cfg.drafter, cfg.ngram_size, cfg.max_draft_len, cfg.model, cfg.drafter_path,
-            cfg.drafter_threads or 1)
+            cfg.drafter_threads or 1, suffix_cache_requests=cfg.suffix_cache_requests)
         # Embedded: loopback only. On a cluster the actor may land on another node; it binds
         # there and answers with its own node's address.
         host = "127.0.0.1" if cfg.address is None else "0.0.0.0"
@@ -546,7 +550,7 @@ class Service:
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be a non-empty resource name, got {value!r}")
         check_drafter(config.drafter, config.ngram_size, config.max_draft_len,
-                      config.drafter_path)
+                      config.drafter_path, config.suffix_cache_requests)
         from .router import check_count
 
         check_count("target_replicas", config.target_replicas, 1)

@@ -108,6 +108,7 @@ def speculative_decode_with(
         cost_model=None if adaptive is None else adaptive.cost_model,
         drafter_max_len=None if caps is None else caps.max_draft_len,
         hidden_dtype=torch.float32, pipeline=pipeline)
+    scheduler.remember_outputs = caps is not None and caps.remembers
     req = scheduler.submit(prompt_tokens, options, adaptive=adaptive)
     result: list[SpeculativeDecodeResult] = []
 
@@ -124,7 +125,7 @@ def speculative_decode_with(
 
     async def drive() -> None:
         await scheduler.run_until_idle(after_step=deliver)
-        await asyncio.sleep(0)  # lets the drafter's release task run before the loop closes
+        await scheduler.settle_drafter()  # the drafter's release runs before the loop closes
 
     _run(drive())
     keep = req.decode.cache_len  # the committed length: drop the last step's rejected rows

@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-draft-len", type=int, default=None,
                         help=f"default: {LOOKUP_DRAFT_LEN} for prompt lookup, "
                              f"{EAGLE_MAX_DRAFT_LEN} for EAGLE")
+    parser.add_argument("--suffix-cache-requests", type=int, default=None, metavar="N",
+                        help="suffix drafters: previous outputs the global cache keeps")
     parser.add_argument("--model", default=None,
                         help="EAGLE: the target .gguf whose embeddings it uses (default SmolLM2)")
     parser.add_argument("--drafter-path", default=None,
@@ -65,7 +67,8 @@ async def serve(args: argparse.Namespace) -> None:
                            idle_timeout_s=args.idle_timeout)
     secret = os.environ.get(SECRET_ENV) or None
     drafter = build_drafter(args.drafter, args.ngram_size, args.max_draft_len,
-                            model=args.model, drafter_path=args.drafter_path)
+                            model=args.model, drafter_path=args.drafter_path,
+                            suffix_cache_requests=args.suffix_cache_requests)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -32,7 +32,8 @@ class _DrafterActor:
 
     def __init__(self, drafter: str = "prompt-lookup", ngram_size: int = DEFAULT_NGRAM_SIZE,
                  max_draft_len: int | None = None, model: str | None = None,
-                 drafter_path: str | None = None, num_threads: int = 1):
+                 drafter_path: str | None = None, num_threads: int = 1,
+                 suffix_cache_requests: int | None = None):
         # Its own torch threads (EAGLE's head): beside a target on every step, more would
         # oversubscribe the cores (torch's OpenMP threads spin-wait on a shared core).
         import torch
@@ -40,7 +41,8 @@ class _DrafterActor:
         torch.set_num_threads(num_threads)
         # model / drafter_path: for the EAGLE drafters (the target's embeddings, the head).
         self.drafter = build_drafter(drafter, ngram_size=ngram_size, max_draft_len=max_draft_len,
-                                     model=model, drafter_path=drafter_path)
+                                     model=model, drafter_path=drafter_path,
+                                     suffix_cache_requests=suffix_cache_requests)
         self._server: grpc.aio.Server | None = None
         self._address: str | None = None
 

@@ -108,12 +108,14 @@ def check_jobs(jobs: Sequence[ProposeJob]) -> list[str]:
 
 @dataclass(frozen=True)
 class DrafterInfo:
-    """What the worker serves: its drafter's type name, whether it uses hidden rows, and its
-    longest proposal (0 if it does not say)."""
+    """What the worker serves: its drafter's type name, whether it uses hidden rows, its
+    longest proposal (0 if it does not say), and whether it keeps a cache across requests
+    that wants finished outputs (`remember`)."""
 
     name: str
     wants_hidden: bool
     max_draft_len: int
+    remembers_outputs: bool = False
 
 
 class DrafterUnavailable(Exception):
@@ -213,7 +215,8 @@ class DrafterClient:
                                                 metadata=self._metadata)
         except grpc.RpcError as e:
             raise DrafterUnavailable(f"drafter {self.address}: Info failed: {_describe(e)}") from e
-        return DrafterInfo(reply.name, reply.wants_hidden, reply.max_draft_len)
+        return DrafterInfo(reply.name, reply.wants_hidden, reply.max_draft_len,
+                           reply.remembers_outputs)
 
     def _item(self, job: ProposeJob) -> drafter_pb2.ProposeItem:
         known, append, rows = job.delta(self._known.get(job.request_id, 0))
@@ -361,6 +364,20 @@ class DrafterClient:
                 metadata=self._metadata)
         except Exception as e:  # best effort: a lost release only leaks worker memory
             log.warning("drafter %s: Release failed: %s", self.address, _describe(e))
+
+    async def remember(self, outputs: Sequence[Sequence[int]]) -> None:
+        """Sends finished requests' outputs (token ids, prompts excluded) to the worker's
+        cross-request cache (a ``Release`` with ``outputs`` and no ids). Best effort: errors
+        are logged, never raised (a lost output only costs drafts)."""
+        if not outputs:
+            return
+        request = drafter_pb2.ReleaseRequest(
+            outputs=[drafter_pb2.TokenSequence(tokens=[int(t) for t in out]) for out in outputs])
+        try:
+            await self._get_stub().Release(request, timeout=self.timeout_s,
+                                           metadata=self._metadata)
+        except Exception as e:
+            log.warning("drafter %s: Release (outputs) failed: %s", self.address, _describe(e))
 
     async def close(self) -> None:
         """Closes the channel; a later call opens a new one."""

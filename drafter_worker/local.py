@@ -36,7 +36,7 @@ class LocalDrafter:
     async def info(self) -> DrafterInfo:
         caps = self.capabilities
         return DrafterInfo(type(self.sessions.drafter).__name__, caps.wants_hidden,
-                           caps.max_draft_len or 0)
+                           caps.max_draft_len or 0, caps.remembers)
 
     async def propose(self, jobs: Sequence[ProposeJob]) -> list[DraftBlock]:
         """One block per job, in order, each at most ``job.max_len`` long.
@@ -58,3 +58,7 @@ class LocalDrafter:
 
     async def release(self, request_ids: Sequence[str]) -> None:
         self.sessions.release(list(request_ids))
+
+    async def remember(self, outputs: Sequence[Sequence[int]]) -> None:
+        """Finished outputs for a drafter with a cross-request cache (ignored otherwise)."""
+        self.sessions.remember(list(outputs))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from specd_core.draft import Drafter, DrafterCapabilities
 
 from .prompt_lookup import PromptLookupSpeculator
+from .suffix import DEFAULT_CACHE_REQUESTS, SuffixDrafter
 
 #: The n-gram length prompt lookup matches, by default.
 DEFAULT_NGRAM_SIZE = 3
@@ -25,6 +26,13 @@ LOOKUP_DRAFT_LEN = 10
 #: Prompt lookup's default cap under the adaptive chooser, which picks the length each step
 #: (0 included): room for long copies.
 LOOKUP_ADAPTIVE_DRAFT_LEN = 32
+
+#: Suffix decoding's default draft length with a fixed length (``--no-adaptive``); its own
+#: score (``min_token_prob``) usually stops a draft well before it.
+SUFFIX_DRAFT_LEN = 16
+
+#: Suffix decoding's default cap under the adaptive chooser.
+SUFFIX_ADAPTIVE_DRAFT_LEN = 32
 
 #: Default draft length of the EAGLE drafters (each drafted token costs a head forward).
 EAGLE_MAX_DRAFT_LEN = 3
@@ -59,12 +67,18 @@ class DrafterSpec:
 
 
 _EAGLE_CAPS = DrafterCapabilities(wants_hidden=True, sessions=True, samples=True)
+_SUFFIX_CAPS = DrafterCapabilities(wants_hidden=False, sessions=True, samples=False,
+                                   remembers=True)
 
 #: Every drafter by name, in help order.
 REGISTRY: dict[str, DrafterSpec] = {spec.name: spec for spec in (
     DrafterSpec("prompt-lookup", "n-gram match over the context (no model)",
                 LOOKUP_DRAFT_LEN, LOOKUP_ADAPTIVE_DRAFT_LEN, False,
                 DrafterCapabilities(wants_hidden=False, samples=False)),
+    DrafterSpec("suffix", "suffix trees over the request and previous outputs (no model)",
+                SUFFIX_DRAFT_LEN, SUFFIX_ADAPTIVE_DRAFT_LEN, False, _SUFFIX_CAPS),
+    DrafterSpec("suffix+lookup", "suffix decoding, extended by prompt lookup's longer copies",
+                SUFFIX_DRAFT_LEN, SUFFIX_ADAPTIVE_DRAFT_LEN, False, _SUFFIX_CAPS),
     DrafterSpec("eagle", "EAGLE head over the target's hidden states",
                 EAGLE_MAX_DRAFT_LEN, EAGLE_MAX_DRAFT_LEN, True, _EAGLE_CAPS),
     DrafterSpec("eagle+lookup", "prompt lookup when it matches, EAGLE otherwise",
@@ -99,7 +113,8 @@ def default_draft_len(name: str, adaptive: bool = False) -> int | None:
 
 
 def check_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
-                  max_draft_len: int | None = None, drafter_path: str | None = None) -> None:
+                  max_draft_len: int | None = None, drafter_path: str | None = None,
+                  suffix_cache_requests: int | None = None) -> None:
     """Validates `build_drafter`'s arguments without loading any weights (what a service
     checks before starting workers).
 
@@ -117,6 +132,14 @@ def check_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
     PromptLookupSpeculator(ngram_size=ngram_size,
                            max_draft_len=LOOKUP_DRAFT_LEN if max_draft_len is None
                            else max_draft_len)
+    if suffix_cache_requests is not None:
+        if name not in SUFFIX_DRAFTERS:
+            raise ValueError(f"suffix_cache_requests: only the suffix drafters keep a "
+                             f"cache; drafter {name!r} keeps none")
+        if isinstance(suffix_cache_requests, bool) or not isinstance(
+                suffix_cache_requests, int) or suffix_cache_requests < 1:
+            raise ValueError(f"suffix_cache_requests must be an int >= 1, got "
+                             f"{suffix_cache_requests!r}")
     if spec.has_head:
         from .eagle import DEFAULT_HEAD
 
@@ -128,14 +151,16 @@ def check_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
 def build_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
                   max_draft_len: int | None = None, *, model: str | None = None, target=None,
                   drafter_path: str | None = None, stop_token_ids=(),
-                  min_confidence: float | None = None) -> Drafter | None:
+                  min_confidence: float | None = None,
+                  suffix_cache_requests: int | None = None) -> Drafter | None:
     """Builds a drafter by name.
 
     Args:
         name: one of `DRAFTERS`: "prompt-lookup" (`PromptLookupSpeculator`), "eagle"
             (`drafter_worker.eagle.EagleDrafter`), "eagle+lookup" (prompt lookup when it
             matches, EAGLE otherwise: `drafter_worker.eagle.LookupThenEagle`) or "none"
-            (returns None: plain decoding).
+            (returns None: plain decoding), "suffix" (`drafter_worker.suffix.SuffixDrafter`)
+            or "suffix+lookup" (the same with a `PromptLookupSpeculator` extending its drafts).
         ngram_size: the n-gram length prompt lookup matches.
         max_draft_len: the most tokens one proposal drafts (default: the spec's
             ``draft_len``; eagle+lookup's lookup part defaults to `LOOKUP_DRAFT_LEN`).
@@ -147,6 +172,8 @@ def build_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
         stop_token_ids: a drafted stop token ends an EAGLE block.
         min_confidence: EAGLE's dynamic draft length threshold (`EagleDrafter`; default
             `EAGLE_MIN_CONFIDENCE`, 0 turns it off).
+        suffix_cache_requests: the suffix drafters' global cache size in previous outputs
+            (default `drafter_worker.suffix.DEFAULT_CACHE_REQUESTS`).
 
     Raises:
         ValueError: an unknown name (the message lists the choices), or sizes the drafter
@@ -157,6 +184,8 @@ def build_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
     if spec.draft_len is None:
         return None
     k = spec.draft_len if max_draft_len is None else max_draft_len
+    if name in SUFFIX_DRAFTERS:
+        return _suffix(name, ngram_size, k, suffix_cache_requests)
     if not spec.has_head:
         return PromptLookupSpeculator(ngram_size=ngram_size, max_draft_len=k)
     from .eagle import EagleDrafter, LookupThenEagle
@@ -172,3 +201,15 @@ def build_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
         return eagle
     lookup_len = LOOKUP_DRAFT_LEN if max_draft_len is None else max_draft_len
     return LookupThenEagle(PromptLookupSpeculator(ngram_size, lookup_len), eagle)
+
+
+#: The drafters with a cross-request cache (suffix decoding).
+SUFFIX_DRAFTERS: tuple[str, ...] = ("suffix", "suffix+lookup")
+
+
+def _suffix(name: str, ngram_size: int, max_draft_len: int,
+            cache_requests: int | None, **kwargs) -> Drafter:
+    lookup = None if name == "suffix" else PromptLookupSpeculator(ngram_size, max_draft_len)
+    return SuffixDrafter(max_draft_len=max_draft_len,
+                         cache_requests=DEFAULT_CACHE_REQUESTS if cache_requests is None
+                         else cache_requests, lookup=lookup, **kwargs)

@@ -192,6 +192,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def Release(self, request, context):  # noqa: N802
         await self._run(self.release_ids, list(request.request_ids))
+        if request.outputs:
+            await self._run(self.sessions.remember, [list(o.tokens) for o in request.outputs])
         return drafter_pb2.ReleaseResponse()
 
     async def Info(self, request, context):  # noqa: N802
@@ -200,6 +202,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             name=type(self.drafter).__name__,
             wants_hidden=caps.wants_hidden,
             max_draft_len=caps.max_draft_len or 0,
+            remembers_outputs=caps.remembers,
         )
 
     async def _run(self, fn: Callable, *args):

@@ -217,6 +217,20 @@ class DrafterSessions:
         for rid in request_ids:
             self._forget(rid)
 
+    def remember(self, outputs: Sequence[Sequence[int]]) -> int:
+        """Hands finished requests' outputs to a drafter with a cross-request cache
+        (`DrafterCapabilities.remembers`); returns how many it took (0 for a drafter without
+        one, which ignores them). A drafter failure is logged, never raised."""
+        if not outputs or not self.capabilities.remembers:
+            return 0
+        try:
+            self.drafter.remember([[int(t) for t in out] for out in outputs])
+        except Exception:
+            log.exception("drafter %s failed to remember %d outputs",
+                          type(self.drafter).__name__, len(outputs))
+            return 0
+        return len(outputs)
+
     def history(self, request_id: str) -> list[int] | None:
         """A copy of the drafter's view of ``request_id``, or None if it holds none."""
         stored = self._histories.get(request_id)

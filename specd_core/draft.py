@@ -191,6 +191,9 @@ class DrafterCapabilities:
             per-request `Drafter` that samples with the request's transforms and seed.
         samples: its drafts are sampled (an honest ``q`` wider than a point mass), not looked
             up; with a point-mass drafter, seeded output does not depend on the draft length.
+        remembers: it keeps a cache across requests: ``drafter.remember(outputs)`` (an
+            iterable of token-id sequences, finished requests' outputs without their prompts)
+            adds to it; callers then send every finished output (suffix decoding).
 
     The defaults are what a drafter that declares nothing gets: hidden rows are passed (it
     may ignore them), no cap, one shared instance, treated as sampling.
@@ -200,6 +203,7 @@ class DrafterCapabilities:
     max_draft_len: int | None = None
     sessions: bool = False
     samples: bool = True
+    remembers: bool = False
 
     def __post_init__(self) -> None:
         if self.max_draft_len is not None and (

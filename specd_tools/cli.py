@@ -29,6 +29,7 @@ from drafter_worker.registry import (
     default_draft_len,
     drafter_spec,
 )
+from drafter_worker.suffix import DEFAULT_CACHE_REQUESTS
 from specd_core.sampling import SamplingParams
 from specd_core.text import TextStream, encode_prompt
 
@@ -155,7 +156,8 @@ def _generate_in_process(args: argparse.Namespace) -> int:
     from target_worker import load_model
 
     sampling = sampling_from_args(args)
-    check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path)
+    check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path,
+                  args.suffix_cache_requests)
     import torch
 
     torch.set_num_threads(args.target_threads or in_process_threads())
@@ -166,7 +168,8 @@ def _generate_in_process(args: argparse.Namespace) -> int:
         args.drafter, args.ngram_size, args.max_draft_len, target=decoder,
         drafter_path=args.drafter_path,
         stop_token_ids=[t for t in (tokenizer.eos_token_id,) if t is not None],
-    ) if head else build_drafter(args.drafter, args.ngram_size, args.max_draft_len)
+    ) if head else build_drafter(args.drafter, args.ngram_size, args.max_draft_len,
+                                 suffix_cache_requests=args.suffix_cache_requests)
     prompt = encode_prompt(tokenizer, args.prompt, args.raw)
     stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     options = SpeculativeOptions(
@@ -212,7 +215,8 @@ def _generate_via_service(args: argparse.Namespace) -> int:
     from .client import generate_request, result_from_final, stream_generate
 
     sampling_from_args(args)  # validates before any service starts
-    check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path)
+    check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path,
+                  args.suffix_cache_requests)
     service = None
     address = args.server
     if address is None:
@@ -267,7 +271,9 @@ def embedded_service_config(args: argparse.Namespace):
         ngram_size=args.ngram_size,
         max_draft_len=args.max_draft_len, adaptive=not args.no_adaptive,
         drafter_path=args.drafter_path, target_threads=args.target_threads,
-        pipeline=not args.no_pipeline, **_prefill_config(args))
+        pipeline=not args.no_pipeline,
+        suffix_cache_requests=getattr(args, "suffix_cache_requests", None),
+        **_prefill_config(args))
 
 
 def _prefill_config(args: argparse.Namespace) -> dict:
@@ -299,7 +305,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model=args.model, dtype=args.dtype, host=args.host, port=args.port,
         address=args.address,
         drafter=args.drafter, ngram_size=args.ngram_size, max_draft_len=args.max_draft_len,
-        drafter_path=args.drafter_path,
+        drafter_path=args.drafter_path, suffix_cache_requests=args.suffix_cache_requests,
         max_active=args.max_active, target_threads=args.target_threads,
         tp=args.tp, target_replicas=args.target_replicas, drafters=args.drafters,
         metrics_port=args.metrics_port, adaptive=not args.no_adaptive,
@@ -761,8 +767,10 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-draft-len", type=int, default=None,
                    help=f"most drafts per step (default: the cap adaptive chooses under, "
                         f"{lookup.adaptive_draft_len} for prompt lookup; with --no-adaptive "
-                        f"{lookup.draft_len} for prompt lookup; {EAGLE_MAX_DRAFT_LEN} for "
-                        f"EAGLE)")
+                        f"{lookup.draft_len} for prompt lookup; "
+                        f"{drafter_spec('suffix').adaptive_draft_len} / "
+                        f"{drafter_spec('suffix').draft_len} for suffix decoding; "
+                        f"{EAGLE_MAX_DRAFT_LEN} for EAGLE)")
     p.add_argument("--no-adaptive", "--fixed-draft-len", dest="no_adaptive",
                    action="store_true",
                    help="draft --max-draft-len every step instead of choosing the length "
@@ -783,6 +791,9 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-path", default=None, metavar="FILE",
                    help="EAGLE head for --drafter eagle / eagle+lookup (default: the head "
                         "shipped for SmolLM2; train one with 'specd train-drafter')")
+    p.add_argument("--suffix-cache-requests", type=int, default=None, metavar="N",
+                   help="--drafter suffix / suffix+lookup: previous outputs each drafter "
+                        f"worker's global cache keeps, FIFO (default {DEFAULT_CACHE_REQUESTS})")
 
 
 #: Configuration names whose flag is not the name with dashes.

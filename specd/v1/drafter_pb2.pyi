@@ -84,11 +84,19 @@ class ProposeResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[ProposeResult]
     def __init__(self, results: _Optional[_Iterable[_Union[ProposeResult, _Mapping]]] = ...) -> None: ...
 
+class TokenSequence(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_ids",)
+    __slots__ = ("request_ids", "outputs")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    outputs: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., outputs: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
@@ -99,11 +107,13 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("name", "wants_hidden", "max_draft_len")
+    __slots__ = ("name", "wants_hidden", "max_draft_len", "remembers_outputs")
     NAME_FIELD_NUMBER: _ClassVar[int]
     WANTS_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
+    REMEMBERS_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     wants_hidden: bool
     max_draft_len: int
-    def __init__(self, name: _Optional[str] = ..., wants_hidden: _Optional[bool] = ..., max_draft_len: _Optional[int] = ...) -> None: ...
+    remembers_outputs: bool
+    def __init__(self, name: _Optional[str] = ..., wants_hidden: _Optional[bool] = ..., max_draft_len: _Optional[int] = ..., remembers_outputs: _Optional[bool] = ...) -> None: ...
