@@ -106,12 +106,20 @@ def test_the_batch_job_runs_under_ray_job_submit_on_a_local_head(tmp_path):
         _wait_for_port(dashboard, head, deadline_s=120)
         jobs_path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
         write_jobs(jobs_path, 4)
-        submit = subprocess.run(
-            [str(ray_bin), "job", "submit", f"--address=http://127.0.0.1:{dashboard}", "--",
-             sys.executable, "-m", "specd_tools.batch", "--input", str(jobs_path),
-             "--output", str(out), "--model", MODEL],
-            env=env, capture_output=True, text=True, timeout=300,
-        )
+        # The dashboard answers before the head's job agent registers (seconds later on a busy
+        # machine): the job server then refuses, submitting nothing. Retried until a deadline.
+        deadline = time.monotonic() + 120
+        while True:
+            submit = subprocess.run(
+                [str(ray_bin), "job", "submit", f"--address=http://127.0.0.1:{dashboard}",
+                 "--", sys.executable, "-m", "specd_tools.batch", "--input", str(jobs_path),
+                 "--output", str(out), "--model", MODEL],
+                env=env, capture_output=True, text=True, timeout=300,
+            )
+            if "No available agent" not in submit.stdout + submit.stderr or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(1)  # polling the job server with a deadline, not waiting out a race
         assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
         assert finished_ids(out) == {"p0", "p1", "p2", "p3"}
     finally:
