@@ -40,10 +40,56 @@ class SlotsExhausted(RuntimeError):
 #: 46 KB of float32 keys and values per position, so ~1.5 GB).
 DEFAULT_PREFIX_CACHE_TOKENS = 32768
 
-#: A step feeding at least this many tokens runs with the engine's ``prefill_threads``: big
-#: matmuls scale with threads (SmolLM2 here: a 512-token prefill 415 tok/s on 1 thread, 920
-#: on 2), where a decode step's small ops mostly wait on each other.
+#: A step feeding at least this many tokens may run with the engine's ``prefill_threads``:
+#: big matmuls scale with threads (SmolLM2 here: a 512-token prefill 415 tok/s on 1 thread,
+#: 920 on 2), where a decode step's small ops mostly wait on each other.
 PREFILL_THREADS_MIN_TOKENS = 128
+
+
+class ThreadChooser:
+    """Chooses torch threads for prompt-sized steps from their measured seconds per token.
+
+    More threads pay only while every thread has a core: OpenMP threads spin-wait for each
+    other, so beside one busy process 2 threads on 2 cores ran SmolLM2 prompt chunks 2x
+    slower than 1 thread (4 x 256 tokens: 4.58 s vs 2.20 s), where on a quiet machine they
+    ran 1.74x faster (1.30 s vs 2.26 s). So each option's cost is measured (an EMA of
+    seconds per token over the steps that used it) and the cheapest is used, every
+    ``explore_every``-th step trying another so a machine that got busier or quieter is
+    followed.
+
+    Args:
+        options: the thread counts to choose among (distinct, each >= 1).
+        explore_every: one step in this many tries an option other than the best.
+        alpha: the EMA weight of a new measurement.
+    """
+
+    def __init__(self, options: Sequence[int], explore_every: int = 12,
+                 alpha: float = 0.3) -> None:
+        self.options = tuple(dict.fromkeys(options))
+        self.explore_every = explore_every
+        self.alpha = alpha
+        #: Seconds per token by thread count (EMA), for the options measured so far.
+        self.cost: dict[int, float] = {}
+        self._steps = 0
+
+    def pick(self) -> int:
+        """Threads for the next prompt-sized step: an unmeasured option first, else the
+        cheapest, else (every ``explore_every``-th step) the next other option in turn."""
+        self._steps += 1
+        for option in self.options:
+            if option not in self.cost:
+                return option
+        best = min(self.options, key=self.cost.__getitem__)
+        if len(self.options) > 1 and self._steps % self.explore_every == 0:
+            others = [o for o in self.options if o != best]
+            return others[(self._steps // self.explore_every) % len(others)]
+        return best
+
+    def record(self, threads: int, seconds: float, tokens: int) -> None:
+        """Books a step of ``tokens`` tokens that took ``seconds`` on ``threads`` threads."""
+        rate = seconds / max(tokens, 1)
+        old = self.cost.get(threads)
+        self.cost[threads] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
 
 
 class _Slot:
@@ -99,8 +145,10 @@ class TargetEngine:
         decoder: the target model.
         max_slots: the most requests held at once.
         prefix_cache_tokens: positions warm slots may keep (0: prefix reuse off).
-        prefill_threads: torch threads for a step feeding at least
-            `PREFILL_THREADS_MIN_TOKENS` tokens (a prompt chunk); None: the process's.
+        prefill_threads: the most torch threads a step feeding at least
+            `PREFILL_THREADS_MIN_TOKENS` tokens (a prompt chunk) may use; such steps run on
+            the process's threads or on these, whichever `ThreadChooser` measures cheaper
+            (the machine may be busy). None: always the process's.
         stats: counters for metrics: ``forward_calls``, ``prefill_calls`` and
             ``verify_calls`` (calls carrying a prefill chunk / a verify block),
             ``tokens_fed`` (all segments' tokens), ``prefill_tokens``, ``forward_seconds``
@@ -127,6 +175,8 @@ class TargetEngine:
         self.max_slots = max_slots
         self.prefix_cache_tokens = prefix_cache_tokens
         self.prefill_threads = prefill_threads
+        #: Made at the first prompt-sized step (the process's threads are known then).
+        self.thread_chooser: ThreadChooser | None = None
         self._slots: dict[int, _Slot] = {}
         #: Freed slots kept for prefix reuse, least recently freed first.
         self._warm: OrderedDict[int, _Slot] = OrderedDict()
@@ -398,18 +448,26 @@ class TargetEngine:
         self, segments: list[tuple[list[int], int, KvCache]], last_only: list[bool]
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         fed = sum(len(tokens) for tokens, _, _ in segments)
-        threads = torch.get_num_threads()
-        more = (self.prefill_threads is not None and fed >= PREFILL_THREADS_MIN_TOKENS
-                and self.prefill_threads != threads)
+        threads = use = torch.get_num_threads()
+        chooser = None
+        if (self.prefill_threads is not None and fed >= PREFILL_THREADS_MIN_TOKENS
+                and self.prefill_threads != threads):
+            if self.thread_chooser is None:
+                self.thread_chooser = ThreadChooser((self.prefill_threads, threads))
+            chooser = self.thread_chooser
+            use = chooser.pick()
         t0 = time.perf_counter()
-        if more:
-            torch.set_num_threads(self.prefill_threads)  # ~0.2 us: the pool is kept
+        if use != threads:
+            torch.set_num_threads(use)  # ~0.2 us: the pool is kept
         try:
             results = self.decoder.forward_packed(segments, last_only)
         finally:
-            if more:
+            if use != threads:
                 torch.set_num_threads(threads)
-        self.stats["forward_seconds"] += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        if chooser is not None:
+            chooser.record(use, seconds, fed)
+        self.stats["forward_seconds"] += seconds
         self.stats["forward_calls"] += 1
         self.stats["tokens_fed"] += fed
         return results

@@ -244,11 +244,10 @@ def test_engine_keeps_warm_slots_within_its_bound_and_never_a_callers_cache():
     assert off.allocate_prefix([1, 2, 3])[1] == 0 and off.warm_positions == 0
 
 
-def test_prompt_sized_steps_run_on_the_prefill_threads_and_restore_the_callers():
+def test_prompt_sized_steps_try_the_prefill_threads_and_restore_the_callers():
     from target_worker.engine import PREFILL_THREADS_MIN_TOKENS
 
     decoder = load_model(MODELS[1])[0]
-    engine = TargetEngine(decoder, max_slots=1, prefill_threads=2)
     seen = []
     forward = decoder.forward_packed
 
@@ -260,12 +259,38 @@ def test_prompt_sized_steps_run_on_the_prefill_threads_and_restore_the_callers()
     try:
         before = torch.get_num_threads()
         assert before == 1  # the suite's setting (conftest)
-        slot = engine.allocate()
+        engine = TargetEngine(decoder, max_slots=2, prefill_threads=2)
+        a, b = engine.allocate(), engine.allocate()
         n = PREFILL_THREADS_MIN_TOKENS
-        engine.step([PrefillItem(slot, [3] * (n - 1), SamplingParams(), last=False)])
-        engine.step([PrefillItem(slot, [3] * n, SamplingParams(), offset=n - 1)])
-        assert seen == [1, 2] and torch.get_num_threads() == before
+        engine.step([PrefillItem(a, [3] * 10, SamplingParams(), last=False)])
+        engine.step([PrefillItem(a, [3] * n, SamplingParams(), offset=10)])
+        engine.step([PrefillItem(b, [4] * n, SamplingParams())])
+        # A small step keeps the caller's thread; prompt-sized ones measure both options.
+        assert seen == [1, 2, 1] and torch.get_num_threads() == before
+        assert set(engine.thread_chooser.cost) == {1, 2}
     finally:
         del decoder.forward_packed
     with pytest.raises(ValueError, match="prefill_threads"):
         TargetEngine(decoder, prefill_threads=0)
+
+
+def test_the_thread_chooser_follows_the_cheaper_option_and_keeps_checking_the_other():
+    from target_worker.engine import ThreadChooser
+
+    chooser = ThreadChooser((2, 1), explore_every=4, alpha=1.0)
+    cost = {2: 1.0, 1: 2.0}  # seconds per token: a quiet machine, 2 threads cheaper
+
+    def run(steps):
+        picks = []
+        for _ in range(steps):
+            t = chooser.pick()
+            picks.append(t)
+            chooser.record(t, cost[t] * 100, 100)
+        return picks
+
+    assert run(2) == [2, 1]  # each measured once
+    assert run(8) == [2, 1, 2, 2, 2, 1, 2, 2]  # the cheaper, the other every 4th step
+    cost.update({2: 4.0})  # the machine got busy: 2 threads now cost more
+    # Once 2's new cost is measured (steps 11 and 12, an exploring step), 1 is kept but for
+    # every 4th step.
+    assert run(8) == [2, 2, 1, 1, 1, 2, 1, 1]
