@@ -53,8 +53,8 @@ class ServiceConfig:
         target_replicas: target replicas (data parallel) at start, >= 1.
         drafters: drafter workers at start, >= 0 (ignored with ``drafter="none"``).
         target_threads: torch threads per target rank; None divides this machine's cores
-            less one among all ranks (`default_target_threads`), and every core for steps
-            carrying a prompt chunk (`default_prefill_threads`).
+            less one among all ranks (`default_target_threads`). Prompt chunks run on them
+            too: the coordinator and drafters run beside every step.
         drafter_timeout_s: deadline of one Propose call; a miss decodes the step undrafted.
         target_timeout_s: the most one target call (allocate, prefill, verify, free) may
             take, seconds; a replica that misses its call's deadline is treated as stalled:
@@ -160,12 +160,14 @@ def usable_cpus() -> int:
 
 
 def default_prefill_threads(replicas: int, tp: int = 1, cpus: int | None = None) -> int:
-    """Torch threads per target rank for prompt-chunk-sized steps: every usable core divided
-    among the ``replicas * tp`` ranks, at least 1. A prefill chunk is big matmuls, which
-    scale with threads and lose little to a thread sharing its core (that thread's share runs
-    at most at single-thread pace); the one core `default_target_threads` leaves for the
-    coordinator and drafters costs decode steps most. Measured here (2 cores, SmolLM2): a
-    512-token prefill 415 tok/s on 1 thread, 920 on 2."""
+    """Torch threads per target rank a prompt-sized forward may use where nothing else of
+    specd runs beside it (the in-process path): every usable core divided among the
+    ``replicas * tp`` ranks, at least 1; `target_worker.engine.ThreadChooser` keeps them only
+    while they measure cheaper. Measured here (2 cores, SmolLM2): a 512-token prefill 415
+    tok/s on 1 thread, 920 on 2 on a quiet machine, but 2 threads 2x slower than 1 beside one
+    busy process, and worse beside the service's own coordinator and drafter (a short
+    stream's longest gap 4.7 s against 0.9 s on 1 thread while a 3,000-token prompt was
+    prefilled): the service keeps its target threads for prompt chunks."""
     return max(1, (usable_cpus() if cpus is None else cpus) // max(1, replicas * tp))
 
 
@@ -264,9 +266,6 @@ class CoordinatorActor:
         self._events: list[tuple[str, float]] = []
         self._threads = config.target_threads or default_target_threads(
             config.target_replicas, config.tp)
-        # Given target threads hold for prompt chunks too; by default those use every core.
-        self._prefill_threads = config.target_threads or default_prefill_threads(
-            config.target_replicas, config.tp)
 
     async def _start_replica(self, name: str):
         import asyncio
@@ -280,7 +279,7 @@ class CoordinatorActor:
         # May block (placement groups): off the event loop, which keeps serving.
         creating = loop.run_in_executor(None, lambda: create_target_replica(
             cfg.model, tp=cfg.tp, max_slots=cfg.max_active, num_threads=self._threads,
-            dtype=cfg.dtype, prefill_threads=self._prefill_threads,
+            dtype=cfg.dtype,
             prefix_cache_tokens=DEFAULT_PREFIX_CACHE_TOKENS if cfg.prefix_caching else 0,
             resource=cfg.target_resource))
         try:
