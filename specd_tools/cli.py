@@ -148,7 +148,7 @@ def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None
             "tokens_per_second": result.tokens_generated / seconds if seconds else 0.0,
             "drafter": args.drafter,
             **result.to_dict(),  # token_ids, completion_tokens, finish_reason, counters
-        }))
+        }), flush=True)  # whole, before the stderr line (a shared terminal or pipe)
     print(metrics_line(result, seconds), file=sys.stderr)
 
 
@@ -389,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the service: Ray actors + the gRPC API")
     serve.add_argument("--host", default="127.0.0.1",
                        help="API listen address (default loopback only)")
-    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--port", type=_port, default=50051)
     serve.add_argument("--address", default=None, metavar="auto|HOST:PORT",
                        help="join this Ray cluster (default: an embedded local Ray)")
     serve.add_argument("--model", default=None, help=MODEL_HELP)
@@ -422,11 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "from the replica's measured steps (at least 10 s), capped by "
                             "this (default 600; a replica whose process dies is found at "
                             "once)")
-    serve.add_argument("--http-port", type=int, default=None, metavar="PORT",
+    serve.add_argument("--http-port", type=_port, default=None, metavar="PORT",
                        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                             "/v1/completions, /v1/models, /health, /metrics) on --host:PORT, "
                             "with the same auth token and TLS (0 picks a port; default: off)")
-    serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    serve.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
                        help="serve Prometheus /metrics on --host:PORT (0 picks one; default: off)")
     serve.add_argument("--max-prompt-bytes", type=int, default=None, metavar="BYTES",
                        help="refuse prompts (text, or all chat contents) over BYTES of UTF-8 "
@@ -536,6 +536,17 @@ def cmd_scale(args: argparse.Namespace) -> int:
     print(f"[specd] target_replicas={reply.target_replicas} drafters={reply.drafters} "
           f"added=[{' '.join(reply.added)}] removed=[{' '.join(reply.removed)}]")
     return 0
+
+
+def _port(text: str) -> int:
+    """A TCP port number, 0 (pick a free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -59,6 +59,9 @@ def test_json_keys_say_what_they_hold(capsys):
     (["generate", "x", "--in-process", "--repetition-penalty", "0"], "--repetition-penalty"),
     (["serve", "--target-replicas", "0"], "--target-replicas"),
     (["serve", "--drafters", "-1"], "--drafters"),
+    (["serve", "--max-batched-tokens", "-5"], "--max-batched-tokens"),
+    (["serve", "--max-partial-prefills", "0"], "--max-partial-prefills"),
+    (["generate", "x", "--max-batched-tokens", "-1"], "--max-batched-tokens"),
 ])
 def test_errors_name_the_users_flag(capsys, argv, flag):
     with pytest.raises(SystemExit) as info:
@@ -66,6 +69,14 @@ def test_errors_name_the_users_flag(capsys, argv, flag):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"error: {flag}" in err and "SamplingParams" not in err, err
+
+
+@pytest.mark.parametrize("flag", ["--port", "--http-port", "--metrics-port"])
+def test_a_port_out_of_range_is_refused_by_the_parser(capsys, flag):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", flag, "99999", "--model", TINY])
+    assert info.value.code == 2
+    assert f"argument {flag}: must be a port in [0, 65535], got 99999" in capsys.readouterr().err
 
 
 def test_in_process_threads_default_to_the_cores_less_one(monkeypatch):
