@@ -20,8 +20,9 @@ __all__ = ["DEFAULT_MAX_BATCHED_TOKENS", "ChunkPolicy", "plan_prefill_chunks"]
 
 #: The service's per-step token budget (``--max-batched-tokens``): see the README's "Long
 #: prompts" for the measured trade between a long prompt's own time to first token and the
-#: other streams' inter-token latency on a 2-core CPU.
-DEFAULT_MAX_BATCHED_TOKENS = 256
+#: other streams' inter-token latency on a 2-core CPU (SmolLM2, one target thread: 128 keeps
+#: a short stream's longest gap under a second beside a 6,500-token prompt, 256 does not).
+DEFAULT_MAX_BATCHED_TOKENS = 128
 
 #: A step that verifies nothing (no request is decoding, so no stream can stall) feeds this
 #: many budgets of prompt chunks: fewer, bigger steps (each reads every weight once). Measured
