@@ -441,25 +441,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ReplicaUnavailable: no replica can serve now.
             RequestFailed: tokenizing failed (the cause is logged, not shown).
         """
-        if self._draining:
-            raise ServiceStopping("the service is shutting down")
-        try:
-            # Off the event loop: tokenizing a big prompt (or rendering a chat template) must
-            # not stall every other stream's steps. Hugging Face fast tokenizers release the
-            # GIL while encoding, and encode/decode with fixed settings are thread-safe.
-            prompt, options, speculate, max_draft_len = await asyncio.to_thread(
-                self.parse, request, default_max_new_tokens)
-        except ValueError as exc:
-            raise RequestInvalid(str(exc)) from exc
-        except Exception as exc:  # the tokenizer failed: no internals to the client
-            log.exception("parsing a request failed")
-            raise RequestFailed(REQUEST_FAILED) from exc
+        prompt, options, speculate, max_draft_len = await self._parse(
+            request, default_max_new_tokens)
         try:
             return self.scheduler.submit(prompt, options, speculate, max_draft_len)
         except ValueError as exc:
             raise RequestInvalid(str(exc)) from exc
         except RuntimeError as exc:  # a router with no serving replica
             raise ReplicaUnavailable(str(exc)) from exc
+
+    async def _parse(self, request: generation_pb2.GenerateRequest,
+                     default_max_new_tokens: bool):
+        """`parse` off the event loop, refused while draining, its errors as `submit`
+        raises them."""
+        if self._draining:
+            raise ServiceStopping("the service is shutting down")
+        try:
+            # Off the event loop: tokenizing a big prompt (or rendering a chat template) must
+            # not stall every other stream's steps. Hugging Face fast tokenizers release the
+            # GIL while encoding, and encode/decode with fixed settings are thread-safe.
+            return await asyncio.to_thread(self.parse, request, default_max_new_tokens)
+        except ValueError as exc:
+            raise RequestInvalid(str(exc)) from exc
+        except Exception as exc:  # the tokenizer failed: no internals to the client
+            log.exception("parsing a request failed")
+            raise RequestFailed(REQUEST_FAILED) from exc
 
     async def submit_choices(self, request: generation_pb2.GenerateRequest, n: int,
                              default_max_new_tokens: bool = False) -> list[ServiceRequest]:
@@ -476,16 +482,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise ValueError(f"n must be >= 1, got {n}")
         if n == 1:
             return [await self.submit(request, default_max_new_tokens)]
-        if self._draining:
-            raise ServiceStopping("the service is shutting down")
-        try:
-            prompt, options, speculate, max_draft_len = await asyncio.to_thread(
-                self.parse, request, default_max_new_tokens)
-        except ValueError as exc:
-            raise RequestInvalid(str(exc)) from exc
-        except Exception as exc:
-            log.exception("parsing a request failed")
-            raise RequestFailed(REQUEST_FAILED) from exc
+        prompt, options, speculate, max_draft_len = await self._parse(
+            request, default_max_new_tokens)
         reqs: list[ServiceRequest] = []
         try:
             for i in range(n):
