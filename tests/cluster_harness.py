@@ -5,9 +5,9 @@ not when it cannot run.
 
 Everything it starts is its own: each ``ray start --block`` (and ``specd serve``) leads its
 own process group, which teardown signals; node B's processes are found with ``ip netns pids``.
-It never runs ``ray stop`` (which stops every Ray on the machine). Ray's files go to a private
-temp dir (``RAY_TMPDIR``), token authentication uses a fresh token (``RAY_AUTH_TOKEN``) and
-usage stats are off (nothing leaves the machine).
+It never runs Ray's own stop command (which stops every Ray on the machine). Ray's files go
+to a private temp dir (``RAY_TMPDIR``), token authentication uses a fresh token
+(``RAY_AUTH_TOKEN``) and usage stats are off (nothing leaves the machine).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import grpc
 import pytest
 from cluster_harness import ROOT, NamespaceCluster, unavailable_reason
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from polling import wait_until
 from service_harness import MODEL, serve_process
 
 from coordinator.server import GENERATION_SERVICE
@@ -214,17 +215,6 @@ def watch_health(address: str, events: list, stop: threading.Event) -> None:
             pass
 
 
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not reached within {timeout_s} s")
-        time.sleep(0.05)
-
-
 def test_losing_node_b_mid_stream_fails_fast_and_its_return_brings_the_replica_back(
         reference_tokens, cluster, served):
     address, _ = served
@@ -232,7 +222,7 @@ def test_losing_node_b_mid_stream_fails_fast_and_its_return_brings_the_replica_b
     stop = threading.Event()
     watcher = threading.Thread(target=watch_health, args=(address, events, stop), daemon=True)
     watcher.start()
-    wait_for(lambda: events and events[-1][1] == SERVING, 30, "health SERVING")
+    wait_until(lambda: events and events[-1][1] == SERVING, 30, "health SERVING")
     timeline = {}
     with grpc.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -246,7 +236,7 @@ def test_losing_node_b_mid_stream_fails_fast_and_its_return_brings_the_replica_b
         timeline["stream failed"] = time.monotonic() - killed_at
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
         assert len(got) < 240
-        wait_for(lambda: any(s == NOT_SERVING for _, s in events), 60, "NOT_SERVING")
+        wait_until(lambda: any(s == NOT_SERVING for _, s in events), 60, "NOT_SERVING")
         timeline["NOT_SERVING"] = next(t for t, s in events if s == NOT_SERVING) - killed_at
         began = time.monotonic()
         with pytest.raises(grpc.RpcError) as refused:
@@ -257,7 +247,7 @@ def test_losing_node_b_mid_stream_fails_fast_and_its_return_brings_the_replica_b
 
         restarted_at = time.monotonic()
         timeline["node B back (Ray lists it) after its restart"] = cluster.start_node_b(120)
-        wait_for(lambda: events[-1][1] == SERVING and any(s == NOT_SERVING for _, s in events),
+        wait_until(lambda: events[-1][1] == SERVING and any(s == NOT_SERVING for _, s in events),
                  300, "SERVING again")
         timeline["SERVING again after node B's restart"] = \
             [t for t, s in events if s == SERVING][-1] - restarted_at

@@ -95,7 +95,7 @@ def test_a_live_ray_start_head_is_not_joined(ray_tmp):
         assert gcs != head_address and not gcs.endswith(f":{port}")
         assert head.poll() is None  # the head was running throughout
     finally:
-        # Stopped by its own PIDs: `ray stop` would stop every Ray on the machine.
+        # Stopped by its own PIDs: Ray's own stop command would stop every Ray on the machine.
         family += _children(head.pid)
         if head.poll() is None:
             head.send_signal(signal.SIGTERM)

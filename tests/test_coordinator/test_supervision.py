@@ -8,12 +8,12 @@ unhealthy, replaced, and drafting resumes with unchanged outputs."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
 import ray.exceptions
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from polling import wait_until
 from service_harness import LocalService, run_in_thread
 from test_scaling import PROMPTS, FakeClient, collect, gate_all, greedy_solo, options, until
 from test_service import REPEATING, request, stream_tokens
@@ -98,15 +98,6 @@ class GatedFactory:
             self.calls += 1
             await self.open.wait()
         return await self.inner(name)
-
-
-def wait_until(condition, timeout_s: float = 30.0, what: str = "condition") -> None:
-    """Polls ``condition()`` from the test thread until it holds (a deadline, not a sleep)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} never held within {timeout_s} s")
-        time.sleep(0.01)
 
 
 def on_loop(svc: LocalService, fn) -> None:

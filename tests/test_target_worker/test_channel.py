@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from polling import wait_until
 
 from coordinator.router import is_replica_death
 from specd_core.sampling import SamplingParams
@@ -34,18 +35,6 @@ from target_worker.channel import (
 from target_worker.engine import PrefillItem, SlotsExhausted, TargetEngine, VerifyItem
 
 MODEL = "tiny-random:vocab=64,seed=0,layers=2"
-
-
-def wait_until(condition, timeout_s: float = 10.0, what: str = "condition"):
-    """Polls ``condition`` until it is truthy (returned) or ``timeout_s`` passes (fails)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not reached within {timeout_s} s")
-        time.sleep(0.01)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -206,7 +195,8 @@ def test_a_replayed_connection_opening_fails():
 
         assert asyncio.run(legit()) == 7 and calls == ["allocate"]
         captured = bytes(wait_until(lambda: len(proxy.sent) > _LENGTH.size + CLIENT_HELLO_BYTES
-                                    and proxy.sent, what="the captured opening"))
+                                    and proxy.sent, timeout_s=10.0,
+                                    what="the captured opening"))
         assert captured[:_LENGTH.size] == _LENGTH.pack(CLIENT_HELLO_BYTES)
         # Replayed on a new connection: the server's fresh nonce makes the proof stale.
         with socket.create_connection(("127.0.0.1", server.port)) as raw:
@@ -215,7 +205,8 @@ def test_a_replayed_connection_opening_fails():
             raw.sendall(captured)
             assert closed_by_peer(raw)
         assert calls == ["allocate"]  # the replayed call never ran
-        wait_until(lambda: server.stats["refused_handshake"] == 1, what="the refusal")
+        wait_until(lambda: server.stats["refused_handshake"] == 1, timeout_s=10.0,
+                   what="the refusal")
         assert server.stats["authenticated"] == 1
     finally:
         proxy.close()
@@ -317,7 +308,8 @@ def test_a_1gib_length_header_before_auth_is_refused_without_buffering():
         with socket.create_connection(("127.0.0.1", server.port)) as raw:
             read_frame(raw)
             raw.sendall(_LENGTH.pack(1 << 30))
-            wait_until(lambda: server.stats["refused_handshake"] == 1, what="the refusal")
+            wait_until(lambda: server.stats["refused_handshake"] == 1, timeout_s=10.0,
+                   what="the refusal")
             # The server closed without reading on: the bytes that follow are refused.
             with pytest.raises((BrokenPipeError, ConnectionResetError)):
                 for _ in range(64):  # up to 64 MiB
@@ -363,7 +355,7 @@ def test_idle_unauthenticated_connections_are_capped_and_timed_out():
     threads_before = threading.active_count()
     socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(10)]
     try:
-        wait_until(lambda: server.stats["accepted"] == 10, what="10 accepts")
+        wait_until(lambda: server.stats["accepted"] == 10, timeout_s=10.0, what="10 accepts")
         assert server.stats["refused_busy"] == 6
         assert threading.active_count() <= threads_before + 4
         began = time.monotonic()
@@ -379,7 +371,8 @@ def test_idle_unauthenticated_connections_are_capped_and_timed_out():
             hellos += len(data) == _LENGTH.size + SERVER_HELLO_BYTES
         # 4 got a hello and were closed at the handshake deadline, 6 were closed at accept.
         assert hellos == 4 and time.monotonic() - began < 4.0
-        wait_until(lambda: server.stats["handshake_timeouts"] == 4, what="4 timeouts")
+        wait_until(lambda: server.stats["handshake_timeouts"] == 4, timeout_s=10.0,
+                   what="4 timeouts")
 
         async def legit():  # capacity is back
             target = ChannelTarget(f"127.0.0.1:{server.port}", "secret")
