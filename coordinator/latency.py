@@ -2,8 +2,8 @@
 
 Named and bucketed as vLLM exports them (``vllm:time_to_first_token_seconds``,
 ``vllm:inter_token_latency_seconds``, ``vllm:request_prefill_time_seconds``), so dashboards
-built for vLLM read specd's (`coordinator.metrics`, prefix ``specd_``). Pure Python: each
-scheduler keeps its own and the router adds them up.
+built for vLLM read specd's (`coordinator.metrics`, prefix ``specd_``, one series per
+replica). Pure Python: each scheduler keeps its own.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Histogram", "LatencyHistograms", "merge_snapshots"]
+__all__ = ["Histogram", "LatencyHistograms"]
 
 #: Upper bounds in seconds (vLLM's, v0.11).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -82,15 +82,3 @@ class LatencyHistograms:
         return {"ttft": self.ttft.snapshot(), "itl": self.itl.snapshot(),
                 "prefill": self.prefill.snapshot()}
 
-
-def merge_snapshots(snapshots: Sequence[dict[str, dict]]) -> dict[str, Histogram]:
-    """Adds up `LatencyHistograms.snapshot` dicts (several replicas) into one `Histogram`
-    per name."""
-    merged: dict[str, Histogram] = {}
-    for snap in snapshots:
-        for name, h in snap.items():
-            into = merged.setdefault(name, Histogram(tuple(h["bounds"])))
-            into.counts = [a + b for a, b in zip(into.counts, h["counts"], strict=True)]
-            into.sum += h["sum"]
-            into.recent.extend(h["recent"])
-    return merged

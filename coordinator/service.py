@@ -159,18 +159,6 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def default_prefill_threads(replicas: int, tp: int = 1, cpus: int | None = None) -> int:
-    """Torch threads per target rank a prompt-sized forward may use where nothing else of
-    specd runs beside it (the in-process path): every usable core divided among the
-    ``replicas * tp`` ranks, at least 1; `target_worker.engine.ThreadChooser` keeps them only
-    while they measure cheaper. Measured here (2 cores, SmolLM2): a 512-token prefill 415
-    tok/s on 1 thread, 920 on 2 on a quiet machine, but 2 threads 2x slower than 1 beside one
-    busy process, and worse beside the service's own coordinator and drafter (a short
-    stream's longest gap 4.7 s against 0.9 s on 1 thread while a 3,000-token prompt was
-    prefilled): the service keeps its target threads for prompt chunks."""
-    return max(1, (usable_cpus() if cpus is None else cpus) // max(1, replicas * tp))
-
-
 def init_embedded_ray() -> None:
     """Starts the embedded single-machine Ray with every port on loopback, no dashboard and no
     Ray metrics exporter, never attaching to another Ray, with Ray's processes outside this
