@@ -63,9 +63,9 @@ class Histogram:
         return statistics.quantiles(self.recent, n=100, method="inclusive")[round(q * 100) - 1]
 
     def snapshot(self) -> dict:
-        """``{"bounds": [...], "counts": [...], "sum": float, "recent": [...]}`` (plain)."""
-        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum,
-                "recent": list(self.recent)}
+        """``{"bounds": [...], "counts": [...], "sum": float}`` (plain, for the Prometheus
+        export; quantiles come from `quantile`)."""
+        return {"bounds": list(self.bounds), "counts": list(self.counts), "sum": self.sum}
 
 
 class LatencyHistograms:
