@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -159,7 +160,7 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def init_embedded_ray() -> None:
+def init_embedded_ray(attempts: int = 2) -> None:
     """Starts the embedded single-machine Ray with every port on loopback, no dashboard and no
     Ray metrics exporter, never attaching to another Ray, with Ray's processes outside this
     process's process group.
@@ -188,38 +189,80 @@ def init_embedded_ray() -> None:
     (``dashboard.py --disable-frontend``) even with ``include_dashboard=False``; it binds
     loopback too (README, "Ports"). Ray's usage-stats report (an hourly upload from that
     process) is off unless ``RAY_USAGE_STATS_ENABLED`` says otherwise.
+
+    A start that fails (Ray raises a bare ``Exception`` "The current node timed out during
+    startup" when its raylet has not registered within 30 s, seen on a 2-core machine under
+    load) leaves Ray's GCS, monitor and API server running: `ray.init` does not stop what it
+    started. Those processes are killed here by their process groups (each was started by this
+    call), and a startup timeout is retried, up to ``attempts`` starts in all; any other error,
+    or the last timeout, is raised.
+
+    Raises:
+        ValueError: ``attempts`` < 1.
     """
     import ray
     from ray._private import ray_constants, services
 
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # inherited by Ray's processes
-    saved = ray_constants.ENABLE_RAY_CLUSTER
-    saved_popen = getattr(services, "ConsolePopen", None)
-    ray_constants.ENABLE_RAY_CLUSTER = False  # read by services.get_node_ip_address
-    if saved_popen is not None:
-        services.ConsolePopen = _own_process_group(saved_popen)
-    else:
-        log.warning("Ray's processes share this process group (ray._private.services has no "
-                    "ConsolePopen): a signal to the group reaches them too")
-    try:
-        ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                 configure_logging=False, _node_ip_address="127.0.0.1",
-                 _system_config={"enable_metrics_collection": False})
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
+    for attempt in range(1, attempts + 1):
+        started: list = []
+        saved = ray_constants.ENABLE_RAY_CLUSTER
+        saved_popen = getattr(services, "ConsolePopen", None)
+        ray_constants.ENABLE_RAY_CLUSTER = False  # read by services.get_node_ip_address
         if saved_popen is not None:
-            services.ConsolePopen = saved_popen
+            services.ConsolePopen = _own_process_group(saved_popen, started)
+        else:
+            log.warning("Ray's processes share this process group (ray._private.services has "
+                        "no ConsolePopen): a signal to the group reaches them too")
+        try:
+            ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                     configure_logging=False, _node_ip_address="127.0.0.1",
+                     _system_config={"enable_metrics_collection": False})
+            return
+        except Exception as e:
+            _kill_process_groups(started)
+            try:
+                ray.shutdown()  # whatever global state the failed init left
+            except Exception:  # noqa: BLE001 - nothing more to clean; the first error is raised
+                pass
+            if attempt == attempts or "timed out during startup" not in str(e):
+                raise
+            log.warning("embedded Ray did not start (attempt %d of %d: %s); its %d processes "
+                        "were stopped, starting again", attempt, attempts, e, len(started))
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = saved
+            if saved_popen is not None:
+                services.ConsolePopen = saved_popen
 
 
-def _own_process_group(popen_cls: type) -> type:
-    """``popen_cls`` whose children each start a process group of their own."""
+def _own_process_group(popen_cls: type, started: list) -> type:
+    """``popen_cls`` whose children each start a process group of their own; each one started
+    is appended to ``started``."""
 
     class Popen(popen_cls):
         def __init__(self, *args, **kwargs):
             kwargs.setdefault("process_group", 0)  # setpgid(0, 0) in the child (Python 3.11+)
             super().__init__(*args, **kwargs)
+            started.append(self)
 
     return Popen
+
+
+def _kill_process_groups(procs: list) -> None:
+    """SIGKILLs the process group each of ``procs`` leads (each was started by this process in
+    a group of its own, so its children, e.g. a raylet's agents, go too) and reaps it."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - a process that will not be reaped is left to init
+            log.warning("Ray process %d did not exit after SIGKILL", p.pid)
 
 
 def load_tokenizer_for(model: str | None):
