@@ -29,6 +29,25 @@ from .adaptive import AdaptiveDraftLength, expected_tokens
 if TYPE_CHECKING:
     from .scheduler import ServiceRequest
 
+#: Prompt tokens sent before each finished output to a drafter's cross-request cache
+#: (`remembered_tokens`), so the cache knows how earlier prompts ended and can draft an
+#: answer's first tokens, not only its middle. 16: the repeated-structure workload's greedy
+#: outputs replayed through `SuffixDrafter` (benchmarks/suffix_workload.py, README "Suffix
+#: decoding") drafted 1.53 tokens per forward with no prompt tokens, 1.90 with 8, 2.4-2.6 with
+#: 16 and no more with 23 (the trees' depth bounds what a match can use).
+REMEMBER_PROMPT_TAIL = 16
+
+
+def remembered_tokens(history: Sequence[int], num_prompt_tokens: int,
+                      generated: Sequence[int]) -> list[int]:
+    """What a finished request gives a cross-request cache: the last `REMEMBER_PROMPT_TAIL`
+    of its ``num_prompt_tokens`` prompt tokens (the head of ``history``), then its
+    ``generated`` tokens; ``[]`` when nothing was generated."""
+    if not generated:
+        return []
+    prompt = history[:num_prompt_tokens]
+    return [int(t) for t in prompt[-REMEMBER_PROMPT_TAIL:]] + [int(t) for t in generated]
+
 __all__ = ["DraftingPolicy", "RunAhead"]
 
 # The loop's logger: drafting's warnings are the step's, filtered in one place.

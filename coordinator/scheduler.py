@@ -60,7 +60,7 @@ from specd_core.request import DecodeRequest, SpeculativeOptions
 from target_worker.engine import SlotsExhausted
 
 from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target
-from .drafting import DraftingPolicy, RunAhead
+from .drafting import DraftingPolicy, RunAhead, remembered_tokens
 from .errors import ReplicaUnavailable, RequestError, RequestFailed, ServiceStopping
 from .latency import LatencyHistograms
 from .step_plan import ChunkPolicy, plan_prefill_chunks
@@ -722,7 +722,8 @@ class Scheduler(DraftingPolicy):
         if self.drafter is not None:
             pending = req.ahead.task if req.ahead is not None else None
             req.ahead = None
-            output = list(req.decode.generated) if self.remember_outputs else None
+            output = remembered_tokens(req.decode.history, req.decode.num_prompt_tokens,
+                                       req.decode.generated) if self.remember_outputs else None
             task = asyncio.get_running_loop().create_task(
                 self._release_drafter(req.id, pending, output))
             self._releasing.add(task)

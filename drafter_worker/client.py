@@ -366,9 +366,9 @@ class DrafterClient:
             log.warning("drafter %s: Release failed: %s", self.address, _describe(e))
 
     async def remember(self, outputs: Sequence[Sequence[int]]) -> None:
-        """Sends finished requests' outputs (token ids, prompts excluded) to the worker's
-        cross-request cache (a ``Release`` with ``outputs`` and no ids). Best effort: errors
-        are logged, never raised (a lost output only costs drafts)."""
+        """Sends finished requests' outputs (token ids, each after its prompt's last tokens)
+        to the worker's cross-request cache (a ``Release`` with ``outputs`` and no ids). Best
+        effort: errors are logged, never raised (a lost output only costs drafts)."""
         if not outputs:
             return
         request = drafter_pb2.ReleaseRequest(

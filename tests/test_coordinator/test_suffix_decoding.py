@@ -17,6 +17,7 @@ from test_service import MIXED, REPEATING, request, stream_tokens
 
 from coordinator import SamplingParams, SpeculativeOptions, speculative_decode_with
 from coordinator.adaptive import AdaptiveDraftLength, ForwardCostModel
+from coordinator.drafting import REMEMBER_PROMPT_TAIL, remembered_tokens
 from coordinator.scheduler import Scheduler
 from drafter_worker.client import DrafterClient
 from drafter_worker.local import LocalDrafter
@@ -85,6 +86,42 @@ def test_marginals_at_t1_are_exact_with_suffix_drafts_from_previous_outputs():
     assert_marginals_exact(counts / seeds, exact_marginals(decoder, prompt, params, max_new),
                            seeds)
     assert hits > 0 and drafter.stats()["global_wins"] > 0
+
+
+class RecordingSuffixDrafter(SuffixDrafter):
+    """A `SuffixDrafter` that also keeps every sequence `remember` was given."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.remembered: list[list[int]] = []
+
+    def remember(self, outputs):
+        outputs = [list(o) for o in outputs]
+        self.remembered.extend(outputs)
+        super().remember(outputs)
+
+
+def test_the_cache_gets_each_outputs_prompt_tail_before_it_so_answers_first_tokens_draft():
+    decoder = load_model("tiny-random:vocab=64,seed=0,layers=2")[0]
+    long_prompt = [(7 * i + 3) % 64 for i in range(REMEMBER_PROMPT_TAIL + 9)]
+    short_prompt = [5, 9, 5]
+    drafter = RecordingSuffixDrafter(max_draft_len=4)
+    opts = SpeculativeOptions(max_new_tokens=12)
+    results, _ = run_shared(decoder, drafter, [long_prompt, short_prompt], [opts, opts], 2)
+    expected = [long_prompt[-REMEMBER_PROMPT_TAIL:] + results[0].generated_tokens,
+                short_prompt + results[1].generated_tokens]
+    assert sorted(drafter.remembered) == sorted(expected)
+    # The next request with the long prompt's ending drafts its answer's first tokens from
+    # the cache: the first proposal, right after the prompt, already matches the output.
+    block = drafter.session().propose(long_prompt, None, 4)
+    assert block.tokens and list(block.tokens) == results[0].generated_tokens[:len(block.tokens)]
+
+
+def test_remembered_tokens_is_empty_without_output_and_cuts_only_the_prompt():
+    history = list(range(40))
+    assert remembered_tokens(history, 30, []) == []
+    assert remembered_tokens(history, 30, [1, 2]) == history[30 - REMEMBER_PROMPT_TAIL:30] + [1, 2]
+    assert remembered_tokens(history[:3], 3, [9]) == history[:3] + [9]
 
 
 class SuffixService(LocalService):

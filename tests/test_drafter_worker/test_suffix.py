@@ -209,6 +209,36 @@ def test_a_longer_match_earns_a_longer_draft_and_the_floor_stops_a_doubtful_one(
     assert branchy.speculate([1], 5, 5.0, 0.7).tokens == ()
 
 
+def test_a_match_shorter_than_min_match_drafts_nothing():
+    tree = SuffixTree(24)
+    tree.add([1, 2, 3, 4, 5, 6])
+    assert tree.speculate([9, 2, 3], 4, 2.0, 0.1, min_match=2).tokens == (4, 5, 6)
+    assert tree.speculate([9, 2, 3], 4, 2.0, 0.1, min_match=3).tokens == ()
+    assert tree.speculate([1, 2, 3], 4, 2.0, 0.1, min_match=3).tokens == (4, 5, 6)
+
+
+def test_a_draft_from_previous_outputs_needs_a_longer_match_and_more_confidence():
+    drafter = SuffixDrafter(max_draft_len=8, max_spec_factor=2.0, min_token_prob=0.1,
+                            cache_min_token_prob=0.9, cache_min_match=3)
+    drafter.remember([[1, 2, 3, 4, 5, 6]])
+    # Two shared tokens ("2 3") are too few for the cache; three ("1 2 3") are enough.
+    assert drafter.session().propose([9, 2, 3], None, 8).tokens == ()
+    assert drafter.session().propose([9, 1, 2, 3], None, 8).tokens == (4, 5, 6)
+    # After "1 2 3": 4 in one output, 7 in another: p = 1/2 < 0.9, so nothing from the cache,
+    # while the same counts in the request's own context clear its floor of 0.1.
+    drafter.remember([[1, 2, 3, 7, 8]])
+    assert drafter.session().propose([9, 1, 2, 3], None, 8).tokens == ()
+    own = drafter.session().propose([1, 2, 3, 4, 1, 2, 3, 7, 1, 2, 3], None, 8)
+    assert own.tokens[:1] in {(4,), (7,)}
+
+
+@pytest.mark.parametrize("bad", [{"cache_min_match": 0}, {"cache_min_token_prob": 1.5},
+                                 {"min_token_prob": -0.1}])
+def test_bad_suffix_drafter_settings_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SuffixDrafter(**bad)
+
+
 def test_the_open_end_of_a_local_stream_does_not_dilute_its_counts():
     tree = SuffixTree(8)
     tree.extend([7, 1, 2, 3, 9, 1, 2])
@@ -296,7 +326,7 @@ def test_run_ahead_drafts_past_the_assumed_block_but_stores_only_the_committed_h
 
 
 def test_previous_outputs_are_drafted_for_a_new_request():
-    drafter = SuffixDrafter(max_draft_len=16)
+    drafter = SuffixDrafter(max_draft_len=16, max_spec_factor=1.0)
     answer = [50, 51, 52, 53, 54, 55, 56, 57, 58, 59]
     drafter.remember([answer])
     # A new prompt whose output starts like the earlier answer: the global tree continues it.
@@ -312,7 +342,7 @@ def test_suffix_plus_lookup_extends_a_short_suffix_draft_with_a_longer_copy():
     history = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 30, 1, 2]
     short = plain.session().propose(history, None, 12)
     long = both.session().propose(history, None, 12)
-    assert short.tokens == (3, 4)
+    assert short.tokens == (3, 4, 5, 6)  # 2 matched tokens x max_spec_factor 2
     assert long.tokens == (3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 30, 1)
 
 
@@ -331,7 +361,7 @@ def test_the_registry_builds_and_checks_the_suffix_drafters():
 
 
 def test_sessions_hand_outputs_only_to_a_drafter_that_remembers():
-    suffix = SuffixDrafter()
+    suffix = SuffixDrafter(max_spec_factor=1.0)
     sessions = DrafterSessions(suffix)
     assert sessions.remember([[1, 2, 3], [4, 5]]) == 2
     assert len(suffix.cache) == 2
