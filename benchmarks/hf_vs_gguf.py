@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from specd_tools.workloads import encode_prompt, load_workload
-    from target_worker import default_model_path, load_model
+    from target_worker.fetch import default_model_path
+    from target_worker.loader import load_model
 
     torch.set_num_threads(args.threads)
     gguf = Path(args.gguf) if args.gguf else default_model_path()

@@ -178,7 +178,7 @@ def _in_process(model, args, text: str, chat: bool, expected: list[int] | None) 
     from coordinator.adaptive import AdaptiveDraftLength, calibrate_for
     from drafter_worker.registry import build_drafter
     from specd_core.text import encode_prompt
-    from target_worker import load_model
+    from target_worker.loader import load_model
 
     torch.set_num_threads(args.target_threads)
     decoder, tokenizer = load_model(model)

@@ -585,7 +585,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = print) -> d
         ValueError: a bad configuration (unknown workload or drafter, sizes).
         ImportError: the HF systems were asked for but transformers cannot load the model.
     """
-    from target_worker import load_model
+    from target_worker.loader import load_model
 
     if config.threads is not None:
         torch.set_num_threads(config.threads)

@@ -158,7 +158,7 @@ def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None
 
 
 def _generate_in_process(args: argparse.Namespace) -> int:
-    from target_worker import load_model
+    from target_worker.loader import load_model
 
     sampling = sampling_from_args(args)
     check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path,

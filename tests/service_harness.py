@@ -24,8 +24,8 @@ from drafter_worker import PromptLookupSpeculator
 from drafter_worker.client import DrafterClient
 from drafter_worker.server import start_drafter_server
 from specd.v1 import generation_pb2_grpc
-from target_worker import load_model
 from target_worker.engine import TargetEngine
+from target_worker.loader import load_model
 
 MODEL = "tiny-random:vocab=64,seed=0,layers=2"
 

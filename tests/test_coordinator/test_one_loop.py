@@ -15,7 +15,7 @@ from coordinator.adaptive import AdaptiveDraftLength, ForwardCostModel
 from drafter_worker import PromptLookupSpeculator
 from specd_core.draft import DraftBlock, DrafterCapabilities
 from specd_core.sampling import greedy_tokens
-from target_worker import load_model
+from target_worker.loader import load_model
 
 
 @pytest.fixture(scope="module")

@@ -358,7 +358,7 @@ def test_a_request_whose_drafting_fails_decodes_undrafted_and_the_others_keep_dr
 def test_status_counts_a_slot_held_while_its_request_is_being_admitted():
     from coordinator.scheduler import LocalTarget, Scheduler
     from coordinator.speculative import SpeculativeOptions
-    from target_worker import load_model
+    from target_worker.loader import load_model
 
     decoder, _ = load_model("tiny-random:vocab=64,seed=0,layers=2")
 

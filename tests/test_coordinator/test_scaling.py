@@ -427,8 +427,8 @@ def test_a_replica_calibrated_by_its_factory_starts_its_loop_with_that_cost_mode
     from coordinator.adaptive import ForwardCostModel
     from coordinator.router import Router
     from coordinator.scheduler import LocalTarget
-    from target_worker import load_model
     from target_worker.engine import TargetEngine
+    from target_worker.loader import load_model
 
     decoder = load_model(MODEL)[0]
     calibrated = ForwardCostModel({1: 0.01, 8: 0.02})

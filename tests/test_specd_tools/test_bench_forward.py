@@ -30,7 +30,7 @@ from specd_tools.bench_service import (
 )
 from specd_tools.cli import build_parser, embedded_service_config
 from specd_tools.workloads import Prompt, Workload
-from target_worker import load_model
+from target_worker.loader import load_model
 
 pytest.importorskip("transformers")
 

@@ -14,16 +14,12 @@ from coordinator import DecodeRequest, SamplingParams, SpeculativeOptions, specu
 from drafter_worker import DraftBlock, DraftDist, PromptLookupSpeculator
 from specd_core.draft import drafter_capabilities
 from specd_core.rule import GreedyRows, ProbRows, SparseProbRows
-from target_worker import (
-    Decoder,
-    ModelConfig,
-    PrefillItem,
-    TargetEngine,
-    TinyTokenizer,
-    VerifyItem,
-    load_model,
-)
 from target_worker.actor import TargetActor
+from target_worker.config import ModelConfig
+from target_worker.engine import PrefillItem, TargetEngine, VerifyItem
+from target_worker.loader import load_model
+from target_worker.model import Decoder
+from target_worker.testing import TinyTokenizer
 
 VOCAB = 24
 

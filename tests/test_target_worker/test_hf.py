@@ -16,8 +16,7 @@ from tp_harness import engine_script, rows_of, run_tp
 
 from coordinator.speculative import SpeculativeOptions, speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
-from target_worker import load_model
-from target_worker.loader import load_decoder, model_config, validate_model
+from target_worker.loader import load_decoder, load_model, model_config, validate_model
 from target_worker.model import rope_tables
 
 NAMES = list(MODELS)
