@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from specd_tools.workloads import encode_prompt, load_workload
+    from specd_tools.workloads import encode_workload_prompt, load_workload
     from target_worker.fetch import default_model_path
     from target_worker.loader import load_model
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     load_model(sources["gguf"])  # warm the GGUF weights cache (a first-ever load converts)
     models = {k: load_model(v) for k, v in sources.items()}
     tokenizer = models["gguf"][1]
-    prompt = encode_prompt(tokenizer, load_workload("code_edit").prompts[0])
+    prompt = encode_workload_prompt(tokenizer, load_workload("code_edit").prompts[0])
     loads = {k: [] for k in sources}
     speed = {(k, m): [] for k in sources for m in ("plain", "lookup")}
     outputs = {}

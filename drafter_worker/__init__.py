@@ -1,7 +1,2 @@
-"""Drafting: the `Drafter` interface, draft blocks, and the drafters themselves."""
-
-from specd_core.draft import DraftBlock, DraftDist, Drafter
-
-from .prompt_lookup import PromptLookupSpeculator
-
-__all__ = ["DraftBlock", "DraftDist", "Drafter", "PromptLookupSpeculator"]
+"""Drafter worker: the drafters (prompt lookup, suffix, EAGLE), their per-request sessions
+and the gRPC service that serves them. The `Drafter` interface itself is `specd_core.draft`."""

@@ -44,7 +44,7 @@ from coordinator.speculative import SpeculativeOptions, speculative_decode_with
 from drafter_worker.registry import LOOKUP_ADAPTIVE_DRAFT_LEN, LOOKUP_DRAFT_LEN
 from specd_core.draft import drafter_capabilities
 
-from .workloads import Workload, encode_prompt, load_workloads
+from .workloads import Workload, encode_workload_prompt, load_workloads
 
 __all__ = ["BenchConfig", "RunRecord", "aggregate", "build_systems", "forward_timing", "hf_twin",
            "run_bench", "thread_timing"]
@@ -600,7 +600,8 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = print) -> d
     prompts: list[tuple[Workload, str, list[int], bool]] = []
     for w in workloads:
         for p in w.prompts:
-            ids, cut = fit_prompt(encode_prompt(tokenizer, p), context, config.max_new_tokens)
+            ids, cut = fit_prompt(encode_workload_prompt(tokenizer, p), context,
+                                  config.max_new_tokens)
             prompts.append((w, p.id, ids, cut))
 
     forward = None

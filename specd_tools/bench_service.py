@@ -395,9 +395,9 @@ class _HFPromptSystem:
         self.tokenizer = tokenizer
 
     def generate(self, prompt: Prompt, max_new_tokens: int):
-        from .workloads import encode_prompt
+        from .workloads import encode_workload_prompt
 
-        return self.system.generate(encode_prompt(self.tokenizer, prompt), max_new_tokens)
+        return self.system.generate(encode_workload_prompt(self.tokenizer, prompt), max_new_tokens)
 
 
 def _start_embedded(service_config):
@@ -461,7 +461,7 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
         thread_timing,
     )
     from .cli import embedded_service_config
-    from .workloads import encode_prompt
+    from .workloads import encode_workload_prompt
 
     if workloads is None:
         workloads = load_workloads(list(config.workloads) if config.workloads else None)
@@ -522,7 +522,7 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
     finally:
         stop()
     names = [s.name for s in systems]
-    lengths = {(w.name, p.id): len(encode_prompt(tokenizer, p))
+    lengths = {(w.name, p.id): len(encode_workload_prompt(tokenizer, p))
                for w in workloads for p in w.prompts}
     differ = sorted({f"{r.workload}/{r.prompt_id}" for r in runs
                      if r.prompt_tokens != lengths[(r.workload, r.prompt_id)]})

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from coordinator import Sampler, SamplingParams, sampling_distribution
-from drafter_worker import DraftBlock, DraftDist
+from specd_core.draft import DraftBlock, DraftDist
 from target_worker.config import ModelConfig
 from target_worker.model import Decoder
 

@@ -17,10 +17,10 @@ from test_service import MIXED, REPEATING, stream_tokens
 from coordinator import SamplingParams, SpeculativeOptions, speculative_decode_with
 from coordinator.adaptive import ForwardCostModel
 from coordinator.scheduler import LocalTarget, Scheduler
-from drafter_worker import DraftBlock, DraftDist, PromptLookupSpeculator
 from drafter_worker.client import DrafterUnavailable
 from drafter_worker.local import LocalDrafter
-from specd_core.draft import DrafterCapabilities, propose_ahead
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
+from specd_core.draft import DraftBlock, DraftDist, DrafterCapabilities, propose_ahead
 from specd_core.sampling import Sampler
 from target_worker.engine import TargetEngine
 from target_worker.loader import load_model

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from coordinator import SpeculativeOptions, speculative_decode_with
-from drafter_worker import PromptLookupSpeculator
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.text import encode_prompt
 
 pytestmark = pytest.mark.slow

@@ -19,8 +19,8 @@ from test_service import REPEATING, solo
 from test_service import request as make_request
 
 from coordinator.speculative import DecodeRequest, SpeculativeDecodeResult
-from drafter_worker import DraftDist
 from specd.v1 import generation_pb2
+from specd_core.draft import DraftDist
 from specd_core.rule import target_rows
 from specd_core.sampling import Sampler, SamplingParams, greedy_tokens, sampling_distributions
 from target_worker.engine import TargetEngine

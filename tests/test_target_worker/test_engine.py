@@ -11,8 +11,8 @@ import torch
 from drafters import OracleDrafter, TopKSamplingDrafter, plain_decode, tiny_decoder
 
 from coordinator import DecodeRequest, SamplingParams, SpeculativeOptions, speculative_decode_with
-from drafter_worker import DraftBlock, DraftDist, PromptLookupSpeculator
-from specd_core.draft import drafter_capabilities
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
+from specd_core.draft import DraftBlock, DraftDist, drafter_capabilities
 from specd_core.rule import GreedyRows, ProbRows, SparseProbRows
 from target_worker.actor import TargetActor
 from target_worker.config import ModelConfig

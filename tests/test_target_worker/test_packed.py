@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from coordinator import Sampler, SamplingParams, sampling_distributions, target_rows
-from drafter_worker import DraftDist
+from specd_core.draft import DraftDist
 from specd_core.rule import GreedyRows, ProbRows, SparseProbRows, compact_rows
 from target_worker.config import ModelConfig
 from target_worker.model import Decoder

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tp_harness import engine_script, rows_of, run_tp
 
-from drafter_worker import PromptLookupSpeculator
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.sampling import SamplingParams
 from target_worker.engine import PrefillItem, VerifyItem
 from target_worker.tp import create_target_replica, destroy_target_replica
