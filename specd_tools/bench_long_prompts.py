@@ -62,7 +62,7 @@ def ttft_table(model: str, document: str, lengths: list[int], rounds: int) -> No
     from transformers import AutoModelForCausalLM
 
     from coordinator import SpeculativeOptions, speculative_decode_with
-    from specd_tools.cli import in_process_prefill_threads, in_process_threads
+    from specd_tools.generate import in_process_prefill_threads, in_process_threads
     from target_worker.loader import load_model
 
     default_threads = torch.get_num_threads()

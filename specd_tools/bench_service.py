@@ -315,28 +315,28 @@ class DefaultPathConfig:
 
 
 def generate_args(config: DefaultPathConfig, drafter: str | None = None):
-    """``specd generate`` arguments as a user gives them: only the token budget (and
-    ``--model``, ``--target-threads``, ``--drafter`` when set); every other flag its default."""
-    from .cli import build_parser
+    """The `specd_tools.generate.GenerateOptions` of ``specd generate`` as a user gives them:
+    only the token budget (and ``--model``, ``--target-threads``, ``--drafter`` when set);
+    every other field its default."""
+    from .generate import GenerateOptions
 
-    argv = ["generate", "PROMPT", "--max-new-tokens", str(config.max_new_tokens), "--json"]
+    given = {"max_new_tokens": config.max_new_tokens}
     if config.model is not None:
-        argv += ["--model", config.model]
+        given["model"] = config.model
     if config.target_threads is not None:
-        argv += ["--target-threads", str(config.target_threads)]
+        given["target_threads"] = config.target_threads
     if drafter is not None:
-        argv += ["--drafter", drafter]
-    return build_parser().parse_args(argv)
+        given["drafter"] = drafter
+    return GenerateOptions("PROMPT", **given)
 
 
-def _user_request(args, prompt: Prompt):
-    """The request ``specd generate`` sends for ``args`` with ``prompt``'s chat turns (one
+def _user_request(options, prompt: Prompt):
+    """The request ``specd generate`` sends for ``options`` with ``prompt``'s chat turns (one
     user turn for the shipped code_edit and open_question prompts: exactly what
     ``specd generate "TEXT"`` sends)."""
-    from .cli import sampling_from_args
-    from .client import generate_request
+    from .generate import generate_request
 
-    request = generate_request(args, sampling_from_args(args))
+    request = generate_request(options, options.sampling())
     del request.chat.messages[:]
     for m in prompt.messages:
         request.chat.messages.add(role=m["role"], content=m["content"])
@@ -349,16 +349,16 @@ class UserPathSystem:
 
     kind = "service"
 
-    def __init__(self, name: str, address: str, args):
+    def __init__(self, name: str, address: str, options):
         self.name = name
         self.address = address
-        self.args = args
+        self.options = options
 
     def generate(self, prompt: Prompt, max_new_tokens: int):
         from .bench import RunRecord
         from .client import stream_generate
 
-        request = _user_request(self.args, prompt)
+        request = _user_request(self.options, prompt)
         request.max_new_tokens = max_new_tokens
         tokens: list[int] = []
         first = None
@@ -460,7 +460,7 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
         reported_forward_timing,
         thread_timing,
     )
-    from .cli import embedded_service_config
+    from .generate import embedded_service_config
     from .workloads import encode_workload_prompt
 
     if workloads is None:
@@ -485,8 +485,8 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
                      f"{row['median_ms']:.1f} ms (max {row['max_ms']:.0f})")
     del decoder  # the service loads its own
 
-    args = generate_args(config)
-    service_config = embedded_service_config(args)
+    options = generate_args(config)
+    service_config = embedded_service_config(options)
     threads = service_config.target_threads or default_target_threads(
         service_config.target_replicas, service_config.tp)
     progress(f"starting the embedded service `specd generate` starts (target threads "
@@ -495,7 +495,7 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
     runs = []
     try:
         systems = [
-            UserPathSystem(SPECD_GENERATE, address, args),
+            UserPathSystem(SPECD_GENERATE, address, options),
             UserPathSystem(SPECD_GENERATE_PLAIN, address, generate_args(config, "none")),
             _HFPromptSystem(HFSystem(HF_PLAIN, hf_model, eos), tokenizer),
             _HFPromptSystem(HFSystem(f"hf-prompt-lookup-k{config.prompt_lookup}", hf_model,

@@ -17,7 +17,6 @@ import time
 from collections.abc import Sequence
 
 from coordinator.speculative import SpeculativeOptions, speculative_decode_with
-from coordinator.step_plan import DEFAULT_MAX_BATCHED_TOKENS
 from drafter_worker.registry import (
     DEFAULT_NGRAM_SIZE,
     DRAFTERS,
@@ -30,8 +29,16 @@ from drafter_worker.registry import (
     drafter_spec,
 )
 from drafter_worker.suffix import DEFAULT_CACHE_REQUESTS
-from specd_core.sampling import SamplingParams
 from specd_core.text import TextStream, encode_prompt
+
+from .generate import (
+    GenerateOptions,
+    embedded_service_config,
+    generate_request,
+    in_process_prefill_threads,
+    in_process_threads,
+    prefill_config,
+)
 
 #: `specd serve --shutdown-grace` default, seconds: long enough for a typical answer
 #: (128 tokens at ~10 tok/s on a 2-core CPU take ~13 s).
@@ -87,60 +94,20 @@ class StartupReport:
                   flush=True)
 
 
-def in_process_threads() -> int:
-    """``generate --in-process``'s torch threads when --threads is not given: the cores less
-    one (at least 1), as for the service's target (`default_target_threads`): two threads on 2
-    cores beside one busy process fell from 53 to ~N tok/s (README, "Threads")."""
-    from coordinator.service import default_target_threads
-
-    return default_target_threads(1)
-
-
-def in_process_prefill_threads() -> int:
-    """``generate --in-process``'s most torch threads for the prompt's forward when --threads
-    is not given: every usable core, nothing else of specd running beside it;
-    `target_worker.engine.ThreadChooser` keeps them only while they measure cheaper. Measured
-    here (2 cores, SmolLM2): a 512-token prefill 415 tok/s on 1 thread, 920 on 2 on a quiet
-    machine, but 2 threads 2x slower than 1 beside one busy process; the service keeps its
-    target threads for prompt chunks (beside its own coordinator and drafter two threads
-    collapsed)."""
-    from coordinator.service import usable_cpus
-
-    return usable_cpus()
-
-
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 disables")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None,
+    d = GenerateOptions
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="0 disables")
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--min-p", type=float, default=d.min_p)
+    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty)
+    p.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
+    p.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
+    p.add_argument("--seed", type=int, default=d.seed,
                    help="seed of the request's generator (default: fresh entropy)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable)")
-
-
-def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    """The validated sampling flags.
-
-    Raises:
-        ValueError: naming the bad flag (seed, max-new-tokens, prompt, or a sampling field).
-    """
-    if args.seed is not None and not 0 <= args.seed < 2**64:
-        raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
-    if args.max_new_tokens <= 0:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not args.prompt.strip():
-        raise ValueError("the prompt must not be empty")
-    return SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-    )
 
 
 def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None:
@@ -157,29 +124,30 @@ def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None
     print(metrics_line(result, seconds), file=sys.stderr)
 
 
-def _generate_in_process(args: argparse.Namespace) -> int:
+def _generate_in_process(args: argparse.Namespace, options: GenerateOptions) -> int:
     from target_worker.loader import load_model
 
-    sampling = sampling_from_args(args)
-    check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path,
-                  args.suffix_cache_requests)
+    o = options
+    sampling = o.sampling()
+    check_drafter(o.drafter, o.ngram_size, o.max_draft_len, o.drafter_path,
+                  o.suffix_cache_requests)
     import torch
 
-    torch.set_num_threads(args.target_threads or in_process_threads())
-    decoder, tokenizer = load_model(args.model, args.dtype)
+    torch.set_num_threads(o.target_threads or in_process_threads())
+    decoder, tokenizer = load_model(o.model, o.dtype)
     # Built after the model: an EAGLE head shares the target's embedding and LM head.
-    head = drafter_spec(args.drafter).has_head
+    head = drafter_spec(o.drafter).has_head
     drafter = build_drafter(
-        args.drafter, args.ngram_size, args.max_draft_len, target=decoder,
-        drafter_path=args.drafter_path,
+        o.drafter, o.ngram_size, o.max_draft_len, target=decoder,
+        drafter_path=o.drafter_path,
         stop_token_ids=[t for t in (tokenizer.eos_token_id,) if t is not None],
-    ) if head else build_drafter(args.drafter, args.ngram_size, args.max_draft_len,
-                                 suffix_cache_requests=args.suffix_cache_requests)
-    prompt = encode_prompt(tokenizer, args.prompt, args.raw)
+    ) if head else build_drafter(o.drafter, o.ngram_size, o.max_draft_len,
+                                 suffix_cache_requests=o.suffix_cache_requests)
+    prompt = encode_prompt(tokenizer, o.prompt, o.raw)
     stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     options = SpeculativeOptions(
-        max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-        stop_token_ids=stops, stop_strings=tuple(args.stop),
+        max_new_tokens=o.max_new_tokens, sampling=sampling, seed=o.seed,
+        stop_token_ids=stops, stop_strings=tuple(o.stop),
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
     )
     stream = TextStream(tokenizer)
@@ -193,14 +161,14 @@ def _generate_in_process(args: argparse.Namespace) -> int:
             sys.stdout.flush()
 
     adaptive = None
-    if drafter is not None and not args.no_adaptive:
+    if drafter is not None and not o.no_adaptive:
         from coordinator.adaptive import AdaptiveDraftLength, calibrate_for
 
         adaptive = AdaptiveDraftLength(calibrate_for(decoder))
     start = time.perf_counter()
     result = speculative_decode_with(decoder, prompt, decoder.new_cache(), drafter, options,
                                      on_tokens=on_tokens, adaptive=adaptive,
-                                     prefill_threads=args.target_threads
+                                     prefill_threads=o.target_threads
                                      or in_process_prefill_threads())
     seconds = time.perf_counter() - start
     tail = stream.flush()  # never ends inside a UTF-8 character
@@ -210,28 +178,29 @@ def _generate_in_process(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_via_service(args: argparse.Namespace) -> int:
+def _generate_via_service(args: argparse.Namespace, options: GenerateOptions) -> int:
     import signal
 
     import grpc
 
     from coordinator.service import Service
 
-    from .client import generate_request, result_from_final, stream_generate
+    from .client import result_from_final, stream_generate
 
-    sampling_from_args(args)  # validates before any service starts
-    check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path,
-                  args.suffix_cache_requests)
+    o = options
+    o.sampling()  # validates before any service starts
+    check_drafter(o.drafter, o.ngram_size, o.max_draft_len, o.drafter_path,
+                  o.suffix_cache_requests)
     service = None
     address = args.server
     if address is None:
-        service = Service(embedded_service_config(args))
+        service = Service(embedded_service_config(o))
         print("[specd] starting an embedded service (Ray + gRPC)...", file=sys.stderr,
               flush=True)
         with StartupReport() as report:
             address = service.start(progress=report)
     try:
-        request = generate_request(args, sampling_from_args(args))
+        request = generate_request(o, o.sampling())
         start = time.perf_counter()
         tokens: list[int] = []
         text_parts: list[str] = []
@@ -266,38 +235,11 @@ def _generate_via_service(args: argparse.Namespace) -> int:
     return 0
 
 
-def embedded_service_config(args: argparse.Namespace):
-    """The `ServiceConfig` of the service ``specd generate`` embeds (no ``--server``): one
-    replica and one drafter on this machine, API on a free loopback port."""
-    from coordinator.service import ServiceConfig
-
-    return ServiceConfig(
-        model=args.model, dtype=args.dtype, port=0, drafter=args.drafter,
-        ngram_size=args.ngram_size,
-        max_draft_len=args.max_draft_len, adaptive=not args.no_adaptive,
-        drafter_path=args.drafter_path, target_threads=args.target_threads,
-        pipeline=not args.no_pipeline,
-        suffix_cache_requests=getattr(args, "suffix_cache_requests", None),
-        **_prefill_config(args))
-
-
-def _prefill_config(args: argparse.Namespace) -> dict:
-    """`ServiceConfig` fields of the chunked-prefill and prefix-caching flags (their
-    defaults where ``args`` has none of them, e.g. `specd bench`'s)."""
-    budget = getattr(args, "max_batched_tokens", DEFAULT_MAX_BATCHED_TOKENS)
-    partial = getattr(args, "max_partial_prefills", 1)
-    if budget < 0:
-        raise ValueError(f"--max-batched-tokens must be >= 0, got {budget}")
-    if partial < 1:
-        raise ValueError(f"--max-partial-prefills must be >= 1, got {partial}")
-    return {"max_batched_tokens": budget or None, "max_partial_prefills": partial,
-            "prefix_caching": not getattr(args, "no_prefix_caching", False)}
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
+    options = GenerateOptions.from_args(args)
     if args.in_process:
-        return _generate_in_process(args)
-    return _generate_via_service(args)
+        return _generate_in_process(args, options)
+    return _generate_via_service(args, options)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -320,7 +262,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
         max_prompt_bytes=args.max_prompt_bytes, pipeline=not args.no_pipeline,
-        http_port=args.http_port, **_prefill_config(args),
+        http_port=args.http_port, **prefill_config(args),
     ))
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
@@ -771,14 +713,17 @@ MODEL_HELP = ("the target: a Llama-family .gguf file or a Hugging Face model dir
 def _add_dtype_flag(p: argparse.ArgumentParser) -> None:
     from target_worker.loader import DTYPES
 
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
+    p.add_argument("--dtype", choices=DTYPES, default=GenerateOptions.dtype,
                    help="target weights/compute dtype (default auto: float32 on CPU, "
                         "bfloat16 on GPU); norms, softmax and probabilities stay float32")
 
 
 def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
-    p.add_argument("--ngram-size", type=int, default=DEFAULT_NGRAM_SIZE)
+    """The speculation and prefill flags of ``generate`` and ``serve`` (their defaults:
+    `GenerateOptions`')."""
+    d = GenerateOptions
+    p.add_argument("--drafter", choices=DRAFTERS, default=d.drafter)
+    p.add_argument("--ngram-size", type=int, default=d.ngram_size)
     lookup = drafter_spec("prompt-lookup")
     p.add_argument("--max-draft-len", type=int, default=None,
                    help=f"most drafts per step (default: the cap adaptive chooses under, "
@@ -794,12 +739,13 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pipeline", action="store_true",
                    help="the serial service step (propose, then verify) instead of drafting "
                         "the next block while the target verifies this one")
-    p.add_argument("--max-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
+    p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens,
                    metavar="N",
                    help="tokens one replica step feeds at most: verify blocks first, then "
                         "chunks of waiting prompts (chunked prefill); 0: every prompt whole "
                         "in one step")
-    p.add_argument("--max-partial-prefills", type=int, default=1, metavar="N",
+    p.add_argument("--max-partial-prefills", type=int, default=d.max_partial_prefills,
+                   metavar="N",
                    help="prompts a replica may hold partly computed at once")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="never reuse a finished request's KV cache for a prompt that starts "
