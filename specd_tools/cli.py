@@ -568,8 +568,8 @@ def _add_bench_parser(sub) -> None:
     bench.add_argument("--tls-ca", default=None)
     bench.set_defaults(func=cmd_bench)
     # `specd bench serve ...`: an optional sub-command, so plain `specd bench ...` is unchanged.
-    from .bench_long_prompts import add_long_prompts_parser
-    from .bench_serve import add_serve_parser
+    from .bench.long_prompts import add_long_prompts_parser
+    from .bench.serve import add_serve_parser
 
     modes = bench.add_subparsers(dest="bench_mode", metavar="{serve,long-prompts}",
                                  title="load-test an OpenAI-compatible server, or long prompts")
@@ -578,7 +578,7 @@ def _add_bench_parser(sub) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench_report import markdown, service_markdown, write_report
+    from .bench.report import markdown, service_markdown, write_report
 
     def progress(line: str) -> None:
         print(f"[bench] {line}", file=sys.stderr, flush=True)
@@ -590,7 +590,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("the plots need matplotlib: pip install 'specd[bench]' (or --no-plots)")
 
     if args.service is not None:
-        from .bench_service import ServiceBenchConfig, run_service_bench
+        from .bench.service import ServiceBenchConfig, run_service_bench
 
         try:
             levels = tuple(int(c) for c in args.concurrency)
@@ -610,8 +610,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             torch.set_num_threads(args.threads)
         if args.default_path:
-            from .bench_report import default_path_markdown
-            from .bench_service import DefaultPathConfig, run_default_path_bench
+            from .bench.report import default_path_markdown
+            from .bench.service import DefaultPathConfig, run_default_path_bench
 
             report = run_default_path_bench(DefaultPathConfig(
                 model=args.model, workloads=args.workloads or ("code_edit", "open_question"),
@@ -622,7 +622,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 thread_check=not args.no_thread_check), progress)
             text = default_path_markdown(report)
         else:
-            from .bench import BenchConfig, run_bench
+            from .bench.core import BenchConfig, run_bench
 
             report = run_bench(BenchConfig(
                 model=args.model, workloads=args.workloads, drafters=args.drafters,

@@ -12,7 +12,7 @@ import torch
 from service_harness import LocalService
 
 from coordinator.service import default_target_threads
-from specd_tools.bench import (
+from specd_tools.bench.core import (
     BenchConfig,
     forward_timing,
     hf_twin,
@@ -20,8 +20,8 @@ from specd_tools.bench import (
     run_bench,
     thread_timing,
 )
-from specd_tools.bench_report import check_targets, markdown, write_report
-from specd_tools.bench_service import (
+from specd_tools.bench.report import check_targets, markdown, write_report
+from specd_tools.bench.service import (
     SPECD_GENERATE,
     SPECD_GENERATE_PLAIN,
     DefaultPathConfig,

@@ -18,7 +18,7 @@ import pytest
 from fake_openai import MODEL_ID, make_app
 
 from specd_tools import cli
-from specd_tools.bench_serve import (
+from specd_tools.bench.serve import (
     RequestOutcome,
     arrival_offsets,
     category_metrics,
@@ -27,8 +27,8 @@ from specd_tools.bench_serve import (
     parse_goodput,
     parse_rates,
 )
-from specd_tools.bench_serve_compare import ServerProcess, server_argv
-from specd_tools.bench_serve_data import (
+from specd_tools.bench.serve_compare import ServerProcess, server_argv
+from specd_tools.bench.serve_data import (
     FALLBACK_WORDS,
     load_custom,
     load_mt_bench,
@@ -516,7 +516,7 @@ def tiny_hf_dir(tmp_path_factory):
 
 
 def test_random_prompts_re_encode_to_the_input_length_with_a_byte_level_bpe(tiny_hf_dir):
-    from specd_tools.bench_serve_data import load_bench_tokenizer
+    from specd_tools.bench.serve_data import load_bench_tokenizer
 
     tok = load_bench_tokenizer(str(tiny_hf_dir))
     prompts = random_prompts(30, 64, seed=0, tokenizer=tok)

@@ -37,7 +37,7 @@ import grpc
 from specd.v1 import generation_pb2, generation_pb2_grpc
 
 #: The default long document: the repository's README (an editable install has it).
-DOCUMENT = Path(__file__).resolve().parents[1] / "README.md"
+DOCUMENT = Path(__file__).resolve().parents[2] / "README.md"
 ASK = "\n\nSummarize the text above in three sentences."
 
 

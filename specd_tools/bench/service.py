@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 from drafter_worker.registry import LOOKUP_DRAFT_LEN
 
-from .workloads import Prompt, Workload, load_workloads
+from ..workloads import Prompt, Workload, load_workloads
 
 __all__ = ["ServiceBenchConfig", "StreamRecord", "run_service_bench"]
 
@@ -88,7 +88,7 @@ def _request(prompt: Prompt, max_new_tokens: int, speculation: bool):
 
 
 def _one_stream(config: ServiceBenchConfig, request, start: float) -> tuple:
-    from .client import stream_generate
+    from ..client import stream_generate
 
     tokens, times, sizes, final = [], [], [], None
     for chunk in stream_generate(config.service, request, auth_token=config.auth_token,
@@ -111,7 +111,7 @@ def _pipeline_counters(config: ServiceBenchConfig) -> dict | None:
 
     from specd.v1 import generation_pb2, generation_pb2_grpc
 
-    from .client import open_channel
+    from ..client import open_channel
 
     metadata = [("authorization", f"Bearer {config.auth_token}")] if config.auth_token else None
     try:
@@ -282,9 +282,9 @@ class DefaultPathConfig:
         prompt_lookup: transformers' ``prompt_lookup_num_tokens`` for hf-prompt-lookup.
         target_threads: ``specd generate --target-threads`` (None: its default).
         forward_ks, forward_cache_lens, forward_repeats: the forward timing run first
-            (`specd_tools.bench.forward_timing`; empty ``forward_ks``: none).
+            (`specd_tools.bench.core.forward_timing`; empty ``forward_ks``: none).
         thread_check: time specd's forward at 1 and 2 threads, quiet and beside a busy
-            process (`specd_tools.bench.thread_timing`).
+            process (`specd_tools.bench.core.thread_timing`).
 
     Raises:
         ValueError: a bad size.
@@ -302,7 +302,7 @@ class DefaultPathConfig:
     thread_check: bool = True
 
     def __post_init__(self) -> None:
-        from .bench import check_forward_sizes
+        from .core import check_forward_sizes
 
         check_forward_sizes(self.forward_ks, self.forward_cache_lens)
         for name in ("max_new_tokens", "repeats", "prompt_lookup", "forward_repeats"):
@@ -318,7 +318,7 @@ def generate_args(config: DefaultPathConfig, drafter: str | None = None):
     """The `specd_tools.generate.GenerateOptions` of ``specd generate`` as a user gives them:
     only the token budget (and ``--model``, ``--target-threads``, ``--drafter`` when set);
     every other field its default."""
-    from .generate import GenerateOptions
+    from ..generate import GenerateOptions
 
     given = {"max_new_tokens": config.max_new_tokens}
     if config.model is not None:
@@ -334,7 +334,7 @@ def _user_request(options, prompt: Prompt):
     """The request ``specd generate`` sends for ``options`` with ``prompt``'s chat turns (one
     user turn for the shipped code_edit and open_question prompts: exactly what
     ``specd generate "TEXT"`` sends)."""
-    from .generate import generate_request
+    from ..generate import generate_request
 
     request = generate_request(options, options.sampling())
     del request.chat.messages[:]
@@ -355,8 +355,8 @@ class UserPathSystem:
         self.options = options
 
     def generate(self, prompt: Prompt, max_new_tokens: int):
-        from .bench import RunRecord
-        from .client import stream_generate
+        from ..client import stream_generate
+        from .core import RunRecord
 
         request = _user_request(self.options, prompt)
         request.max_new_tokens = max_new_tokens
@@ -385,7 +385,7 @@ class UserPathSystem:
 
 
 class _HFPromptSystem:
-    """A `specd_tools.bench.HFSystem` fed the prompt's token ids through the chat template."""
+    """A `specd_tools.bench.core.HFSystem` fed the prompt's token ids through the chat template."""
 
     kind = "hf"
 
@@ -395,7 +395,7 @@ class _HFPromptSystem:
         self.tokenizer = tokenizer
 
     def generate(self, prompt: Prompt, max_new_tokens: int):
-        from .workloads import encode_workload_prompt
+        from ..workloads import encode_workload_prompt
 
         return self.system.generate(encode_workload_prompt(self.tokenizer, prompt), max_new_tokens)
 
@@ -438,7 +438,7 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
         The JSON-ready report: ``mode`` ("default-path"), ``config``, ``environment``,
         ``service`` (its configuration), ``forward``, ``threads`` (`thread_timing`),
         ``systems``, ``summary``
-        (`specd_tools.bench.aggregate` with ``ratio_to_plain`` against hf-plain),
+        (`specd_tools.bench.core.aggregate` with ``ratio_to_plain`` against hf-plain),
         ``identity`` (against hf-plain's first run of each prompt), ``prompt_tokens``
         (whether the service saw the same prompt length as transformers), ``runs``.
 
@@ -450,7 +450,9 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
     from coordinator.service import default_target_threads
     from target_worker.loader import load_model
 
-    from .bench import (
+    from ..generate import embedded_service_config
+    from ..workloads import encode_workload_prompt
+    from .core import (
         HF_PLAIN,
         HFSystem,
         _environment,
@@ -460,8 +462,6 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
         reported_forward_timing,
         thread_timing,
     )
-    from .generate import embedded_service_config
-    from .workloads import encode_workload_prompt
 
     if workloads is None:
         workloads = load_workloads(list(config.workloads) if config.workloads else None)

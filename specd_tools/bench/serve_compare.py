@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .bench_serve import (
+from .serve import (
     ServeBenchConfig,
     bench_endpoint,
     compute_metrics,
@@ -40,7 +40,7 @@ from .bench_serve import (
     point_label,
     run_record,
 )
-from .bench_serve_data import load_bench_tokenizer
+from .serve_data import load_bench_tokenizer
 
 #: The peer `--compare` starts by default (transformers >= 5; needs typer, fastapi, uvicorn,
 #: openai): paged-attention continuous batching, no speculation.

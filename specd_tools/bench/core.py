@@ -44,7 +44,7 @@ from coordinator.speculative import SpeculativeOptions, speculative_decode_with
 from drafter_worker.registry import LOOKUP_ADAPTIVE_DRAFT_LEN, LOOKUP_DRAFT_LEN
 from specd_core.draft import drafter_capabilities
 
-from .workloads import Workload, encode_workload_prompt, load_workloads
+from ..workloads import Workload, encode_workload_prompt, load_workloads
 
 __all__ = ["BenchConfig", "RunRecord", "aggregate", "build_systems", "forward_timing", "hf_twin",
            "run_bench", "thread_timing"]

@@ -7,7 +7,7 @@ Requests are streamed chat completions (the official ``openai`` async client), s
 optionally capped at ``--max-concurrency`` in flight. Per request the client records the time to
 the first content chunk (TTFT), the gaps between content chunks (ITL), the end-to-end latency
 (E2EL) and the token counts the server reports in ``usage``; `compute_metrics` turns those into
-the run's metrics. ``--compare`` (`specd_tools.bench_serve_compare`) runs the same workload
+the run's metrics. ``--compare`` (`specd_tools.bench.serve_compare`) runs the same workload
 against ``specd serve`` and a peer server in turn.
 
 Definitions (per request; the run's mean/median/std/p90/p99 are over completed requests):
@@ -36,7 +36,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .bench_serve_data import (
+from .serve_data import (
     DATASETS,
     BenchPrompt,
     load_bench_tokenizer,
@@ -301,7 +301,7 @@ class ServeBenchConfig:
 
 
 def load_workload(cfg: ServeBenchConfig, tokenizer: Any = None) -> list[BenchPrompt]:
-    """The prompts ``cfg`` names (`bench_serve_data`), ``num_prompts`` of them.
+    """The prompts ``cfg`` names (`specd_tools.bench.serve_data`), ``num_prompts`` of them.
 
     Raises:
         ValueError: bad dataset flags or file (names the flag, and the line and field).
@@ -806,7 +806,7 @@ def add_serve_parser(modes) -> argparse.ArgumentParser:
     c.add_argument("--compare", default=None, metavar="MODEL_DIR",
                    help="start 'specd serve --http-port' and the peer on this model "
                         "directory one after the other and run the workload against each")
-    from .bench_serve_compare import DEFAULT_PEER_CMD, DEFAULT_SPECD_CMD
+    from .serve_compare import DEFAULT_PEER_CMD, DEFAULT_SPECD_CMD
 
     c.add_argument("--peer-cmd", default=DEFAULT_PEER_CMD, metavar="CMD",
                    help="the peer's command; {port}, {model} and {python} are filled in "
@@ -871,7 +871,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         print(f"[bench serve] {line}", file=sys.stderr, flush=True)
 
     if args.compare is not None:
-        from .bench_serve_compare import CompareConfig, format_compare, run_compare
+        from .serve_compare import CompareConfig, format_compare, run_compare
 
         result = run_compare(cfg, CompareConfig(
             model_dir=args.compare, peer_cmd=args.peer_cmd, specd_cmd=args.specd_cmd,
