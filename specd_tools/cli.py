@@ -569,7 +569,7 @@ def _add_bench_parser(sub) -> None:
     bench.set_defaults(func=cmd_bench)
     # `specd bench serve ...`: an optional sub-command, so plain `specd bench ...` is unchanged.
     from .bench.long_prompts import add_long_prompts_parser
-    from .bench.serve import add_serve_parser
+    from .bench.serve_cli import add_serve_parser
 
     modes = bench.add_subparsers(dest="bench_mode", metavar="{serve,long-prompts}",
                                  title="load-test an OpenAI-compatible server, or long prompts")

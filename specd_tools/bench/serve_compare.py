@@ -37,10 +37,10 @@ from .serve import (
     load_points,
     load_workload,
     outcomes_of,
-    point_label,
     run_record,
 )
 from .serve_data import load_bench_tokenizer
+from .serve_report import point_label
 
 #: The peer `--compare` starts by default (transformers >= 5; needs typer, fastapi, uvicorn,
 #: openai): paged-attention continuous batching, no speculation.

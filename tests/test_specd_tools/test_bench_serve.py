@@ -24,9 +24,8 @@ from specd_tools.bench.serve import (
     category_metrics,
     chunk_timing,
     compute_metrics,
-    parse_goodput,
-    parse_rates,
 )
+from specd_tools.bench.serve_cli import parse_goodput, parse_rates
 from specd_tools.bench.serve_compare import ServerProcess, server_argv
 from specd_tools.bench.serve_data import (
     FALLBACK_WORDS,
