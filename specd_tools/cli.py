@@ -18,11 +18,8 @@ from collections.abc import Sequence
 
 from coordinator.speculative import SpeculativeOptions, speculative_decode_with
 from drafter_worker.registry import (
-    DEFAULT_NGRAM_SIZE,
     DRAFTERS,
     EAGLE_MAX_DRAFT_LEN,
-    LOOKUP_ADAPTIVE_DRAFT_LEN,
-    LOOKUP_DRAFT_LEN,
     build_drafter,
     check_drafter,
     default_draft_len,
@@ -31,6 +28,8 @@ from drafter_worker.registry import (
 from drafter_worker.suffix import DEFAULT_CACHE_REQUESTS
 from specd_core.text import TextStream, encode_prompt
 
+from .bench.cli import add_bench_parser
+from .flags import AUTH_HELP, MODEL_HELP, port, positive_int, show_defaults
 from .generate import (
     GenerateOptions,
     embedded_service_config,
@@ -301,11 +300,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 #: How often `specd serve` checks that its coordinator actor is alive, seconds.
 COORDINATOR_CHECK_S = 5.0
 
-#: The --auth-token help: a flag's value is visible to every local user in `ps`.
-_AUTH_HELP = ("bearer token{what} (default $SPECD_AUTH_TOKEN); a value given here is visible "
-              "to every local user in ps and /proc: prefer the environment variable")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -322,10 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--in-process", action="store_true",
                      help="run the core loop in this process (no Ray, no gRPC)")
     gen.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                     help=_AUTH_HELP.format(what=" for --server"))
+                     help=AUTH_HELP.format(what=" for --server"))
     gen.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
     gen.add_argument("--threads", "--target-threads", dest="target_threads",
-                     type=_positive_int, default=None, metavar="N",
+                     type=positive_int, default=None, metavar="N",
                      help="torch threads of the target model (default: this machine's cores "
                           "less one, at least 1, which stays fast beside a busy process; "
                           "ignored with --server)")
@@ -336,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the service: Ray actors + the gRPC API")
     serve.add_argument("--host", default="127.0.0.1",
                        help="API listen address (default loopback only)")
-    serve.add_argument("--port", type=_port, default=50051)
+    serve.add_argument("--port", type=port, default=50051)
     serve.add_argument("--address", default=None, metavar="auto|HOST:PORT",
                        help="join this Ray cluster (default: an embedded local Ray)")
     serve.add_argument("--model", default=None, help=MODEL_HELP)
@@ -345,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-active", type=int, default=32,
                        help="requests decoding at once, per target replica")
     serve.add_argument("--threads", "--target-threads", dest="target_threads",
-                       type=_positive_int, default=None, metavar="N",
+                       type=positive_int, default=None, metavar="N",
                        help="torch threads per target rank (default: this machine's cores "
                             "less one, divided among all replicas x tp ranks, at least 1)")
     _add_scale_flags(serve)
@@ -369,11 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "from the replica's measured steps (at least 10 s), capped by "
                             "this (default 600; a replica whose process dies is found at "
                             "once)")
-    serve.add_argument("--http-port", type=_port, default=None, metavar="PORT",
+    serve.add_argument("--http-port", type=port, default=None, metavar="PORT",
                        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                             "/v1/completions, /v1/models, /health, /metrics) on --host:PORT, "
                             "with the same auth token and TLS (0 picks a port; default: off)")
-    serve.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
+    serve.add_argument("--metrics-port", type=port, default=None, metavar="PORT",
                        help="serve Prometheus /metrics on --host:PORT (0 picks one; default: off)")
     serve.add_argument("--max-prompt-bytes", type=int, default=None, metavar="BYTES",
                        help="refuse prompts (text, or all chat contents) over BYTES of UTF-8 "
@@ -384,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-key", default=None, metavar="KEY.pem",
                        help="the certificate's private key (with --tls-cert)")
     serve.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                       help=_AUTH_HELP.format(what=" every call must carry"))
+                       help=AUTH_HELP.format(what=" every call must carry"))
     serve.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
                        metavar="SECONDS",
                        help="on SIGTERM or Ctrl-C, refuse new calls (UNAVAILABLE) and let "
@@ -398,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--drafters", type=int, default=None, metavar="N")
     scale.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
     scale.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                       help=_AUTH_HELP.format(what=""))
+                       help=AUTH_HELP.format(what=""))
     scale.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
     scale.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                        help="give up waiting after this long (the scale still completes)")
@@ -409,32 +403,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the service's gRPC address")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                        help=_AUTH_HELP.format(what=""))
+                        help=AUTH_HELP.format(what=""))
     status.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
     status.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
                         help="give up waiting for the answer after this long")
     status.set_defaults(func=cmd_status)
-    _add_bench_parser(sub)
+    add_bench_parser(sub)
     _add_train_drafter_parser(sub)
     for p in (parser, *sub.choices.values()):
-        _show_defaults(p)
+        show_defaults(p)
     return parser
-
-
-def _show_defaults(parser: argparse.ArgumentParser) -> None:
-    """Every option's --help line names its default: appended as "(default: X)" unless the
-    help already says it; options whose default is None or off say nothing more."""
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    for action in parser._actions:
-        if not action.option_strings or action.help == argparse.SUPPRESS:
-            continue
-        help_text = action.help or ""
-        default = action.default
-        if ("default" in help_text or default is None or default is False
-                or default is argparse.SUPPRESS or (isinstance(default, list) and not default)):
-            continue
-        shown = ",".join(default) if isinstance(default, list | tuple) else default
-        action.help = (help_text + " " if help_text else "") + f"(default: {shown})"
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -483,160 +461,6 @@ def cmd_scale(args: argparse.Namespace) -> int:
     print(f"[specd] target_replicas={reply.target_replicas} drafters={reply.drafters} "
           f"added=[{' '.join(reply.added)}] removed=[{' '.join(reply.removed)}]")
     return 0
-
-
-def _port(text: str) -> int:
-    """A TCP port number, 0 (pick a free one) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
-def _ints(flag: str, values: Sequence[str]) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in values)
-    except ValueError:
-        raise ValueError(f"--{flag} must be integers, got {','.join(values)}") from None
-
-
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def _add_bench_parser(sub) -> None:
-    bench = sub.add_parser(
-        "bench", help="benchmark specd (plain, fixed, adaptive) against HF transformers, or a "
-                      "running service (--service)")
-    bench.add_argument("--out", default="bench-out", help="report directory (default bench-out)")
-    bench.add_argument("--model", default=None, help=MODEL_HELP + " or a tiny-random spec")
-    bench.add_argument("--workloads", type=_csv, default=None, metavar="A,B",
-                       help="comma-separated (default all: code_edit,summarise,chat,"
-                            "open_question)")
-    bench.add_argument("--drafters", type=_csv, default=("prompt-lookup",), metavar="A,B",
-                       help="drafter names for the speculative systems (default prompt-lookup)")
-    bench.add_argument("--drafter-path", default=None,
-                       help="EAGLE head for the eagle drafters (default: the shipped head)")
-    bench.add_argument("--max-new-tokens", type=int, default=None,
-                       help="per generation (default 128; --default-path 160)")
-    bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--draft-len", type=int, default=LOOKUP_DRAFT_LEN,
-                       help="fixed draft length (specd fixed and HF prompt_lookup_num_tokens)")
-    bench.add_argument("--adaptive-max-draft-len", type=int, default=LOOKUP_ADAPTIVE_DRAFT_LEN,
-                       help="the most drafts the adaptive systems may choose")
-    bench.add_argument("--ngram-size", type=int, default=DEFAULT_NGRAM_SIZE)
-    bench.add_argument("--no-hf", action="store_true", help="skip HF transformers")
-    bench.add_argument("--no-bare", action="store_true",
-                       help="skip the bare-forward overhead reference")
-    bench.add_argument("--no-plots", action="store_true", help="JSON and Markdown only")
-    bench.add_argument("--threads", type=int, default=None, help="torch threads")
-    bench.add_argument("--default-path", action="store_true",
-                       help="time the default user path (the embedded service 'specd "
-                            "generate' starts) beside transformers plain and prompt lookup, "
-                            "after the forward timing (default workloads code_edit,"
-                            "open_question)")
-    bench.add_argument("--target-threads", type=_positive_int, default=None, metavar="N",
-                       help="--default-path: 'specd generate --threads'")
-    bench.add_argument("--forward-ks", type=_csv, default=("1", "2", "4", "8", "32"),
-                       metavar="1,2,4,8,32",
-                       help="forward timing block sizes, specd vs transformers ('' skips it)")
-    bench.add_argument("--forward-cache-lens", type=_csv, default=("300", "2000"),
-                       metavar="300,2000", help="forward timing: cached tokens")
-    bench.add_argument("--forward-repeats", type=int, default=15,
-                       help="forward timing: timed calls per system and size")
-    bench.add_argument("--no-thread-check", action="store_true",
-                       help="--default-path: skip timing 1 vs 2 threads beside a busy process")
-    bench.add_argument("--service", default=None, metavar="HOST:PORT",
-                       help="benchmark a running 'specd serve' instead")
-    bench.add_argument("--concurrency", type=_csv, default=("1", "4", "8", "16"),
-                       metavar="1,4,8,16", help="--service: concurrent streams per level")
-    bench.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                       help=_AUTH_HELP.format(what=" for --service"))
-    bench.add_argument("--tls-ca", default=None)
-    bench.set_defaults(func=cmd_bench)
-    # `specd bench serve ...`: an optional sub-command, so plain `specd bench ...` is unchanged.
-    from .bench.long_prompts import add_long_prompts_parser
-    from .bench.serve_cli import add_serve_parser
-
-    modes = bench.add_subparsers(dest="bench_mode", metavar="{serve,long-prompts}",
-                                 title="load-test an OpenAI-compatible server, or long prompts")
-    _show_defaults(add_serve_parser(modes))
-    _show_defaults(add_long_prompts_parser(modes))
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.report import markdown, service_markdown, write_report
-
-    def progress(line: str) -> None:
-        print(f"[bench] {line}", file=sys.stderr, flush=True)
-
-    import importlib.util
-
-    # Fail before a long run, not after it.
-    if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("the plots need matplotlib: pip install 'specd[bench]' (or --no-plots)")
-
-    if args.service is not None:
-        from .bench.service import ServiceBenchConfig, run_service_bench
-
-        try:
-            levels = tuple(int(c) for c in args.concurrency)
-        except ValueError:
-            raise ValueError(f"--concurrency must be integers, got {args.concurrency}") from None
-        report = run_service_bench(ServiceBenchConfig(
-            service=args.service, workloads=args.workloads,
-            max_new_tokens=args.max_new_tokens or 128, repeats=args.repeats,
-            concurrency=levels, auth_token=args.auth_token, tls_ca=args.tls_ca,
-            model=args.model), progress)
-        text = service_markdown(report)
-    else:
-        ks, lens = _ints("forward-ks", args.forward_ks), _ints("forward-cache-lens",
-                                                               args.forward_cache_lens)
-        if args.threads is not None:
-            import torch
-
-            torch.set_num_threads(args.threads)
-        if args.default_path:
-            from .bench.report import default_path_markdown
-            from .bench.service import DefaultPathConfig, run_default_path_bench
-
-            report = run_default_path_bench(DefaultPathConfig(
-                model=args.model, workloads=args.workloads or ("code_edit", "open_question"),
-                max_new_tokens=args.max_new_tokens or 160, repeats=args.repeats,
-                prompt_lookup=args.draft_len, target_threads=args.target_threads,
-                forward_ks=ks, forward_cache_lens=lens,
-                forward_repeats=args.forward_repeats,
-                thread_check=not args.no_thread_check), progress)
-            text = default_path_markdown(report)
-        else:
-            from .bench.core import BenchConfig, run_bench
-
-            report = run_bench(BenchConfig(
-                model=args.model, workloads=args.workloads, drafters=args.drafters,
-                max_new_tokens=args.max_new_tokens or 128, repeats=args.repeats,
-                draft_len=args.draft_len, adaptive_max_draft_len=args.adaptive_max_draft_len,
-                ngram_size=args.ngram_size, hf=not args.no_hf, bare=not args.no_bare,
-                threads=args.threads, drafter_path=args.drafter_path, forward_ks=ks,
-                forward_cache_lens=lens, forward_repeats=args.forward_repeats), progress)
-            text = markdown(report)
-    paths = write_report(report, args.out, plots=not args.no_plots)
-    print(text)
-    progress("wrote " + ", ".join(str(p) for p in paths))
-    return 0
-
 
 
 def _add_train_drafter_parser(sub) -> None:
@@ -703,11 +527,6 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     print(json.dumps({"out": args.out, "timings_s": summary["timings_s"],
                       "data": summary["data"], "final_epoch": last}, indent=2))
     return 0
-
-
-MODEL_HELP = ("the target: a Llama-family .gguf file or a Hugging Face model directory "
-              "(Llama, Mistral, Qwen2, Mixtral; config.json + safetensors + tokenizer) "
-              "(default: SmolLM2-135M-Instruct, GGUF)")
 
 
 def _add_dtype_flag(p: argparse.ArgumentParser) -> None:

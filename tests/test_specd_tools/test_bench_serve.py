@@ -18,6 +18,7 @@ import pytest
 from fake_openai import MODEL_ID, make_app
 
 from specd_tools import cli
+from specd_tools.bench import cli as bench_cli
 from specd_tools.bench.serve import (
     RequestOutcome,
     arrival_offsets,
@@ -372,7 +373,7 @@ def test_an_unreachable_server_is_named(capsys):
 def test_plain_specd_bench_is_unchanged():
     parser = cli.build_parser()
     args = parser.parse_args(["bench", "--no-hf", "--repeats", "1"])
-    assert args.func is cli.cmd_bench and args.bench_mode is None and args.repeats == 1
+    assert args.func is bench_cli.cmd_bench and args.bench_mode is None and args.repeats == 1
     args = parser.parse_args(["bench", "serve", "--base-url", "http://h/v1"])
     assert args.func.__name__ == "cmd_bench_serve" and args.base_url == "http://h/v1"
 
