@@ -117,8 +117,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             torch.set_num_threads(args.threads)
         if args.default_path:
+            from .default_path import DefaultPathConfig, run_default_path_bench
             from .report import default_path_markdown
-            from .service import DefaultPathConfig, run_default_path_bench
 
             report = run_default_path_bench(DefaultPathConfig(
                 model=args.model, workloads=args.workloads or ("code_edit", "open_question"),

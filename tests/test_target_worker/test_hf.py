@@ -240,7 +240,8 @@ def test_service_refuses_before_any_actor(dirs, tmp_path, monkeypatch):
 
 
 def test_cli_passes_model_dir_and_dtype(dirs):
-    from specd_tools.cli import build_parser, embedded_service_config
+    from specd_tools.cli import build_parser
+    from specd_tools.generate import embedded_service_config
 
     args = build_parser().parse_args(
         ["generate", "hi", "--model", str(dirs["llama3"]), "--dtype", "bfloat16"])
