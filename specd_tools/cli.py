@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from coordinator.speculative import SpeculativeOptions, speculative_decode_with
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.registry import (
     DRAFTERS,
     EAGLE_MAX_DRAFT_LEN,
@@ -26,6 +26,7 @@ from drafter_worker.registry import (
     drafter_spec,
 )
 from drafter_worker.suffix import DEFAULT_CACHE_REQUESTS
+from specd_core.request import SpeculativeOptions
 from specd_core.text import TextStream, encode_prompt
 
 from .bench.cli import add_bench_parser

@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 
 from specd_core.rule import GreedyRows
 from specd_core.sampling import SamplingParams
-from target_worker.engine import PrefillItem, TargetEngine, VerifyItem
+from specd_core.step import PrefillItem, VerifyItem
+from target_worker.engine import TargetEngine
 from target_worker.sharded import (
     SafetensorsSource,
     ShardedDecoder,

@@ -49,7 +49,7 @@ from .forward import FORWARD_CACHE_LENS, FORWARD_KS, check_forward_sizes, report
 from .hf import load_hf_model
 from .systems import BARE, HF_PLAIN, PLAIN, BareForward, HFSystem, RunRecord, SpecdSystem
 
-__all__ = ["BenchConfig", "RunRecord", "aggregate", "build_systems", "run_bench"]
+__all__ = ["BenchConfig", "aggregate", "build_systems", "run_bench"]
 
 @dataclass(frozen=True)
 class BenchConfig:

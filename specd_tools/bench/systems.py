@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from coordinator.adaptive import AdaptiveDraftLength, ForwardCostModel
-from coordinator.speculative import SpeculativeOptions, speculative_decode_with
+from coordinator.speculative import speculative_decode_with
+from specd_core.request import SpeculativeOptions
 
 __all__ = ["BARE", "HF_PLAIN", "PLAIN", "BareForward", "HFSystem", "RunRecord", "SpecdSystem"]
 

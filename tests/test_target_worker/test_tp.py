@@ -246,8 +246,7 @@ def test_a_replicas_step_bytes_are_counted_without_pickling_the_step(monkeypatch
     import pickle
 
     from specd_core.sampling import SamplingParams
-    from specd_core.step import payload_bytes
-    from target_worker.engine import PrefillItem, VerifyItem
+    from specd_core.step import PrefillItem, VerifyItem, payload_bytes
     from target_worker.tp import TPRank
 
     threads = torch.get_num_threads()

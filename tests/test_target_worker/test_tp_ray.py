@@ -12,7 +12,7 @@ from tp_harness import engine_script, rows_of, run_tp
 
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.sampling import SamplingParams
-from target_worker.engine import PrefillItem, VerifyItem
+from specd_core.step import PrefillItem, VerifyItem
 from target_worker.tp import create_target_replica, destroy_target_replica
 
 pytestmark = pytest.mark.slow
@@ -183,10 +183,11 @@ def test_the_coordinators_scheduler_runs_unchanged_on_a_tp2_replica(ray_local):
     requests (greedy and seeded sampling) stream exactly what the in-process core produces."""
     import asyncio
 
-    from coordinator import SpeculativeOptions, speculative_decode_with
     from coordinator.scheduler import RayTarget, Scheduler
+    from coordinator.speculative import speculative_decode_with
     from drafter_worker.client import DrafterClient
     from drafter_worker.server import start_drafter_server
+    from specd_core.request import SpeculativeOptions
     from target_worker.loader import load_model
 
     decoder, _ = load_model(MOE)
