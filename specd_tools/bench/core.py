@@ -225,7 +225,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = print) -> d
     names = [s.name for s in systems]
     return {
         "config": asdict(config),
-        "environment": _environment(),
+        "environment": environment(),
         "workloads": [
             {"workload": w.name, "prompt_id": pid, "prompt_tokens": len(ids), "truncated": cut}
             for w, pid, ids, cut in prompts
@@ -243,7 +243,9 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = print) -> d
     }
 
 
-def _environment() -> dict:
+def environment() -> dict:
+    """The machine a report was measured on: Python and torch versions, torch threads, CPU
+    count, architecture and the UTC time."""
     import os
     import platform
 

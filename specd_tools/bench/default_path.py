@@ -205,7 +205,7 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
 
     from ..generate import embedded_service_config
     from ..workloads import encode_workload_prompt
-    from .core import _environment, aggregate, check_identity
+    from .core import aggregate, check_identity, environment
     from .forward import reported_forward_timing, thread_timing
     from .hf import load_hf_model
     from .systems import HF_PLAIN, HFSystem
@@ -276,7 +276,7 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
     return {
         "mode": "default-path",
         "config": as_dict(config),
-        "environment": {**_environment(), "target_threads": threads},
+        "environment": {**environment(), "target_threads": threads},
         "service": as_dict(service_config),
         "forward": forward,
         "threads": threads_rows,
