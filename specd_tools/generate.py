@@ -28,7 +28,8 @@ __all__ = [
 @dataclass(frozen=True)
 class GenerateOptions:
     """One ``specd generate`` request. Field names are the flags' destinations (``--no-adaptive``
-    is ``no_adaptive``), so the functions here take either these options or the parsed flags.
+    is ``no_adaptive``), so `embedded_service_config` and `prefill_config` take either these
+    options or parsed flags (``specd serve``'s, for `prefill_config`).
 
     Nothing is checked on construction: `sampling` checks the decoding fields,
     `drafter_worker.registry.check_drafter` the drafter's, `prefill_config` the prefill ones,
@@ -36,8 +37,8 @@ class GenerateOptions:
 
     Attributes:
         prompt: the user's text (a single user turn through the chat template unless ``raw``).
-        max_draft_len: None until the CLI resolves it (`drafter_worker.registry.
-            default_draft_len`); left None, the service chooses.
+        max_draft_len: None until the CLI resolves it
+            (`drafter_worker.registry.default_draft_len`); left None, the service chooses.
         target_threads: torch threads of the target (None: `in_process_threads` in process,
             the service's default otherwise).
     """
