@@ -38,7 +38,8 @@ class GenerateOptions:
     Attributes:
         prompt: the user's text (a single user turn through the chat template unless ``raw``).
         max_draft_len: None until the CLI resolves it
-            (`drafter_worker.registry.default_draft_len`); left None, the service chooses.
+            (`drafter_worker.registry.default_draft_len`); left None (``specd bench
+            --default-path``), `drafter_worker.registry.build_drafter` uses its default.
         target_threads: torch threads of the target (None: `in_process_threads` in process,
             the service's default otherwise).
     """
