@@ -56,9 +56,10 @@ def load_seconds(source: str, threads: int) -> float:
 
 
 def decode(decoder, prompt: list[int], tokens: int, lookup: bool) -> tuple[float, list[int]]:
-    from coordinator.speculative import SpeculativeOptions, speculative_decode_with
+    from coordinator.speculative import speculative_decode_with
     from drafter_worker.prompt_lookup import PromptLookupSpeculator
     from drafter_worker.registry import DEFAULT_NGRAM_SIZE, LOOKUP_DRAFT_LEN
+    from specd_core.request import SpeculativeOptions
 
     drafter = PromptLookupSpeculator(DEFAULT_NGRAM_SIZE, LOOKUP_DRAFT_LEN) if lookup else None
     t = time.perf_counter()
@@ -80,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from specd_tools.workloads import encode_prompt, load_workload
-    from target_worker import default_model_path, load_model
+    from specd_tools.workloads import encode_workload_prompt, load_workload
+    from target_worker.fetch import default_model_path
+    from target_worker.loader import load_model
 
     torch.set_num_threads(args.threads)
     gguf = Path(args.gguf) if args.gguf else default_model_path()
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     load_model(sources["gguf"])  # warm the GGUF weights cache (a first-ever load converts)
     models = {k: load_model(v) for k, v in sources.items()}
     tokenizer = models["gguf"][1]
-    prompt = encode_prompt(tokenizer, load_workload("code_edit").prompts[0])
+    prompt = encode_workload_prompt(tokenizer, load_workload("code_edit").prompts[0])
     loads = {k: [] for k in sources}
     speed = {(k, m): [] for k in sources for m in ("plain", "lookup")}
     outputs = {}

@@ -36,8 +36,8 @@ def main() -> None:
     from specd_core.sampling import SamplingParams
     from specd_core.step import PrefillItem, VerifyItem, payload_bytes
     from specd_core.text import encode_prompt
-    from target_worker import load_model
     from target_worker.engine import TargetEngine
+    from target_worker.loader import load_model
 
     torch.set_num_threads(args.threads)
     decoder, tokenizer = load_model() if args.model is None else load_model(args.model)

@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter_worker import PromptLookupSpeculator  # noqa: E402
 from drafter_worker.client import DrafterClient, ProposeJob  # noqa: E402
+from drafter_worker.prompt_lookup import PromptLookupSpeculator  # noqa: E402
 from drafter_worker.server import start_drafter_server  # noqa: E402
 from target_worker.tls import CHANNEL_HOSTNAME, generate_certificate  # noqa: E402
 

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import grpc
 
-from coordinator import SpeculativeOptions, speculative_decode_with
 from coordinator.service import Service, ServiceConfig
-from drafter_worker import PromptLookupSpeculator
+from coordinator.speculative import speculative_decode_with
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd.v1 import generation_pb2, generation_pb2_grpc
+from specd_core.request import SpeculativeOptions
 from specd_core.text import encode_prompt
-from target_worker import load_model
+from target_worker.loader import load_model
 
 PROMPTS = Path(__file__).resolve().parent / "prompts"
 

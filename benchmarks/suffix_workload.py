@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     import torch
 
     from specd_core.text import encode_prompt
-    from target_worker import load_model
+    from target_worker.loader import load_model
 
     torch.set_num_threads(args.threads)
     decoder, tokenizer = load_model(args.model)

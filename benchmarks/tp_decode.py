@@ -46,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from specd_core.sampling import SamplingParams
-    from target_worker.engine import PrefillItem, VerifyItem
-    from target_worker.loader import ensure_weights_cache, load_model, model_path
+    from specd_core.step import PrefillItem, VerifyItem
+    from target_worker.disk_cache import ensure_weights_cache
+    from target_worker.loader import load_model, model_path
     from target_worker.testing import is_tiny_random_spec
     from target_worker.tp import create_target_replica, destroy_target_replica
 

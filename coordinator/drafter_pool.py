@@ -30,8 +30,8 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from drafter_worker import DraftBlock
 from drafter_worker.client import DrafterInfo, DrafterUnavailable, ProposeJob
+from specd_core.draft import DraftBlock
 
 log = logging.getLogger(__name__)
 

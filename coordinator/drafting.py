@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from drafter_worker import DraftBlock
+from specd_core.draft import DraftBlock
 
 from .adaptive import AdaptiveDraftLength, expected_tokens
 

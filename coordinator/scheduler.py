@@ -55,7 +55,7 @@ from typing import Protocol
 
 import torch
 
-from drafter_worker import DraftBlock
+from specd_core.draft import DraftBlock
 from specd_core.request import DecodeRequest, SpeculativeOptions
 from target_worker.engine import SlotsExhausted
 

@@ -637,7 +637,7 @@ class Service:
         if cfg.model is None:
             # Fetch the default model here, once, with the progress bar in this terminal (the
             # actors' output is not forwarded), rather than racing in several actors.
-            from target_worker import default_model_path
+            from target_worker.fetch import default_model_path
 
             default_model_path()
         validate_model(cfg.model)  # config, weights' shapes, tokenizer: before any actor starts

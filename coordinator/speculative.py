@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from drafter_worker import PromptLookupSpeculator
 from drafter_worker.local import LocalDrafter
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from drafter_worker.registry import DEFAULT_NGRAM_SIZE, LOOKUP_DRAFT_LEN
 from specd_core.draft import Drafter
 from specd_core.request import (

@@ -24,7 +24,8 @@ from .registry import (
     SERVED_DRAFTERS,
     build_drafter,
 )
-from .server import SECRET_ENV, SessionLimits, start_drafter_server
+from .server import SECRET_ENV, start_drafter_server
+from .sessions import SessionLimits
 
 #: Seconds in-flight calls get to finish after a stop signal.
 _GRACE_S = 2.0

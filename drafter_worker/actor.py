@@ -14,7 +14,8 @@ import grpc
 import ray
 
 from .registry import DEFAULT_NGRAM_SIZE, build_drafter
-from .server import SessionLimits, start_drafter_server
+from .server import start_drafter_server
+from .sessions import SessionLimits
 
 #: Hosts that bind every interface: the actor then advertises its node's IP.
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")

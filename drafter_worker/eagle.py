@@ -619,15 +619,15 @@ def load_target_head_weights(model: str | os.PathLike | None
     Raises:
         As `target_worker.loader.load_decoder`.
     """
-    from target_worker import loader
+    from target_worker.disk_cache import weights_cache_path
+    from target_worker.loader import load_decoder, model_path
     from target_worker.testing import is_tiny_random_spec
 
     if not is_tiny_random_spec(model):
         try:
             from safetensors import safe_open
 
-            path = loader.model_path(model)
-            cached = loader.cache_dir() / "weights" / f"{loader._file_cache_key(path)}.safetensors"
+            cached = weights_cache_path(model_path(model))
             if cached.is_file():
                 with safe_open(str(cached), framework="pt") as f:
                     embed = f.get_tensor("embed_tokens.weight").float()
@@ -637,7 +637,7 @@ def load_target_head_weights(model: str | os.PathLike | None
                 return embed, head
         except (AttributeError, KeyError, OSError):  # a changed cache layout: load it all
             pass
-    decoder = loader.load_decoder(model)
+    decoder = load_decoder(model)
     return decoder.embed_tokens.weight, decoder.lm_head.weight
 
 

@@ -32,13 +32,7 @@ from specd_core.draft import DraftBlock, Drafter
 from specd_core.sampling import DraftSamplingParams
 
 from . import wire
-
-# Re-exported: where these lived before the registry and the sessions had their own modules.
-from .registry import build_drafter as build_drafter
-from .registry import check_drafter as check_drafter
-from .sessions import DrafterSessions
-from .sessions import ProposeRefused as ProposeRefused
-from .sessions import SessionLimits as SessionLimits
+from .sessions import DrafterSessions, ProposeRefused, SessionLimits
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import target_worker.model as model
-from target_worker import load_model
+from target_worker.loader import load_model
 
 
 def main() -> None:

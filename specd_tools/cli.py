@@ -16,22 +16,29 @@ import sys
 import time
 from collections.abc import Sequence
 
-from coordinator.speculative import SpeculativeOptions, speculative_decode_with
-from coordinator.step_plan import DEFAULT_MAX_BATCHED_TOKENS
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.registry import (
-    DEFAULT_NGRAM_SIZE,
     DRAFTERS,
     EAGLE_MAX_DRAFT_LEN,
-    LOOKUP_ADAPTIVE_DRAFT_LEN,
-    LOOKUP_DRAFT_LEN,
     build_drafter,
     check_drafter,
     default_draft_len,
     drafter_spec,
 )
 from drafter_worker.suffix import DEFAULT_CACHE_REQUESTS
-from specd_core.sampling import SamplingParams
+from specd_core.request import SpeculativeOptions
 from specd_core.text import TextStream, encode_prompt
+
+from .bench.cli import add_bench_parser
+from .flags import AUTH_HELP, MODEL_HELP, port, positive_int, show_defaults
+from .generate import (
+    GenerateOptions,
+    embedded_service_config,
+    generate_request,
+    in_process_prefill_threads,
+    in_process_threads,
+    prefill_config,
+)
 
 #: `specd serve --shutdown-grace` default, seconds: long enough for a typical answer
 #: (128 tokens at ~10 tok/s on a 2-core CPU take ~13 s).
@@ -87,60 +94,20 @@ class StartupReport:
                   flush=True)
 
 
-def in_process_threads() -> int:
-    """``generate --in-process``'s torch threads when --threads is not given: the cores less
-    one (at least 1), as for the service's target (`default_target_threads`): two threads on 2
-    cores beside one busy process fell from 53 to ~N tok/s (README, "Threads")."""
-    from coordinator.service import default_target_threads
-
-    return default_target_threads(1)
-
-
-def in_process_prefill_threads() -> int:
-    """``generate --in-process``'s most torch threads for the prompt's forward when --threads
-    is not given: every usable core, nothing else of specd running beside it;
-    `target_worker.engine.ThreadChooser` keeps them only while they measure cheaper. Measured
-    here (2 cores, SmolLM2): a 512-token prefill 415 tok/s on 1 thread, 920 on 2 on a quiet
-    machine, but 2 threads 2x slower than 1 beside one busy process; the service keeps its
-    target threads for prompt chunks (beside its own coordinator and drafter two threads
-    collapsed)."""
-    from coordinator.service import usable_cpus
-
-    return usable_cpus()
-
-
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 disables")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None,
+    d = GenerateOptions
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="0 disables")
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--min-p", type=float, default=d.min_p)
+    p.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty)
+    p.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
+    p.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
+    p.add_argument("--seed", type=int, default=d.seed,
                    help="seed of the request's generator (default: fresh entropy)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable)")
-
-
-def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    """The validated sampling flags.
-
-    Raises:
-        ValueError: naming the bad flag (seed, max-new-tokens, prompt, or a sampling field).
-    """
-    if args.seed is not None and not 0 <= args.seed < 2**64:
-        raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
-    if args.max_new_tokens <= 0:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not args.prompt.strip():
-        raise ValueError("the prompt must not be empty")
-    return SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-    )
 
 
 def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None:
@@ -157,29 +124,30 @@ def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None
     print(metrics_line(result, seconds), file=sys.stderr)
 
 
-def _generate_in_process(args: argparse.Namespace) -> int:
-    from target_worker import load_model
+def _generate_in_process(args: argparse.Namespace, options: GenerateOptions) -> int:
+    from target_worker.loader import load_model
 
-    sampling = sampling_from_args(args)
-    check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path,
-                  args.suffix_cache_requests)
+    o = options
+    sampling = o.sampling()
+    check_drafter(o.drafter, o.ngram_size, o.max_draft_len, o.drafter_path,
+                  o.suffix_cache_requests)
     import torch
 
-    torch.set_num_threads(args.target_threads or in_process_threads())
-    decoder, tokenizer = load_model(args.model, args.dtype)
+    torch.set_num_threads(o.target_threads or in_process_threads())
+    decoder, tokenizer = load_model(o.model, o.dtype)
     # Built after the model: an EAGLE head shares the target's embedding and LM head.
-    head = drafter_spec(args.drafter).has_head
+    head = drafter_spec(o.drafter).has_head
     drafter = build_drafter(
-        args.drafter, args.ngram_size, args.max_draft_len, target=decoder,
-        drafter_path=args.drafter_path,
+        o.drafter, o.ngram_size, o.max_draft_len, target=decoder,
+        drafter_path=o.drafter_path,
         stop_token_ids=[t for t in (tokenizer.eos_token_id,) if t is not None],
-    ) if head else build_drafter(args.drafter, args.ngram_size, args.max_draft_len,
-                                 suffix_cache_requests=args.suffix_cache_requests)
-    prompt = encode_prompt(tokenizer, args.prompt, args.raw)
+    ) if head else build_drafter(o.drafter, o.ngram_size, o.max_draft_len,
+                                 suffix_cache_requests=o.suffix_cache_requests)
+    prompt = encode_prompt(tokenizer, o.prompt, o.raw)
     stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     options = SpeculativeOptions(
-        max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-        stop_token_ids=stops, stop_strings=tuple(args.stop),
+        max_new_tokens=o.max_new_tokens, sampling=sampling, seed=o.seed,
+        stop_token_ids=stops, stop_strings=tuple(o.stop),
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
     )
     stream = TextStream(tokenizer)
@@ -193,14 +161,14 @@ def _generate_in_process(args: argparse.Namespace) -> int:
             sys.stdout.flush()
 
     adaptive = None
-    if drafter is not None and not args.no_adaptive:
+    if drafter is not None and not o.no_adaptive:
         from coordinator.adaptive import AdaptiveDraftLength, calibrate_for
 
         adaptive = AdaptiveDraftLength(calibrate_for(decoder))
     start = time.perf_counter()
     result = speculative_decode_with(decoder, prompt, decoder.new_cache(), drafter, options,
                                      on_tokens=on_tokens, adaptive=adaptive,
-                                     prefill_threads=args.target_threads
+                                     prefill_threads=o.target_threads
                                      or in_process_prefill_threads())
     seconds = time.perf_counter() - start
     tail = stream.flush()  # never ends inside a UTF-8 character
@@ -210,28 +178,29 @@ def _generate_in_process(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_via_service(args: argparse.Namespace) -> int:
+def _generate_via_service(args: argparse.Namespace, options: GenerateOptions) -> int:
     import signal
 
     import grpc
 
     from coordinator.service import Service
 
-    from .client import generate_request, result_from_final, stream_generate
+    from .client import result_from_final, stream_generate
 
-    sampling_from_args(args)  # validates before any service starts
-    check_drafter(args.drafter, args.ngram_size, args.max_draft_len, args.drafter_path,
-                  args.suffix_cache_requests)
+    o = options
+    o.sampling()  # validates before any service starts
+    check_drafter(o.drafter, o.ngram_size, o.max_draft_len, o.drafter_path,
+                  o.suffix_cache_requests)
     service = None
     address = args.server
     if address is None:
-        service = Service(embedded_service_config(args))
+        service = Service(embedded_service_config(o))
         print("[specd] starting an embedded service (Ray + gRPC)...", file=sys.stderr,
               flush=True)
         with StartupReport() as report:
             address = service.start(progress=report)
     try:
-        request = generate_request(args, sampling_from_args(args))
+        request = generate_request(o, o.sampling())
         start = time.perf_counter()
         tokens: list[int] = []
         text_parts: list[str] = []
@@ -266,38 +235,11 @@ def _generate_via_service(args: argparse.Namespace) -> int:
     return 0
 
 
-def embedded_service_config(args: argparse.Namespace):
-    """The `ServiceConfig` of the service ``specd generate`` embeds (no ``--server``): one
-    replica and one drafter on this machine, API on a free loopback port."""
-    from coordinator.service import ServiceConfig
-
-    return ServiceConfig(
-        model=args.model, dtype=args.dtype, port=0, drafter=args.drafter,
-        ngram_size=args.ngram_size,
-        max_draft_len=args.max_draft_len, adaptive=not args.no_adaptive,
-        drafter_path=args.drafter_path, target_threads=args.target_threads,
-        pipeline=not args.no_pipeline,
-        suffix_cache_requests=getattr(args, "suffix_cache_requests", None),
-        **_prefill_config(args))
-
-
-def _prefill_config(args: argparse.Namespace) -> dict:
-    """`ServiceConfig` fields of the chunked-prefill and prefix-caching flags (their
-    defaults where ``args`` has none of them, e.g. `specd bench`'s)."""
-    budget = getattr(args, "max_batched_tokens", DEFAULT_MAX_BATCHED_TOKENS)
-    partial = getattr(args, "max_partial_prefills", 1)
-    if budget < 0:
-        raise ValueError(f"--max-batched-tokens must be >= 0, got {budget}")
-    if partial < 1:
-        raise ValueError(f"--max-partial-prefills must be >= 1, got {partial}")
-    return {"max_batched_tokens": budget or None, "max_partial_prefills": partial,
-            "prefix_caching": not getattr(args, "no_prefix_caching", False)}
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
+    options = GenerateOptions.from_args(args)
     if args.in_process:
-        return _generate_in_process(args)
-    return _generate_via_service(args)
+        return _generate_in_process(args, options)
+    return _generate_via_service(args, options)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -320,7 +262,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=args.auth_token or None,
         max_prompt_bytes=args.max_prompt_bytes, pipeline=not args.no_pipeline,
-        http_port=args.http_port, **_prefill_config(args),
+        http_port=args.http_port, **prefill_config(args),
     ))
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
@@ -359,11 +301,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 #: How often `specd serve` checks that its coordinator actor is alive, seconds.
 COORDINATOR_CHECK_S = 5.0
 
-#: The --auth-token help: a flag's value is visible to every local user in `ps`.
-_AUTH_HELP = ("bearer token{what} (default $SPECD_AUTH_TOKEN); a value given here is visible "
-              "to every local user in ps and /proc: prefer the environment variable")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -380,10 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--in-process", action="store_true",
                      help="run the core loop in this process (no Ray, no gRPC)")
     gen.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                     help=_AUTH_HELP.format(what=" for --server"))
+                     help=AUTH_HELP.format(what=" for --server"))
     gen.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
     gen.add_argument("--threads", "--target-threads", dest="target_threads",
-                     type=_positive_int, default=None, metavar="N",
+                     type=positive_int, default=None, metavar="N",
                      help="torch threads of the target model (default: this machine's cores "
                           "less one, at least 1, which stays fast beside a busy process; "
                           "ignored with --server)")
@@ -394,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the service: Ray actors + the gRPC API")
     serve.add_argument("--host", default="127.0.0.1",
                        help="API listen address (default loopback only)")
-    serve.add_argument("--port", type=_port, default=50051)
+    serve.add_argument("--port", type=port, default=50051)
     serve.add_argument("--address", default=None, metavar="auto|HOST:PORT",
                        help="join this Ray cluster (default: an embedded local Ray)")
     serve.add_argument("--model", default=None, help=MODEL_HELP)
@@ -403,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-active", type=int, default=32,
                        help="requests decoding at once, per target replica")
     serve.add_argument("--threads", "--target-threads", dest="target_threads",
-                       type=_positive_int, default=None, metavar="N",
+                       type=positive_int, default=None, metavar="N",
                        help="torch threads per target rank (default: this machine's cores "
                             "less one, divided among all replicas x tp ranks, at least 1)")
     _add_scale_flags(serve)
@@ -427,11 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "from the replica's measured steps (at least 10 s), capped by "
                             "this (default 600; a replica whose process dies is found at "
                             "once)")
-    serve.add_argument("--http-port", type=_port, default=None, metavar="PORT",
+    serve.add_argument("--http-port", type=port, default=None, metavar="PORT",
                        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                             "/v1/completions, /v1/models, /health, /metrics) on --host:PORT, "
                             "with the same auth token and TLS (0 picks a port; default: off)")
-    serve.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
+    serve.add_argument("--metrics-port", type=port, default=None, metavar="PORT",
                        help="serve Prometheus /metrics on --host:PORT (0 picks one; default: off)")
     serve.add_argument("--max-prompt-bytes", type=int, default=None, metavar="BYTES",
                        help="refuse prompts (text, or all chat contents) over BYTES of UTF-8 "
@@ -442,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-key", default=None, metavar="KEY.pem",
                        help="the certificate's private key (with --tls-cert)")
     serve.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                       help=_AUTH_HELP.format(what=" every call must carry"))
+                       help=AUTH_HELP.format(what=" every call must carry"))
     serve.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
                        metavar="SECONDS",
                        help="on SIGTERM or Ctrl-C, refuse new calls (UNAVAILABLE) and let "
@@ -456,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--drafters", type=int, default=None, metavar="N")
     scale.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
     scale.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                       help=_AUTH_HELP.format(what=""))
+                       help=AUTH_HELP.format(what=""))
     scale.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
     scale.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                        help="give up waiting after this long (the scale still completes)")
@@ -467,32 +404,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the service's gRPC address")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
     status.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                        help=_AUTH_HELP.format(what=""))
+                        help=AUTH_HELP.format(what=""))
     status.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
     status.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
                         help="give up waiting for the answer after this long")
     status.set_defaults(func=cmd_status)
-    _add_bench_parser(sub)
+    add_bench_parser(sub)
     _add_train_drafter_parser(sub)
     for p in (parser, *sub.choices.values()):
-        _show_defaults(p)
+        show_defaults(p)
     return parser
-
-
-def _show_defaults(parser: argparse.ArgumentParser) -> None:
-    """Every option's --help line names its default: appended as "(default: X)" unless the
-    help already says it; options whose default is None or off say nothing more."""
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    for action in parser._actions:
-        if not action.option_strings or action.help == argparse.SUPPRESS:
-            continue
-        help_text = action.help or ""
-        default = action.default
-        if ("default" in help_text or default is None or default is False
-                or default is argparse.SUPPRESS or (isinstance(default, list) and not default)):
-            continue
-        shown = ",".join(default) if isinstance(default, list | tuple) else default
-        action.help = (help_text + " " if help_text else "") + f"(default: {shown})"
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -541,160 +462,6 @@ def cmd_scale(args: argparse.Namespace) -> int:
     print(f"[specd] target_replicas={reply.target_replicas} drafters={reply.drafters} "
           f"added=[{' '.join(reply.added)}] removed=[{' '.join(reply.removed)}]")
     return 0
-
-
-def _port(text: str) -> int:
-    """A TCP port number, 0 (pick a free one) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
-def _ints(flag: str, values: Sequence[str]) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in values)
-    except ValueError:
-        raise ValueError(f"--{flag} must be integers, got {','.join(values)}") from None
-
-
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-def _add_bench_parser(sub) -> None:
-    bench = sub.add_parser(
-        "bench", help="benchmark specd (plain, fixed, adaptive) against HF transformers, or a "
-                      "running service (--service)")
-    bench.add_argument("--out", default="bench-out", help="report directory (default bench-out)")
-    bench.add_argument("--model", default=None, help=MODEL_HELP + " or a tiny-random spec")
-    bench.add_argument("--workloads", type=_csv, default=None, metavar="A,B",
-                       help="comma-separated (default all: code_edit,summarise,chat,"
-                            "open_question)")
-    bench.add_argument("--drafters", type=_csv, default=("prompt-lookup",), metavar="A,B",
-                       help="drafter names for the speculative systems (default prompt-lookup)")
-    bench.add_argument("--drafter-path", default=None,
-                       help="EAGLE head for the eagle drafters (default: the shipped head)")
-    bench.add_argument("--max-new-tokens", type=int, default=None,
-                       help="per generation (default 128; --default-path 160)")
-    bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--draft-len", type=int, default=LOOKUP_DRAFT_LEN,
-                       help="fixed draft length (specd fixed and HF prompt_lookup_num_tokens)")
-    bench.add_argument("--adaptive-max-draft-len", type=int, default=LOOKUP_ADAPTIVE_DRAFT_LEN,
-                       help="the most drafts the adaptive systems may choose")
-    bench.add_argument("--ngram-size", type=int, default=DEFAULT_NGRAM_SIZE)
-    bench.add_argument("--no-hf", action="store_true", help="skip HF transformers")
-    bench.add_argument("--no-bare", action="store_true",
-                       help="skip the bare-forward overhead reference")
-    bench.add_argument("--no-plots", action="store_true", help="JSON and Markdown only")
-    bench.add_argument("--threads", type=int, default=None, help="torch threads")
-    bench.add_argument("--default-path", action="store_true",
-                       help="time the default user path (the embedded service 'specd "
-                            "generate' starts) beside transformers plain and prompt lookup, "
-                            "after the forward timing (default workloads code_edit,"
-                            "open_question)")
-    bench.add_argument("--target-threads", type=_positive_int, default=None, metavar="N",
-                       help="--default-path: 'specd generate --threads'")
-    bench.add_argument("--forward-ks", type=_csv, default=("1", "2", "4", "8", "32"),
-                       metavar="1,2,4,8,32",
-                       help="forward timing block sizes, specd vs transformers ('' skips it)")
-    bench.add_argument("--forward-cache-lens", type=_csv, default=("300", "2000"),
-                       metavar="300,2000", help="forward timing: cached tokens")
-    bench.add_argument("--forward-repeats", type=int, default=15,
-                       help="forward timing: timed calls per system and size")
-    bench.add_argument("--no-thread-check", action="store_true",
-                       help="--default-path: skip timing 1 vs 2 threads beside a busy process")
-    bench.add_argument("--service", default=None, metavar="HOST:PORT",
-                       help="benchmark a running 'specd serve' instead")
-    bench.add_argument("--concurrency", type=_csv, default=("1", "4", "8", "16"),
-                       metavar="1,4,8,16", help="--service: concurrent streams per level")
-    bench.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                       help=_AUTH_HELP.format(what=" for --service"))
-    bench.add_argument("--tls-ca", default=None)
-    bench.set_defaults(func=cmd_bench)
-    # `specd bench serve ...`: an optional sub-command, so plain `specd bench ...` is unchanged.
-    from .bench_long_prompts import add_long_prompts_parser
-    from .bench_serve import add_serve_parser
-
-    modes = bench.add_subparsers(dest="bench_mode", metavar="{serve,long-prompts}",
-                                 title="load-test an OpenAI-compatible server, or long prompts")
-    _show_defaults(add_serve_parser(modes))
-    _show_defaults(add_long_prompts_parser(modes))
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench_report import markdown, service_markdown, write_report
-
-    def progress(line: str) -> None:
-        print(f"[bench] {line}", file=sys.stderr, flush=True)
-
-    import importlib.util
-
-    # Fail before a long run, not after it.
-    if not args.no_plots and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("the plots need matplotlib: pip install 'specd[bench]' (or --no-plots)")
-
-    if args.service is not None:
-        from .bench_service import ServiceBenchConfig, run_service_bench
-
-        try:
-            levels = tuple(int(c) for c in args.concurrency)
-        except ValueError:
-            raise ValueError(f"--concurrency must be integers, got {args.concurrency}") from None
-        report = run_service_bench(ServiceBenchConfig(
-            service=args.service, workloads=args.workloads,
-            max_new_tokens=args.max_new_tokens or 128, repeats=args.repeats,
-            concurrency=levels, auth_token=args.auth_token, tls_ca=args.tls_ca,
-            model=args.model), progress)
-        text = service_markdown(report)
-    else:
-        ks, lens = _ints("forward-ks", args.forward_ks), _ints("forward-cache-lens",
-                                                               args.forward_cache_lens)
-        if args.threads is not None:
-            import torch
-
-            torch.set_num_threads(args.threads)
-        if args.default_path:
-            from .bench_report import default_path_markdown
-            from .bench_service import DefaultPathConfig, run_default_path_bench
-
-            report = run_default_path_bench(DefaultPathConfig(
-                model=args.model, workloads=args.workloads or ("code_edit", "open_question"),
-                max_new_tokens=args.max_new_tokens or 160, repeats=args.repeats,
-                prompt_lookup=args.draft_len, target_threads=args.target_threads,
-                forward_ks=ks, forward_cache_lens=lens,
-                forward_repeats=args.forward_repeats,
-                thread_check=not args.no_thread_check), progress)
-            text = default_path_markdown(report)
-        else:
-            from .bench import BenchConfig, run_bench
-
-            report = run_bench(BenchConfig(
-                model=args.model, workloads=args.workloads, drafters=args.drafters,
-                max_new_tokens=args.max_new_tokens or 128, repeats=args.repeats,
-                draft_len=args.draft_len, adaptive_max_draft_len=args.adaptive_max_draft_len,
-                ngram_size=args.ngram_size, hf=not args.no_hf, bare=not args.no_bare,
-                threads=args.threads, drafter_path=args.drafter_path, forward_ks=ks,
-                forward_cache_lens=lens, forward_repeats=args.forward_repeats), progress)
-            text = markdown(report)
-    paths = write_report(report, args.out, plots=not args.no_plots)
-    print(text)
-    progress("wrote " + ", ".join(str(p) for p in paths))
-    return 0
-
 
 
 def _add_train_drafter_parser(sub) -> None:
@@ -763,22 +530,20 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
-MODEL_HELP = ("the target: a Llama-family .gguf file or a Hugging Face model directory "
-              "(Llama, Mistral, Qwen2, Mixtral; config.json + safetensors + tokenizer) "
-              "(default: SmolLM2-135M-Instruct, GGUF)")
-
-
 def _add_dtype_flag(p: argparse.ArgumentParser) -> None:
     from target_worker.loader import DTYPES
 
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
+    p.add_argument("--dtype", choices=DTYPES, default=GenerateOptions.dtype,
                    help="target weights/compute dtype (default auto: float32 on CPU, "
                         "bfloat16 on GPU); norms, softmax and probabilities stay float32")
 
 
 def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", choices=DRAFTERS, default="prompt-lookup")
-    p.add_argument("--ngram-size", type=int, default=DEFAULT_NGRAM_SIZE)
+    """The speculation and prefill flags of ``generate`` and ``serve`` (their defaults:
+    `GenerateOptions`')."""
+    d = GenerateOptions
+    p.add_argument("--drafter", choices=DRAFTERS, default=d.drafter)
+    p.add_argument("--ngram-size", type=int, default=d.ngram_size)
     lookup = drafter_spec("prompt-lookup")
     p.add_argument("--max-draft-len", type=int, default=None,
                    help=f"most drafts per step (default: the cap adaptive chooses under, "
@@ -794,12 +559,13 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-pipeline", action="store_true",
                    help="the serial service step (propose, then verify) instead of drafting "
                         "the next block while the target verifies this one")
-    p.add_argument("--max-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS,
+    p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens,
                    metavar="N",
                    help="tokens one replica step feeds at most: verify blocks first, then "
                         "chunks of waiting prompts (chunked prefill); 0: every prompt whole "
                         "in one step")
-    p.add_argument("--max-partial-prefills", type=int, default=1, metavar="N",
+    p.add_argument("--max-partial-prefills", type=int, default=d.max_partial_prefills,
+                   metavar="N",
                    help="prompts a replica may hold partly computed at once")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="never reuse a finished request's KV cache for a prompt that starts "

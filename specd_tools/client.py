@@ -9,7 +9,6 @@ import grpc
 
 from specd.v1 import generation_pb2, generation_pb2_grpc
 from specd_core.request import SpeculativeDecodeResult
-from specd_core.sampling import SamplingParams
 
 
 def open_channel(address: str, tls_ca: str | None = None) -> grpc.Channel:
@@ -123,28 +122,6 @@ def status_table(status: generation_pb2.StatusResponse) -> str:
     else:
         lines.append("(no drafter workers)")
     return "\n".join(lines)
-
-
-def generate_request(args, sampling: SamplingParams) -> generation_pb2.GenerateRequest:
-    """A GenerateRequest from ``specd generate`` arguments."""
-    request = generation_pb2.GenerateRequest(
-        sampling=generation_pb2.SamplingParams(
-            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-            min_p=sampling.min_p, repetition_penalty=sampling.repetition_penalty,
-            presence_penalty=sampling.presence_penalty,
-            frequency_penalty=sampling.frequency_penalty),
-        max_new_tokens=args.max_new_tokens,
-        stop=args.stop,
-        speculation=generation_pb2.SpeculationOptions(
-            enabled=args.drafter != "none", max_draft_len=args.max_draft_len),
-    )
-    if args.seed is not None:
-        request.seed = args.seed
-    if args.raw:
-        request.text = args.prompt
-    else:
-        request.chat.messages.add(role="user", content=args.prompt)
-    return request
 
 
 def result_from_final(final: generation_pb2.GenerateResponse | None,

@@ -461,7 +461,7 @@ def train(cfg: TrainConfig, decoder=None, tokenizer=None, progress: bool = True)
     torch.manual_seed(cfg.seed)
     t_start = time.perf_counter()
     if decoder is None:
-        from target_worker import load_model
+        from target_worker.loader import load_model
 
         decoder, tokenizer = load_model(cfg.model)
     model_id = str(cfg.model or "SmolLM2-135M-Instruct (default)")

@@ -1,30 +1,13 @@
-"""Target worker: the large model that verifies speculative drafts (pure torch)."""
+"""Target worker: the large model that verifies speculative drafts (pure torch).
 
-from .config import ModelConfig, MoEConfig
-from .engine import PrefillItem, StepOutput, TargetEngine, VerifyItem
-from .loader import (
-    DEFAULT_MODEL_PACKAGE,
-    cache_dir,
-    default_model_path,
-    load_gguf_decoder,
-    load_model,
-)
-from .model import Decoder, KvCache
-from .testing import TinyTokenizer
+Where things are:
 
-__all__ = [
-    "DEFAULT_MODEL_PACKAGE",
-    "Decoder",
-    "KvCache",
-    "ModelConfig",
-    "MoEConfig",
-    "PrefillItem",
-    "StepOutput",
-    "TargetEngine",
-    "TinyTokenizer",
-    "VerifyItem",
-    "cache_dir",
-    "default_model_path",
-    "load_gguf_decoder",
-    "load_model",
-]
+- the model: `config` (`ModelConfig`), `model` (`Decoder`, `KvCache`);
+- loading it: `loader` (`load_model`, `load_decoder`, `model_config`: dispatch by source), the
+  sources `gguf` (GGUF files), `hf` (Hugging Face directories) and `testing` (the tiny random
+  model), `fetch` (the default model), `disk_cache` (the cache root and float32 weights cache);
+- serving it: `engine` (`TargetEngine`: slots, KV caches, packed verification), `actor` (the
+  Ray actor body), `channel` and `step_codec` (the per-step socket and its data format),
+  `tls`;
+- tensor parallel: `sharded` (one rank's shard), `tp` (TP replicas on Ray).
+"""

@@ -12,13 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .engine import (
-    DEFAULT_PREFIX_CACHE_TOKENS,
-    PrefillItem,
-    StepOutput,
-    TargetEngine,
-    VerifyItem,
-)
+from specd_core.step import PrefillItem, StepOutput, VerifyItem
+
+from .engine import DEFAULT_PREFIX_CACHE_TOKENS, TargetEngine
 from .loader import load_decoder
 
 __all__ = ["TargetActor"]

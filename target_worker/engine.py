@@ -29,7 +29,7 @@ from specd_core.step import PrefillItem, StepOutput, VerifyItem
 from .config import ModelConfig
 from .model import Decoder, KvCache
 
-__all__ = ["PrefillItem", "SlotsExhausted", "StepOutput", "TargetEngine", "VerifyItem"]
+__all__ = ["SlotsExhausted", "TargetEngine"]
 
 
 class SlotsExhausted(RuntimeError):

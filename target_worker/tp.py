@@ -32,25 +32,13 @@ from datetime import timedelta
 
 import torch
 
-from specd_core.step import payload_bytes
+from specd_core.step import PrefillItem, StepOutput, VerifyItem, payload_bytes
 
 from .actor import TargetActor
-from .engine import (
-    DEFAULT_PREFIX_CACHE_TOKENS,
-    PrefillItem,
-    StepOutput,
-    TargetEngine,
-    VerifyItem,
-)
+from .disk_cache import ensure_weights_cache, safetensors_config
+from .engine import DEFAULT_PREFIX_CACHE_TOKENS, TargetEngine
 from .hf import HFSource, read_hf_config
-from .loader import (
-    DTYPES,
-    ensure_weights_cache,
-    load_decoder,
-    model_config,
-    model_path,
-    safetensors_config,
-)
+from .loader import DTYPES, load_decoder, model_config, model_path
 from .sharded import SafetensorsSource, ShardedDecoder, StateDictSource, tp_errors
 from .testing import is_tiny_random_spec, load_tiny_random, tiny_random_config
 

@@ -12,7 +12,7 @@ torch.set_num_threads(1)
 def smollm2():
     """``(decoder, tokenizer)`` of the real default model, with two torch threads while the
     module's tests run (the suite's single thread is for tiny models)."""
-    from target_worker import load_model
+    from target_worker.loader import load_model
 
     torch.set_num_threads(2)
     yield load_model()

@@ -8,8 +8,9 @@ import numpy as np
 import torch
 
 from coordinator import Sampler, SamplingParams, sampling_distribution
-from drafter_worker import DraftBlock, DraftDist
-from target_worker import Decoder, ModelConfig
+from specd_core.draft import DraftBlock, DraftDist
+from target_worker.config import ModelConfig
+from target_worker.model import Decoder
 
 
 def tiny_decoder(vocab: int = 8, seed: int = 0, n_layers: int = 2) -> Decoder:

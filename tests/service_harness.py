@@ -20,12 +20,12 @@ import grpc
 from coordinator.router import Router
 from coordinator.scheduler import LocalTarget
 from coordinator.server import GenerationServicer, start_generation_server
-from drafter_worker import PromptLookupSpeculator
 from drafter_worker.client import DrafterClient
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from drafter_worker.server import start_drafter_server
 from specd.v1 import generation_pb2_grpc
-from target_worker import load_model
 from target_worker.engine import TargetEngine
+from target_worker.loader import load_model
 
 MODEL = "tiny-random:vocab=64,seed=0,layers=2"
 

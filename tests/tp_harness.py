@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 
 from specd_core.rule import GreedyRows
 from specd_core.sampling import SamplingParams
-from target_worker.engine import PrefillItem, TargetEngine, VerifyItem
+from specd_core.step import PrefillItem, VerifyItem
+from target_worker.engine import TargetEngine
 from target_worker.sharded import (
     SafetensorsSource,
     ShardedDecoder,
@@ -132,7 +133,7 @@ def _rank_main(rank, tp, store, spec, weights, vocab_parallel, out_dir):
         if weights is None:
             source = StateDictSource(load_tiny_random(spec)[0].state_dict())
         else:
-            from target_worker.loader import safetensors_config
+            from target_worker.disk_cache import safetensors_config
 
             config, source = safetensors_config(weights), SafetensorsSource(weights)
         shard = ShardedDecoder.load(config, source, rank, tp, vocab_parallel=vocab_parallel)

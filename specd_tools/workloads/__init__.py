@@ -18,7 +18,14 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 
-__all__ = ["WORKLOADS", "Prompt", "Workload", "encode_prompt", "load_workload", "load_workloads"]
+__all__ = [
+    "WORKLOADS",
+    "Prompt",
+    "Workload",
+    "encode_workload_prompt",
+    "load_workload",
+    "load_workloads",
+]
 
 #: Workload names, in the order the bench reports them.
 WORKLOADS: tuple[str, ...] = ("code_edit", "summarise", "chat", "open_question")
@@ -73,9 +80,10 @@ def load_workloads(names: str | list[str] | tuple[str, ...] | None = None) -> li
     return [load_workload(n) for n in names]
 
 
-def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
-    """Token ids of ``prompt`` through the model's chat template (`specd_core.text.encode_chat`),
-    ending where the assistant's answer begins."""
+def encode_workload_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of a workload ``prompt`` (all its chat turns) through the model's chat template
+    (`specd_core.text.encode_chat`), ending where the assistant's answer begins. (One user
+    string, raw or templated, is `specd_core.text.encode_prompt`.)"""
     from specd_core.text import encode_chat
 
     return encode_chat(tokenizer, list(prompt.messages))

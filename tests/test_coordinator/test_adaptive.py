@@ -14,7 +14,8 @@ from coordinator.adaptive import (
     choose_draft_len,
     expected_tokens,
 )
-from drafter_worker import DraftBlock, PromptLookupSpeculator
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
+from specd_core.draft import DraftBlock
 
 # The measured CPU curve from the issue: 1 token 57 ms, 2-8 tokens ~97 ms, then slow growth.
 CPU = {1: 0.057, 2: 0.097, 8: 0.097, 16: 0.114, 32: 0.143}

@@ -12,8 +12,8 @@ from test_service import MIXED, solo, stream_tokens
 
 from coordinator.adaptive import ForwardCostModel, calibrate_target
 from coordinator.scheduler import LocalTarget
-from target_worker import load_model
 from target_worker.engine import TargetEngine
+from target_worker.loader import load_model
 
 #: Drafting never pays, at any batch size: each token more in a step costs ten times the step
 #: (frozen). Given to 128 tokens, past any step here: beyond its points a model extends

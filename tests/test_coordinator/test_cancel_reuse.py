@@ -8,8 +8,8 @@ import asyncio
 
 from coordinator.scheduler import LocalTarget, Scheduler, ServiceRequest
 from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
-from target_worker import load_model
 from target_worker.engine import TargetEngine
+from target_worker.loader import load_model
 
 MODEL = "tiny-random:vocab=64,seed=0,layers=2"
 

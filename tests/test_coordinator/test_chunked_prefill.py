@@ -17,11 +17,12 @@ from coordinator import SamplingParams, SpeculativeOptions
 from coordinator.adaptive import ForwardCostModel
 from coordinator.scheduler import LocalTarget, Scheduler
 from coordinator.step_plan import ChunkPolicy
-from drafter_worker import DraftBlock, PromptLookupSpeculator
 from drafter_worker.local import LocalDrafter
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
+from specd_core.draft import DraftBlock
 from specd_core.step import PrefillItem
-from target_worker import load_model
 from target_worker.engine import TargetEngine
+from target_worker.loader import load_model
 
 FLAT = ForwardCostModel({1: 0.002, 2: 0.0021, 8: 0.0022, 32: 0.003}, alpha=0)
 MODELS = ["tiny-random:vocab=64,seed=0,layers=2", "tiny-random:vocab=64,seed=1,layers=2,dense=1"]

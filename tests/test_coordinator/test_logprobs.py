@@ -17,12 +17,12 @@ from test_service import REPEATING
 from coordinator import SamplingParams, SpeculativeOptions
 from coordinator.scheduler import Scheduler
 from coordinator.step_plan import ChunkPolicy
-from drafter_worker import PromptLookupSpeculator
 from drafter_worker.local import LocalDrafter
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.logprobs import RowLogprobs
 from specd_core.step import PrefillItem, VerifyItem, payload_bytes
-from target_worker import load_model
 from target_worker.engine import TargetEngine
+from target_worker.loader import load_model
 
 MODEL = "tiny-random:vocab=64,seed=0,layers=2"
 #: Packed and block forwards differ from one whole-sequence forward by float rounding only

@@ -17,7 +17,7 @@ from test_logprobs import decodes
 from coordinator import SpeculativeOptions
 from coordinator.step_plan import ChunkPolicy
 from specd_core.text import encode_prompt
-from target_worker import default_model_path
+from target_worker.fetch import default_model_path
 
 pytestmark = pytest.mark.slow
 

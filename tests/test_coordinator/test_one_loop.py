@@ -12,10 +12,10 @@ from test_service import REPEATING, request, stream_tokens
 
 from coordinator import SamplingParams, SpeculativeOptions, speculative_decode_with
 from coordinator.adaptive import AdaptiveDraftLength, ForwardCostModel
-from drafter_worker import PromptLookupSpeculator
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.draft import DraftBlock, DrafterCapabilities
 from specd_core.sampling import greedy_tokens
-from target_worker import load_model
+from target_worker.loader import load_model
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,13 @@ from test_service import MIXED, REPEATING, stream_tokens
 from coordinator import SamplingParams, SpeculativeOptions, speculative_decode_with
 from coordinator.adaptive import ForwardCostModel
 from coordinator.scheduler import LocalTarget, Scheduler
-from drafter_worker import DraftBlock, DraftDist, PromptLookupSpeculator
 from drafter_worker.client import DrafterUnavailable
 from drafter_worker.local import LocalDrafter
-from specd_core.draft import DrafterCapabilities, propose_ahead
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
+from specd_core.draft import DraftBlock, DraftDist, DrafterCapabilities, propose_ahead
 from specd_core.sampling import Sampler
-from target_worker import load_model
 from target_worker.engine import TargetEngine
+from target_worker.loader import load_model
 
 #: A frozen cost curve on which drafting pays (adaptive choices then do not depend on timing).
 FLAT = ForwardCostModel({1: 0.002, 2: 0.0021, 8: 0.0022, 32: 0.003}, alpha=0)

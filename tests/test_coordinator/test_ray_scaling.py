@@ -12,10 +12,10 @@ from service_harness import MODEL, run_in_thread
 
 from coordinator import SpeculativeOptions, speculative_decode_with
 from coordinator.service import Service, ServiceConfig
-from drafter_worker import PromptLookupSpeculator
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd.v1 import generation_pb2, generation_pb2_grpc
 from specd_tools.cli import main as specd
-from target_worker import load_model
+from target_worker.loader import load_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [11, 3, 40, 22, 17, 9, 31],
            [2, 4, 2, 4, 2, 4], [1, 2, 3, 1, 2, 3, 1], [9, 9, 9, 9], [7, 1, 7, 1, 7, 1, 7, 1]]

@@ -14,9 +14,9 @@ from service_harness import MODEL, serve_process
 
 from coordinator import SpeculativeOptions, speculative_decode_with
 from coordinator.service import Service, ServiceConfig
-from drafter_worker import PromptLookupSpeculator
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd.v1 import generation_pb2, generation_pb2_grpc
-from target_worker import load_model
+from target_worker.loader import load_model
 
 
 @pytest.fixture(scope="module")

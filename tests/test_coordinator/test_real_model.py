@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from coordinator import SpeculativeOptions, speculative_decode_with
-from drafter_worker import PromptLookupSpeculator
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.text import encode_prompt
 
 pytestmark = pytest.mark.slow
@@ -98,7 +98,7 @@ def test_chunked_prefill_gives_the_unchunked_greedy_tokens_and_transformers_agre
     from coordinator.scheduler import LocalTarget, Scheduler
     from coordinator.step_plan import ChunkPolicy
     from target_worker.engine import TargetEngine
-    from target_worker.loader import default_model_path
+    from target_worker.fetch import default_model_path
 
     decoder, tokenizer = smollm2
     doc = (Path(__file__).resolve().parents[2] / "README.md").read_text()[:3500]

@@ -14,9 +14,10 @@ from test_service import REPEATING, request, solo, stream_tokens
 from coordinator import SpeculativeDecodeResult, SpeculativeOptions, speculative_decode_with
 from coordinator.drafter_pool import DrafterPool
 from coordinator.router import RateMeter, Router
-from drafter_worker import DraftBlock, PromptLookupSpeculator
 from drafter_worker.client import DrafterUnavailable
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd.v1 import generation_pb2, generation_pb2_grpc
+from specd_core.draft import DraftBlock
 
 PROMPTS = [REPEATING, [11, 3, 40, 22, 17, 9, 31], [2, 4, 2, 4, 2, 4], [1, 2, 3, 1, 2, 3, 1],
            [9, 9, 9, 9], [7, 1, 7, 1, 7, 1, 7, 1]]
@@ -427,8 +428,8 @@ def test_a_replica_calibrated_by_its_factory_starts_its_loop_with_that_cost_mode
     from coordinator.adaptive import ForwardCostModel
     from coordinator.router import Router
     from coordinator.scheduler import LocalTarget
-    from target_worker import load_model
     from target_worker.engine import TargetEngine
+    from target_worker.loader import load_model
 
     decoder = load_model(MODEL)[0]
     calibrated = ForwardCostModel({1: 0.01, 8: 0.02})

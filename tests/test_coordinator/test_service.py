@@ -14,7 +14,7 @@ from service_harness import LocalService, run_in_thread
 
 from coordinator import SpeculativeOptions, speculative_decode_with
 from coordinator.server import sampling_from_proto
-from drafter_worker import PromptLookupSpeculator
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd.v1 import generation_pb2
 
 

@@ -21,7 +21,8 @@ from coordinator import (
     speculative_decode,
     speculative_decode_with,
 )
-from drafter_worker import DraftBlock, PromptLookupSpeculator
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
+from specd_core.draft import DraftBlock
 
 # ---- losslessness ----
 

@@ -24,8 +24,8 @@ from drafter_worker.local import LocalDrafter
 from drafter_worker.server import start_drafter_server
 from drafter_worker.suffix import SuffixDrafter
 from specd_core.draft import DraftBlock, DrafterCapabilities
-from target_worker import load_model
 from target_worker.engine import TargetEngine
+from target_worker.loader import load_model
 
 PROMPTS = [REPEATING, [11, 3, 40, 22, 17, 9, 31], [2, 4, 2, 4, 2, 4, 2], [7] * 5]
 

@@ -20,18 +20,13 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from drafter_worker import DraftBlock, DraftDist, PromptLookupSpeculator
 from drafter_worker.client import DrafterClient, DrafterUnavailable, ProposeJob
-from drafter_worker.server import (
-    SERVICE_NAME,
-    DrafterServicer,
-    build_drafter,
-    grpc_options,
-    start_drafter_server,
-)
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
+from drafter_worker.registry import build_drafter
+from drafter_worker.server import SERVICE_NAME, DrafterServicer, grpc_options, start_drafter_server
 from drafter_worker.wire import block_from_proto, block_to_proto, tensor_from_proto, tensor_to_proto
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
-from specd_core.draft import propose_ahead
+from specd_core.draft import DraftBlock, DraftDist, propose_ahead
 from specd_core.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from drafter_worker import DraftBlock, DraftDist, Drafter, PromptLookupSpeculator
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
+from specd_core.draft import DraftBlock, DraftDist, Drafter
 
 
 def test_proposes_the_continuation_after_a_real_repeat():

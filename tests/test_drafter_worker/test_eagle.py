@@ -13,12 +13,9 @@ import pytest
 import torch
 from drafters import exact_marginals, plain_decode, tiny_decoder, tv_tolerance
 
-from coordinator import SamplingParams, SpeculativeOptions, speculative_decode_with
-from coordinator.speculative import DecodeRequest
-from drafter_worker import DraftBlock, PromptLookupSpeculator
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.client import DrafterClient, ProposeJob
 from drafter_worker.eagle import (
-    DraftSamplingParams,
     EagleConfig,
     EagleDrafter,
     EagleHead,
@@ -26,12 +23,12 @@ from drafter_worker.eagle import (
     NeedsResync,
     draft_distribution,
 )
-from drafter_worker.server import (
-    DrafterServicer,
-    build_drafter,
-    check_drafter,
-    start_drafter_server,
-)
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
+from drafter_worker.registry import build_drafter, check_drafter
+from drafter_worker.server import DrafterServicer, start_drafter_server
+from specd_core.draft import DraftBlock
+from specd_core.request import DecodeRequest, SpeculativeOptions
+from specd_core.sampling import DraftSamplingParams, SamplingParams
 
 
 def tiny_eagle(decoder, vocab_ids=None, seed: int = 1, max_draft_len: int = 4,

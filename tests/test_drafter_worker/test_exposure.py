@@ -15,16 +15,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from drafter_worker import PromptLookupSpeculator
 from drafter_worker.client import DrafterClient, DrafterUnavailable, ProposeJob
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from drafter_worker.server import (
     SECRET_ENV,
     SECRET_METADATA_KEY,
     DrafterServicer,
-    ProposeRefused,
-    SessionLimits,
     start_drafter_server,
 )
+from drafter_worker.sessions import ProposeRefused, SessionLimits
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]

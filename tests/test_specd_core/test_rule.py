@@ -13,7 +13,7 @@ from coordinator import (
     sampling_distributions,
     target_rows,
 )
-from drafter_worker import DraftDist
+from specd_core.draft import DraftDist
 
 
 def test_a_draft_at_least_as_likely_under_the_target_is_always_accepted():

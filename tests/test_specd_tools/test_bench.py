@@ -9,9 +9,10 @@ import json
 import pytest
 from service_harness import LocalService
 
-from specd_tools.bench import BenchConfig, RunRecord, check_identity, run_bench
-from specd_tools.bench_report import check_targets, markdown, service_markdown, write_report
-from specd_tools.bench_service import ServiceBenchConfig, run_service_bench
+from specd_tools.bench.core import BenchConfig, check_identity, run_bench
+from specd_tools.bench.report import check_targets, markdown, service_markdown, write_report
+from specd_tools.bench.service import ServiceBenchConfig, run_service_bench
+from specd_tools.bench.systems import RunRecord
 from specd_tools.cli import main
 from specd_tools.workloads import WORKLOADS, Prompt, Workload, load_workload, load_workloads
 

@@ -12,25 +12,21 @@ import torch
 from service_harness import LocalService
 
 from coordinator.service import default_target_threads
-from specd_tools.bench import (
-    BenchConfig,
-    forward_timing,
-    hf_twin,
-    load_hf_model,
-    run_bench,
-    thread_timing,
-)
-from specd_tools.bench_report import check_targets, markdown, write_report
-from specd_tools.bench_service import (
+from specd_tools.bench.core import BenchConfig, run_bench
+from specd_tools.bench.default_path import (
     SPECD_GENERATE,
     SPECD_GENERATE_PLAIN,
     DefaultPathConfig,
     generate_args,
     run_default_path_bench,
 )
-from specd_tools.cli import build_parser, embedded_service_config
+from specd_tools.bench.forward import forward_timing, thread_timing
+from specd_tools.bench.hf import hf_twin, load_hf_model
+from specd_tools.bench.report import check_targets, markdown, write_report
+from specd_tools.cli import build_parser
+from specd_tools.generate import embedded_service_config
 from specd_tools.workloads import Prompt, Workload
-from target_worker import load_model
+from target_worker.loader import load_model
 
 pytest.importorskip("transformers")
 

@@ -18,17 +18,17 @@ import pytest
 from fake_openai import MODEL_ID, make_app
 
 from specd_tools import cli
-from specd_tools.bench_serve import (
+from specd_tools.bench import cli as bench_cli
+from specd_tools.bench.serve import (
     RequestOutcome,
     arrival_offsets,
     category_metrics,
     chunk_timing,
     compute_metrics,
-    parse_goodput,
-    parse_rates,
 )
-from specd_tools.bench_serve_compare import ServerProcess, server_argv
-from specd_tools.bench_serve_data import (
+from specd_tools.bench.serve_cli import parse_goodput, parse_rates
+from specd_tools.bench.serve_compare import ServerProcess, server_argv
+from specd_tools.bench.serve_data import (
     FALLBACK_WORDS,
     load_custom,
     load_mt_bench,
@@ -373,7 +373,7 @@ def test_an_unreachable_server_is_named(capsys):
 def test_plain_specd_bench_is_unchanged():
     parser = cli.build_parser()
     args = parser.parse_args(["bench", "--no-hf", "--repeats", "1"])
-    assert args.func is cli.cmd_bench and args.bench_mode is None and args.repeats == 1
+    assert args.func is bench_cli.cmd_bench and args.bench_mode is None and args.repeats == 1
     args = parser.parse_args(["bench", "serve", "--base-url", "http://h/v1"])
     assert args.func.__name__ == "cmd_bench_serve" and args.base_url == "http://h/v1"
 
@@ -516,7 +516,7 @@ def tiny_hf_dir(tmp_path_factory):
 
 
 def test_random_prompts_re_encode_to_the_input_length_with_a_byte_level_bpe(tiny_hf_dir):
-    from specd_tools.bench_serve_data import load_bench_tokenizer
+    from specd_tools.bench.serve_data import load_bench_tokenizer
 
     tok = load_bench_tokenizer(str(tiny_hf_dir))
     prompts = random_prompts(30, 64, seed=0, tokenizer=tok)

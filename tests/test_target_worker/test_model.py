@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from target_worker import Decoder, KvCache, ModelConfig, MoEConfig
+from target_worker.config import ModelConfig, MoEConfig
+from target_worker.model import Decoder, KvCache
 
 VOCAB = 8
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import target_worker.model as model_module
-from target_worker import load_model
+from target_worker.loader import load_model
 
 
 def _forwards(decoder):

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator import Sampler, SamplingParams, sampling_distributions, target_rows
-from drafter_worker import DraftDist
-from specd_core.rule import GreedyRows, ProbRows, SparseProbRows, compact_rows
-from target_worker import Decoder, ModelConfig
+from specd_core.draft import DraftDist
+from specd_core.rule import GreedyRows, ProbRows, SparseProbRows, compact_rows, target_rows
+from specd_core.sampling import Sampler, SamplingParams, sampling_distributions
+from target_worker.config import ModelConfig
+from target_worker.model import Decoder
 
 VOCAB = 11
 

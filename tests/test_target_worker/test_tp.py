@@ -11,7 +11,8 @@ import pytest
 import torch
 from tp_harness import engine_script, rows_of, run_tp
 
-from target_worker import Decoder, ModelConfig
+from target_worker.config import ModelConfig
+from target_worker.model import Decoder
 from target_worker.sharded import tp_errors, vocab_range
 from target_worker.testing import load_tiny_random
 from target_worker.tp import create_target_replica, validate_tp
@@ -205,7 +206,8 @@ def test_gguf_shards_are_slices_of_the_full_model(tmp_path, monkeypatch):
     # GGUF -> float32 cache -> per-rank slices, against the whole-model load of the same file.
     from test_loader import tiny_dense, write_gguf
 
-    from target_worker.loader import load_gguf_decoder, model_config, weights_cache_path
+    from target_worker.disk_cache import weights_cache_path
+    from target_worker.loader import load_gguf_decoder, model_config
     from target_worker.tp import load_shard
 
     monkeypatch.setenv("SPECD_CACHE", str(tmp_path / "cache"))
@@ -244,8 +246,7 @@ def test_a_replicas_step_bytes_are_counted_without_pickling_the_step(monkeypatch
     import pickle
 
     from specd_core.sampling import SamplingParams
-    from specd_core.step import payload_bytes
-    from target_worker import PrefillItem, VerifyItem
+    from specd_core.step import PrefillItem, VerifyItem, payload_bytes
     from target_worker.tp import TPRank
 
     threads = torch.get_num_threads()

@@ -10,9 +10,9 @@ import pytest
 import torch
 from tp_harness import engine_script, rows_of, run_tp
 
-from drafter_worker import PromptLookupSpeculator
+from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.sampling import SamplingParams
-from target_worker.engine import PrefillItem, VerifyItem
+from specd_core.step import PrefillItem, VerifyItem
 from target_worker.tp import create_target_replica, destroy_target_replica
 
 pytestmark = pytest.mark.slow
@@ -129,7 +129,8 @@ def test_destroy_kills_every_rank_and_removes_the_placement_group(ray_local):
 
 def test_smollm2_tp3_replica_decodes_like_tp1(ray_local):
     ray = ray_local
-    from target_worker.loader import ensure_weights_cache, model_path
+    from target_worker.disk_cache import ensure_weights_cache
+    from target_worker.loader import model_path
 
     ensure_weights_cache(model_path(None))  # convert once here, not in a rank
     one = create_target_replica(None, tp=1, num_threads=1)
@@ -157,7 +158,8 @@ def test_smollm2_tp3_logits_match_tp1_within_float32_noise(tmp_path):
     float32 model itself is up to 4.7e-3 away from a float64 run of the same weights. So the
     bound is 1e-4 relative to the logits' scale, and TP=3 must be as close to float64 as the
     unsharded float32 model is (within 2x, over all four forwards)."""
-    from target_worker.loader import ensure_weights_cache, load_decoder, model_path
+    from target_worker.disk_cache import ensure_weights_cache
+    from target_worker.loader import load_decoder, model_path
 
     weights = str(ensure_weights_cache(model_path(None)))
     ranks = run_tp(3, None, tmp_path, weights=weights)
@@ -181,11 +183,12 @@ def test_the_coordinators_scheduler_runs_unchanged_on_a_tp2_replica(ray_local):
     requests (greedy and seeded sampling) stream exactly what the in-process core produces."""
     import asyncio
 
-    from coordinator import SpeculativeOptions, speculative_decode_with
     from coordinator.scheduler import RayTarget, Scheduler
+    from coordinator.speculative import speculative_decode_with
     from drafter_worker.client import DrafterClient
     from drafter_worker.server import start_drafter_server
-    from target_worker import load_model
+    from specd_core.request import SpeculativeOptions
+    from target_worker.loader import load_model
 
     decoder, _ = load_model(MOE)
     prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [1, 2, 3, 1, 2, 3, 1], [40, 41, 42],

@@ -37,7 +37,7 @@ import grpc
 from specd.v1 import generation_pb2, generation_pb2_grpc
 
 #: The default long document: the repository's README (an editable install has it).
-DOCUMENT = Path(__file__).resolve().parents[1] / "README.md"
+DOCUMENT = Path(__file__).resolve().parents[2] / "README.md"
 ASK = "\n\nSummarize the text above in three sentences."
 
 
@@ -61,9 +61,10 @@ def ttft_table(model: str, document: str, lengths: list[int], rounds: int) -> No
     import torch
     from transformers import AutoModelForCausalLM
 
-    from coordinator import SpeculativeOptions, speculative_decode_with
-    from specd_tools.cli import in_process_prefill_threads, in_process_threads
-    from target_worker import load_model
+    from coordinator.speculative import speculative_decode_with
+    from specd_core.request import SpeculativeOptions
+    from specd_tools.generate import in_process_prefill_threads, in_process_threads
+    from target_worker.loader import load_model
 
     default_threads = torch.get_num_threads()
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()

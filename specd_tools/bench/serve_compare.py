@@ -30,17 +30,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .bench_serve import (
+from .serve import (
     ServeBenchConfig,
     bench_endpoint,
     compute_metrics,
     load_points,
     load_workload,
     outcomes_of,
-    point_label,
     run_record,
 )
-from .bench_serve_data import load_bench_tokenizer
+from .serve_data import load_bench_tokenizer
+from .serve_report import point_label
 
 #: The peer `--compare` starts by default (transformers >= 5; needs typer, fastapi, uvicorn,
 #: openai): paged-attention continuous batching, no speculation.

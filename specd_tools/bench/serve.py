@@ -7,7 +7,7 @@ Requests are streamed chat completions (the official ``openai`` async client), s
 optionally capped at ``--max-concurrency`` in flight. Per request the client records the time to
 the first content chunk (TTFT), the gaps between content chunks (ITL), the end-to-end latency
 (E2EL) and the token counts the server reports in ``usage``; `compute_metrics` turns those into
-the run's metrics. ``--compare`` (`specd_tools.bench_serve_compare`) runs the same workload
+the run's metrics. ``--compare`` (`specd_tools.bench.serve_compare`) runs the same workload
 against ``specd serve`` and a peer server in turn.
 
 Definitions (per request; the run's mean/median/std/p90/p99 are over completed requests):
@@ -23,9 +23,7 @@ Definitions (per request; the run's mean/median/std/p90/p99 are over completed r
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import math
 import random
 import sys
@@ -33,10 +31,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-from .bench_serve_data import (
+from .serve_data import (
     DATASETS,
     BenchPrompt,
     load_bench_tokenizer,
@@ -46,20 +43,6 @@ from .bench_serve_data import (
     sample_prompts,
     tokenizer_source_for,
 )
-
-#: ``specd bench serve --help``'s description: the metric definitions, in plain text.
-DESCRIPTION = """\
-Load-tests an OpenAI-compatible server with streamed chat completions and reports what
-vllm bench serve reports, under the same names (--result-json).
-
-Per request: TTFT is the time from sending it to the first chunk with content. TPOT is
-(E2EL - TTFT) / (output tokens - 1), the time per output token after the first. ITL is each
-gap between consecutive content chunks. E2EL is the time to the end of the stream. Token
-counts come from the server's usage (stream_options.include_usage), else from --tokenizer.
-
-TPOT and ITL differ on a speculative server: it sends all the tokens one verification step
-accepts in one chunk, so an ITL gap is the time per step and covers several tokens, while
-TPOT is the time per token. They agree only when every chunk carries one token."""
 
 #: Latency metrics, in the order `vllm bench serve` prints them.
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -191,83 +174,6 @@ def category_metrics(outcomes: Sequence[RequestOutcome], duration: float,
             for c in names}
 
 
-# ---------------------------------------------------------------------------- flag parsing
-
-
-def parse_rates(text: str) -> tuple[float, ...]:
-    """``--request-rate``: a comma-separated list of requests per second (> 0) or ``inf``.
-
-    Raises:
-        argparse.ArgumentTypeError: anything else.
-    """
-    rates = []
-    for part in (p.strip() for p in text.split(",")):
-        try:
-            rate = float(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected requests per second (a number > 0, or inf), got {part!r}") from None
-        if not rate > 0:  # also refuses nan
-            raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {part!r}")
-        rates.append(rate)
-    if not rates:
-        raise argparse.ArgumentTypeError("give at least one rate")
-    return tuple(rates)
-
-
-def parse_goodput(items: Sequence[str]) -> dict[str, float]:
-    """``--goodput ttft:MS tpot:MS e2el:MS`` (any subset) as ``{"ttft": ms, ...}``.
-
-    Raises:
-        ValueError: a malformed item, an unknown key or a value that is not a number >= 0
-            (names ``--goodput``).
-    """
-    slos: dict[str, float] = {}
-    for item in items:
-        key, sep, value = item.partition(":")
-        if not sep or key not in GOODPUT_KEYS:
-            raise ValueError(f"--goodput: expected KEY:MS with KEY one of "
-                             f"{', '.join(GOODPUT_KEYS)}, got {item!r}")
-        try:
-            ms = float(value)
-        except ValueError:
-            raise ValueError(f"--goodput {key}: expected milliseconds, got {value!r}") from None
-        if not ms >= 0 or math.isinf(ms):
-            raise ValueError(f"--goodput {key}: expected a finite number >= 0, got {value!r}")
-        slos[key] = ms
-    return slos
-
-
-def parse_concurrencies(text: str) -> tuple[int, ...]:
-    """``--max-concurrency``: a comma-separated list of integers >= 1.
-
-    Raises:
-        argparse.ArgumentTypeError: anything else.
-    """
-    values = tuple(_positive_int(p.strip()) for p in text.split(","))
-    return values
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
-
-
 # ---------------------------------------------------------------------------- the workload
 
 
@@ -301,7 +207,7 @@ class ServeBenchConfig:
 
 
 def load_workload(cfg: ServeBenchConfig, tokenizer: Any = None) -> list[BenchPrompt]:
-    """The prompts ``cfg`` names (`bench_serve_data`), ``num_prompts`` of them.
+    """The prompts ``cfg`` names (`specd_tools.bench.serve_data`), ``num_prompts`` of them.
 
     Raises:
         ValueError: bad dataset flags or file (names the flag, and the line and field).
@@ -583,318 +489,3 @@ def resolve_tokenizer(cfg: ServeBenchConfig, model: str,
     progress(f"tokenizer: {source}")
     cfg.tokenizer = source
     return load_bench_tokenizer(source)
-
-
-# ---------------------------------------------------------------------------- the report
-
-#: The summary rows: (label, metric key, format).
-_TABLE = (
-    ("Successful requests", "completed", "{:d}"),
-    ("Failed requests", "failed", "{:d}"),
-    ("Benchmark duration (s)", "duration", "{:.2f}"),
-    ("Total input tokens", "total_input_tokens", "{:d}"),
-    ("Total generated tokens", "total_output_tokens", "{:d}"),
-    ("Request throughput (req/s)", "request_throughput", "{:.2f}"),
-    ("Request goodput (req/s)", "request_goodput", "{:.2f}"),
-    ("Output token throughput (tok/s)", "output_throughput", "{:.2f}"),
-    ("Total token throughput (tok/s)", "total_token_throughput", "{:.2f}"),
-)
-_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-           "itl": "Inter-token Latency (per chunk)", "e2el": "End-to-end Latency"}
-
-
-def _latency_rows(name: str) -> list[tuple[str, str, str]]:
-    up = name.upper()
-    rows = [(f"Mean {up} (ms)", f"mean_{name}_ms", "{:.2f}"),
-            (f"Median {up} (ms)", f"median_{name}_ms", "{:.2f}"),
-            (f"Std {up} (ms)", f"std_{name}_ms", "{:.2f}")]
-    return rows + [(f"P{p} {up} (ms)", f"p{p}_{name}_ms", "{:.2f}") for p in PERCENTILES]
-
-
-def format_run(record: dict[str, Any]) -> str:
-    """The vLLM-style result block of one run, then its per-category table."""
-    width = 50
-    lines = [f" {record['label']}, {point_label(record)} ".center(width, "=")]
-
-    def rows(spec) -> None:
-        for label, key, fmt in spec:
-            if key in record:
-                lines.append(f"{label + ':':<40}{fmt.format(record[key]):>10}")
-
-    rows(_TABLE)
-    for name in LATENCY_METRICS:
-        lines.append(f"{_TITLES[name]:-^{width}}")
-        rows(_latency_rows(name))
-    lines.append("=" * width)
-    cats = record.get("per_category") or {}
-    if cats:
-        lines.append(category_table(cats))
-    sources = sorted(set(record.get("token_sources") or ()) - {"usage"})
-    if sources:
-        lines.append(f"note: token counts from the {' and '.join(sources)} for some requests "
-                     "(the server sent no usage)")
-    return "\n".join(lines)
-
-
-def category_table(cats: dict[str, dict[str, Any]]) -> str:
-    """One row per category: completed, output tokens, median TTFT/TPOT/ITL/E2EL in ms."""
-    head = (f"{'category':<12}{'done':>6}{'out tok':>9}{'p50 TTFT':>10}{'p50 TPOT':>10}"
-            f"{'p50 ITL':>9}{'p50 E2EL':>10}")
-    lines = ["per category (ms):", head]
-    for name, m in cats.items():
-        lines.append(f"{name[:12]:<12}{m['completed']:>6d}{m['total_output_tokens']:>9d}"
-                     f"{m['median_ttft_ms']:>10.1f}{m['median_tpot_ms']:>10.1f}"
-                     f"{m['median_itl_ms']:>9.1f}{m['median_e2el_ms']:>10.1f}")
-    return "\n".join(lines)
-
-
-def point_label(record: dict[str, Any]) -> str:
-    """``"rate R"`` or ``"rate R, C in flight"``: which load a run record ran at."""
-    c = record.get("max_concurrency")
-    return f"rate {record['request_rate']}" + (f", {c} in flight" if c else "")
-
-
-def sweep_table(records: Sequence[dict[str, Any]]) -> str:
-    """One row per run: rate, concurrency cap, req/s, output tok/s, p50/p99 TTFT, p50 TPOT,
-    p50 ITL (ms)."""
-    head = (f"{'server':<8}{'rate':>6}{'conc':>6}{'req/s':>8}{'out tok/s':>11}{'p50 TTFT':>10}"
-            f"{'p99 TTFT':>10}{'p50 TPOT':>10}{'p50 ITL':>9}")
-    lines = [head]
-    for r in records:
-        lines.append(f"{r['label'][:8]:<8}{r['request_rate']!s:>6}"
-                     f"{r['max_concurrency'] or '-'!s:>6}"
-                     f"{r['request_throughput']:>8.2f}{r['output_throughput']:>11.2f}"
-                     f"{r['median_ttft_ms']:>10.1f}{r['p99_ttft_ms']:>10.1f}"
-                     f"{r['median_tpot_ms']:>10.1f}{r['median_itl_ms']:>9.1f}")
-    return "\n".join(lines)
-
-
-def _short_point(record: dict[str, Any]) -> str:
-    c = record.get("max_concurrency")
-    return f"{record['request_rate']}" + (f" c={c}" if c else "")
-
-
-def write_plots(records: Sequence[dict[str, Any]], out_dir: str | Path) -> list[Path]:
-    """``latency_cdf.png`` (the CDF of TTFT, TPOT, ITL and E2EL, one line per run) and, when
-    the runs span more than one load (request rate, concurrency cap), ``sweep.png`` (output
-    throughput and p99 TTFT against it, one line per server label) into ``out_dir``.
-
-    Raises:
-        ValueError: matplotlib is missing (names ``--plot-dir``).
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot-dir needs matplotlib: pip install 'specd[bench]'") from None
-    import numpy as np
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for ax, name in zip(axes.flat, LATENCY_METRICS, strict=True):
-        for r in records:
-            values = {"ttft": [t for t, e in zip(r["ttfts"], r["errors"], strict=True) if not e],
-                      "tpot": [t for t in r["tpots"] if t is not None],
-                      "itl": [g for gaps in r["itls"] for g in gaps],
-                      "e2el": [t for t, e in zip(r["e2els"], r["errors"], strict=True)
-                               if not e]}[name]
-            if not values:
-                continue
-            ms = np.sort(np.asarray(values) * 1000.0)
-            ax.step(ms, np.arange(1, ms.size + 1) / ms.size, where="post",
-                    label=f"{r['label']} {point_label(r)}")
-        ax.set_title(_TITLES[name])
-        ax.set_xlabel("ms")
-        ax.set_ylabel("fraction of " + ("gaps" if name == "itl" else "requests"))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths = [out / "latency_cdf.png"]
-    fig.savefig(paths[0], dpi=110)
-    plt.close(fig)
-
-    points = list(dict.fromkeys(_short_point(r) for r in records))
-    if len(points) > 1:
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-        for label in dict.fromkeys(r["label"] for r in records):
-            mine = [r for r in records if r["label"] == label]
-            xs = [points.index(_short_point(r)) for r in mine]
-            a1.plot(xs, [r["output_throughput"] for r in mine], marker="o", label=label)
-            a2.plot(xs, [r["p99_ttft_ms"] for r in mine], marker="o", label=label)
-        for ax, title in ((a1, "output throughput (tok/s)"), (a2, "p99 TTFT (ms)")):
-            ax.set_xticks(range(len(points)), points)
-            ax.set_xlabel("request rate (req/s)" + (
-                ", max concurrency" if any(r["max_concurrency"] for r in records) else ""))
-            ax.set_title(title)
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.tight_layout()
-        paths.append(out / "sweep.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
-    return paths
-
-
-# ---------------------------------------------------------------------------- the command
-
-
-def add_serve_parser(modes) -> argparse.ArgumentParser:
-    """Adds ``serve`` to ``specd bench``'s sub-commands (``modes``, an argparse subparsers
-    action) and returns its parser."""
-    p = modes.add_parser(
-        "serve", help="load-test any OpenAI-compatible server (specd serve --http-port, "
-                      "transformers serve, vLLM, llama.cpp); --compare: specd against a peer",
-        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default=None, metavar="URL",
-                   help="the server's API root, e.g. http://127.0.0.1:8000/v1 (required "
-                        "unless --compare)")
-    p.add_argument("--model", default=None,
-                   help="model id to request (default: the server's first in /v1/models)")
-    p.add_argument("--api-key", default=None,
-                   help="bearer token (default $OPENAI_API_KEY, else none)")
-    p.add_argument("--dataset-name", choices=DATASETS, default="mt-bench",
-                   help="custom: --dataset-path JSONL; mt-bench: MT-Bench's 80 questions "
-                        "(first turns, 8 categories); random: --input-len random tokens "
-                        "(default mt-bench)")
-    p.add_argument("--dataset-path", default=None, metavar="FILE",
-                   help='--dataset-name custom: JSONL, {"prompt": str, "category": str '
-                        "(optional)} per line")
-    p.add_argument("--num-prompts", type=_positive_int, default=None, metavar="N",
-                   help="requests per run, drawn with --seed (cycling when N exceeds the "
-                        f"dataset) (default: every prompt once; random: {RANDOM_NUM_PROMPTS})")
-    p.add_argument("--input-len", type=_positive_int, default=128, metavar="TOKENS",
-                   help="--dataset-name random: prompt tokens (before the chat template) by "
-                        "--tokenizer; without a tokenizer that many common words")
-    p.add_argument("--tokenizer", default=None, metavar="DIR|FILE.gguf|tiny-random",
-                   help="client-side tokenizer for random prompts, and for token counts when "
-                        "the server sends no usage (default: the served model when its id is "
-                        "a local directory, .gguf or tiny-random spec)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seeds prompt sampling and arrival times")
-    p.add_argument("--request-rate", type=parse_rates, default=(math.inf,), metavar="R[,R...]",
-                   help="requests per second, Poisson arrivals (inf: all at once); a list "
-                        "runs each in turn (a sweep) (default: inf)")
-    p.add_argument("--burstiness", type=_positive_float, default=1.0,
-                   help="shape of the gamma distribution of the gaps between arrivals: 1 is "
-                        "Poisson, below 1 burstier, above 1 more regular")
-    p.add_argument("--max-concurrency", type=parse_concurrencies, default=None,
-                   metavar="C[,C...]",
-                   help="at most C requests in flight; a list runs each in turn, every "
-                        "--request-rate at each (default: no cap)")
-    p.add_argument("--output-len", type=_positive_int, default=128, metavar="N",
-                   help="max_tokens of each request")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="send ignore_eos: true (an extra body field specd and vLLM take), so "
-                        "every request generates --output-len tokens")
-    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                   help="SLOs for request_goodput: any of ttft:MS tpot:MS e2el:MS")
-    p.add_argument("--warmup", type=int, default=1, metavar="N",
-                   help="uncounted requests before each server's runs (the first checks the "
-                        "endpoint; 0: none)")
-    p.add_argument("--request-timeout", type=_positive_float, default=600.0, metavar="S",
-                   help="seconds before a request counts as failed")
-    p.add_argument("--result-json", default=None, metavar="FILE",
-                   help="write the results (one object per run, vLLM's keys) as JSON")
-    p.add_argument("--plot-dir", default=None, metavar="DIR",
-                   help="write latency_cdf.png (and sweep.png for a rate list) there")
-    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    c = p.add_argument_group("--compare: specd serve against a peer server, in turn")
-    c.add_argument("--compare", default=None, metavar="MODEL_DIR",
-                   help="start 'specd serve --http-port' and the peer on this model "
-                        "directory one after the other and run the workload against each")
-    from .bench_serve_compare import DEFAULT_PEER_CMD, DEFAULT_SPECD_CMD
-
-    c.add_argument("--peer-cmd", default=DEFAULT_PEER_CMD, metavar="CMD",
-                   help="the peer's command; {port}, {model} and {python} are filled in "
-                        "(default: %(default)s)")
-    c.add_argument("--specd-cmd", default=DEFAULT_SPECD_CMD, metavar="CMD",
-                   help="specd's command, as --peer-cmd (default: %(default)s)")
-    c.add_argument("--rounds", type=_positive_int, default=2,
-                   help="rounds; each starts both servers in turn, alternating which first")
-    c.add_argument("--server-timeout", type=_positive_float, default=600.0, metavar="S",
-                   help="seconds a server may take to list its model at /v1/models")
-    c.add_argument("--stop-timeout", type=_positive_float, default=30.0, metavar="S",
-                   help="seconds between SIGTERM to a server's process group and SIGKILL")
-    c.add_argument("--log-dir", default=None, metavar="DIR",
-                   help="keep each server start's output here (default: a temp dir, "
-                        "removed unless a start fails)")
-    p.set_defaults(func=cmd_bench_serve)
-    return p
-
-
-def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
-    """The `ServeBenchConfig` of ``specd bench serve``'s flags.
-
-    Raises:
-        ValueError: a bad flag or combination (names the flag).
-    """
-    import os
-
-    if args.compare is None and not args.base_url:
-        raise ValueError("--base-url URL is required (the server's .../v1), or --compare "
-                         "MODEL_DIR")
-    if args.compare is not None and args.base_url:
-        raise ValueError("--base-url and --compare exclude each other: --compare starts its "
-                         "own servers")
-    if not 0 <= args.temperature < math.inf:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.dataset_name == "custom" and not args.dataset_path:
-        raise ValueError("--dataset-path FILE is required with --dataset-name custom")
-    return ServeBenchConfig(
-        base_url=(args.base_url or "").rstrip("/"), model=args.model,
-        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
-        dataset_name=args.dataset_name, dataset_path=args.dataset_path,
-        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-        seed=args.seed, rates=tuple(args.request_rate), burstiness=args.burstiness,
-        concurrencies=tuple(args.max_concurrency or (None,)), temperature=args.temperature,
-        ignore_eos=args.ignore_eos, goodput=parse_goodput(args.goodput or ()),
-        tokenizer=args.tokenizer, warmup=args.warmup, request_timeout=args.request_timeout,
-        progress_bar=not args.disable_tqdm)
-
-
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    """``specd bench serve``: runs, prints the tables, writes ``--result-json`` and plots."""
-    cfg = config_from_args(args)
-    if args.plot_dir:
-        import importlib.util
-
-        if importlib.util.find_spec("matplotlib") is None:  # fail before a long run
-            raise ValueError("--plot-dir needs matplotlib: pip install 'specd[bench]'")
-
-    def progress(line: str) -> None:
-        print(f"[bench serve] {line}", file=sys.stderr, flush=True)
-
-    if args.compare is not None:
-        from .bench_serve_compare import CompareConfig, format_compare, run_compare
-
-        result = run_compare(cfg, CompareConfig(
-            model_dir=args.compare, peer_cmd=args.peer_cmd, specd_cmd=args.specd_cmd,
-            rounds=args.rounds, server_timeout=args.server_timeout,
-            stop_timeout=args.stop_timeout, log_dir=args.log_dir), progress)
-        print(format_compare(result))
-        records = [r for s in result["servers"].values() for r in s["runs"]]
-        payload: Any = result
-    else:
-        result = asyncio.run(bench_endpoint(cfg, "server", progress))
-        records = result["runs"]
-        for record in records:
-            print(format_run(record))
-        if len(records) > 1:
-            print(sweep_table(records))
-        payload = records[0] if len(records) == 1 else records
-    if args.result_json:
-        path = Path(args.result_json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(payload, indent=2) + "\n")
-        progress(f"wrote {path}")
-    if args.plot_dir:
-        paths = write_plots(records, args.plot_dir)
-        progress("wrote " + ", ".join(str(p) for p in paths))
-    return 0
-

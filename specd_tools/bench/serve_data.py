@@ -15,7 +15,7 @@ from typing import Any
 DATASETS = ("custom", "mt-bench", "random")
 
 #: MT-Bench's questions, shipped with attribution (`specd_tools/data/mt_bench/NOTICE.md`).
-MT_BENCH_FILE = Path(__file__).parent / "data" / "mt_bench" / "question.jsonl"
+MT_BENCH_FILE = Path(__file__).parents[1] / "data" / "mt_bench" / "question.jsonl"
 
 #: `random` without a tokenizer draws words from this list: one word is about one token for
 #: common BPE vocabularies (each is a single token in GPT-2's and SmolLM2's), so
