@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 _LOAD = ("import sys, time, torch; torch.set_num_threads({threads}); "
-         "from target_worker import load_model; t = time.perf_counter(); "
+         "from target_worker.loader import load_model; t = time.perf_counter(); "
          "load_model(sys.argv[1] if sys.argv[1] != 'default' else None); "
          "print(time.perf_counter() - t)")
 
