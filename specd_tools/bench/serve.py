@@ -41,6 +41,7 @@ from .serve_data import (
     load_mt_bench,
     random_prompts,
     sample_prompts,
+    structured_prompts,
     tokenizer_source_for,
 )
 
@@ -227,10 +228,12 @@ def load_workload(cfg: ServeBenchConfig, tokenizer: Any = None) -> list[BenchPro
     num = cfg.num_prompts if cfg.num_prompts is not None else RANDOM_NUM_PROMPTS
     if num < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num}")
+    if cfg.dataset_name == "structured":
+        return structured_prompts(num, cfg.seed)
     return random_prompts(num, cfg.input_len, cfg.seed, tokenizer)
 
 
-#: `--dataset-name random`'s default `--num-prompts`.
+#: `--dataset-name random`'s and `structured`'s default `--num-prompts`.
 RANDOM_NUM_PROMPTS = 100
 
 

@@ -127,14 +127,16 @@ def add_serve_parser(modes) -> argparse.ArgumentParser:
                    help="bearer token (default $OPENAI_API_KEY, else none)")
     p.add_argument("--dataset-name", choices=DATASETS, default="mt-bench",
                    help="custom: --dataset-path JSONL; mt-bench: MT-Bench's 80 questions "
-                        "(first turns, 8 categories); random: --input-len random tokens "
-                        "(default mt-bench)")
+                        "(first turns, 8 categories); random: --input-len random tokens; "
+                        "structured: requests whose answers share a form (JSON, SQL, "
+                        "functions, tool calls), in order (default mt-bench)")
     p.add_argument("--dataset-path", default=None, metavar="FILE",
                    help='--dataset-name custom: JSONL, {"prompt": str, "category": str '
                         "(optional)} per line")
     p.add_argument("--num-prompts", type=_positive_int, default=None, metavar="N",
                    help="requests per run, drawn with --seed (cycling when N exceeds the "
-                        f"dataset) (default: every prompt once; random: {RANDOM_NUM_PROMPTS})")
+                        f"dataset) (default: every prompt once; random, structured: "
+                        f"{RANDOM_NUM_PROMPTS})")
     p.add_argument("--input-len", type=_positive_int, default=128, metavar="TOKENS",
                    help="--dataset-name random: prompt tokens (before the chat template) by "
                         "--tokenizer; without a tokenizer that many common words")

@@ -1,5 +1,6 @@
-"""Workloads for `specd bench serve`: a custom JSONL file, MT-Bench's 80 questions, or random
-prompts of a given token length; and the client-side tokenizer the bench may use.
+"""Workloads for `specd bench serve`: a custom JSONL file, MT-Bench's 80 questions, random
+prompts of a given token length, or the repeated-structure workload; and the client-side
+tokenizer the bench may use.
 
 Each loader returns `BenchPrompt`s; `sample_prompts` picks ``--num-prompts`` of them with
 ``--seed``. Errors name the flag, the file, the line and the field, so a user can fix them."""
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DATASETS = ("custom", "mt-bench", "random")
+DATASETS = ("custom", "mt-bench", "random", "structured")
 
 #: MT-Bench's questions, shipped with attribution (`specd_tools/data/mt_bench/NOTICE.md`).
 MT_BENCH_FILE = Path(__file__).parents[1] / "data" / "mt_bench" / "question.jsonl"
@@ -96,6 +97,15 @@ def load_mt_bench() -> list[BenchPrompt]:
             row = json.loads(line)
             prompts.append(BenchPrompt(row["turns"][0], row["category"]))
     return prompts
+
+
+def structured_prompts(num: int, seed: int) -> list[BenchPrompt]:
+    """``num`` prompts of the repeated-structure workload
+    (`specd_tools.workloads.structured`), in order (the kinds in turn, so a drafter's
+    cross-request cache warms as an agent's traffic would), each kind as its category."""
+    from specd_tools.workloads.structured import structured_requests
+
+    return [BenchPrompt(text, kind) for kind, text in structured_requests(num, seed)]
 
 
 def random_prompts(num: int, input_len: int, seed: int, tokenizer: Any = None) -> list[BenchPrompt]:

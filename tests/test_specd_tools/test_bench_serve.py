@@ -34,6 +34,7 @@ from specd_tools.bench.serve_data import (
     load_mt_bench,
     random_prompts,
     sample_prompts,
+    structured_prompts,
 )
 from target_worker.testing import TinyTokenizer
 
@@ -202,6 +203,14 @@ def test_random_prompts_have_the_input_length():
     assert set(words[0].prompt.split()) <= set(FALLBACK_WORDS)
     with pytest.raises(ValueError, match="--input-len"):
         random_prompts(1, 0, 0)
+
+
+def test_structured_prompts_cycle_their_kinds_in_order_and_are_seeded():
+    prompts = structured_prompts(9, seed=4)
+    assert [p.category for p in prompts] == ["json", "sql", "function", "tool"] * 2 + ["json"]
+    assert prompts == structured_prompts(9, 4) != structured_prompts(9, 5)
+    assert len({p.prompt for p in prompts}) == 9  # the fields differ, the form does not
+    assert all(p.prompt.startswith("Write one SQL query") for p in prompts[1::4])
 
 
 def test_sampling_prompts_is_seeded_balances_categories_and_cycles():
