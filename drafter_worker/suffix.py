@@ -56,6 +56,10 @@ DEFAULT_CACHE_MIN_MATCH = 4
 # the shipped workloads and MT-Bench); the paper's 1.0 / 0.1 with no minimum match drafted
 # 1.37x plain decoding's estimated speed on the repeated-structure set, these 2.07x, while
 # no shipped workload or MT-Bench category fell more than 0.05x below prompt lookup.
+#: Default most prompt tokens a request's own tree indexes (the last ones): with the depth
+#: this bounds a request's tree to ``depth x (this + its output)`` nodes (~8 MB for 4,096
+#: prompt tokens); prompt lookup (``suffix+lookup``) still copies from the whole context.
+DEFAULT_LOCAL_PROMPT_TOKENS = 4096
 #: Default number of previous outputs the global cache keeps (FIFO).
 DEFAULT_CACHE_REQUESTS = 10_000
 #: Default node budget of the global cache: with `SuffixTree.BYTES_PER_NODE` this bounds
@@ -427,6 +431,8 @@ class SuffixDrafter:
         min_token_prob: the floor on a local draft's estimated probability, in ``[0, 1]``.
         cache_min_token_prob: the same floor for drafts from the global cache, in ``[0, 1]``.
         cache_min_match: the shortest context match a global-cache draft needs (>= 1).
+        local_prompt_tokens: the most tokens of a request's first history (its prompt) its
+            own tree indexes, the last ones (>= 1); later tokens are all indexed.
         cache_requests: previous outputs the global cache keeps (FIFO, >= 1).
         cache_nodes: the global cache's node budget (>= 1; see `SuffixCache`).
         lookup: a `drafter_worker.prompt_lookup.PromptLookupSpeculator` ("suffix+lookup"):
@@ -442,6 +448,7 @@ class SuffixDrafter:
                  min_token_prob: float = DEFAULT_MIN_TOKEN_PROB,
                  cache_min_token_prob: float = DEFAULT_CACHE_MIN_TOKEN_PROB,
                  cache_min_match: int = DEFAULT_CACHE_MIN_MATCH,
+                 local_prompt_tokens: int = DEFAULT_LOCAL_PROMPT_TOKENS,
                  cache_requests: int = DEFAULT_CACHE_REQUESTS,
                  cache_nodes: int = DEFAULT_CACHE_NODES, lookup=None):
         if isinstance(max_draft_len, bool) or int(max_draft_len) < 1:
@@ -452,14 +459,17 @@ class SuffixDrafter:
                             ("cache_min_token_prob", cache_min_token_prob)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value!r}")
-        if isinstance(cache_min_match, bool) or int(cache_min_match) < 1:
-            raise ValueError(f"cache_min_match must be an int >= 1, got {cache_min_match!r}")
+        for name, value in (("cache_min_match", cache_min_match),
+                            ("local_prompt_tokens", local_prompt_tokens)):
+            if isinstance(value, bool) or int(value) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.max_draft_len = int(max_draft_len)
         self.depth = int(depth)
         self.max_spec_factor = float(max_spec_factor)
         self.min_token_prob = float(min_token_prob)
         self.cache_min_token_prob = float(cache_min_token_prob)
         self.cache_min_match = int(cache_min_match)
+        self.local_prompt_tokens = int(local_prompt_tokens)
         self.cache = SuffixCache(cache_requests, cache_nodes, depth)
         self.lookup = lookup
         #: Proposals made, and how many of them came from the local / global tree / lookup.
@@ -557,7 +567,9 @@ class SuffixSession:
         if len(history) < n:  # not a continuation: start over
             self.tree, self._seen, n = SuffixTree(self.parent.depth), [], 0
         new = [int(t) for t in history[n:]]
-        self.tree.extend(new)
+        # The first history (the prompt) is indexed from its last tokens only: the bound
+        # on this request's tree.
+        self.tree.extend(new if n else new[-self.parent.local_prompt_tokens:])
         self._seen.extend(new)
 
     def _draft(self, context: Sequence[int], max_len: int,

@@ -233,7 +233,7 @@ def test_a_draft_from_previous_outputs_needs_a_longer_match_and_more_confidence(
 
 
 @pytest.mark.parametrize("bad", [{"cache_min_match": 0}, {"cache_min_token_prob": 1.5},
-                                 {"min_token_prob": -0.1}])
+                                 {"min_token_prob": -0.1}, {"local_prompt_tokens": 0}])
 def test_bad_suffix_drafter_settings_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SuffixDrafter(**bad)
@@ -312,6 +312,20 @@ def test_a_session_drafts_what_a_fresh_drafter_drafts_on_the_same_history():
         assert block == drafter.propose(history, None, 8)
         assert all(d.support() == ((t, 1.0),) for t, d in zip(block.tokens, block.dists,
                                                                  strict=True))
+
+
+def test_a_requests_tree_indexes_only_the_last_prompt_tokens_and_all_later_ones():
+    drafter = SuffixDrafter(max_draft_len=4, depth=4, local_prompt_tokens=5)
+    session = drafter.session()
+    prompt = list(range(100, 112))  # 12 distinct tokens
+    session.propose(prompt, None, 4)
+    assert session.tree.count([100]) == 0 and session.tree.count([106]) == 0
+    assert all(session.tree.count([t]) == 1 for t in prompt[-5:])
+    output = [1, 2, 3, 1, 2, 3, 1]
+    for i in range(1, len(output) + 1):
+        session.propose(prompt + output[:i], None, 4)
+    assert session.tree.count([1, 2, 3]) == 2 and session.tree.count([111, 1]) == 1
+    assert session.tree.nodes <= 4 * (5 + len(output))
 
 
 def test_run_ahead_drafts_past_the_assumed_block_but_stores_only_the_committed_history():
