@@ -174,9 +174,10 @@ def _in_process(model, args, text: str, chat: bool, expected: list[int] | None) 
     """tok/s of the in-process core on the 1-stream request (median of ``args.rounds``)."""
     import torch
 
-    from coordinator import SpeculativeOptions, speculative_decode_with
     from coordinator.adaptive import AdaptiveDraftLength, calibrate_for
+    from coordinator.speculative import speculative_decode_with
     from drafter_worker.registry import build_drafter
+    from specd_core.request import SpeculativeOptions
     from specd_core.text import encode_prompt
     from target_worker import load_model
 

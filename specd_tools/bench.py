@@ -40,9 +40,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from coordinator.adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_for
-from coordinator.speculative import SpeculativeOptions, speculative_decode_with
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.registry import LOOKUP_ADAPTIVE_DRAFT_LEN, LOOKUP_DRAFT_LEN
 from specd_core.draft import drafter_capabilities
+from specd_core.request import SpeculativeOptions
 
 from .workloads import Workload, encode_prompt, load_workloads
 

@@ -61,7 +61,8 @@ def ttft_table(model: str, document: str, lengths: list[int], rounds: int) -> No
     import torch
     from transformers import AutoModelForCausalLM
 
-    from coordinator import SpeculativeOptions, speculative_decode_with
+    from coordinator.speculative import speculative_decode_with
+    from specd_core.request import SpeculativeOptions
     from specd_tools.cli import in_process_prefill_threads, in_process_threads
     from target_worker import load_model
 

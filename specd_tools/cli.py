@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from coordinator.speculative import SpeculativeOptions, speculative_decode_with
+from coordinator.speculative import speculative_decode_with
 from coordinator.step_plan import DEFAULT_MAX_BATCHED_TOKENS
 from drafter_worker.registry import (
     DEFAULT_NGRAM_SIZE,
@@ -30,6 +30,7 @@ from drafter_worker.registry import (
     drafter_spec,
 )
 from drafter_worker.suffix import DEFAULT_CACHE_REQUESTS
+from specd_core.request import SpeculativeOptions
 from specd_core.sampling import SamplingParams
 from specd_core.text import TextStream, encode_prompt
 

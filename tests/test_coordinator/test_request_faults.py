@@ -18,9 +18,9 @@ from service_harness import LocalService, run_in_thread
 from test_service import REPEATING, solo
 from test_service import request as make_request
 
-from coordinator.speculative import DecodeRequest, SpeculativeDecodeResult
 from drafter_worker import DraftDist
 from specd.v1 import generation_pb2
+from specd_core.request import DecodeRequest, SpeculativeDecodeResult
 from specd_core.rule import target_rows
 from specd_core.sampling import Sampler, SamplingParams, greedy_tokens, sampling_distributions
 from target_worker.engine import TargetEngine
@@ -357,7 +357,7 @@ def test_a_request_whose_drafting_fails_decodes_undrafted_and_the_others_keep_dr
 
 def test_status_counts_a_slot_held_while_its_request_is_being_admitted():
     from coordinator.scheduler import LocalTarget, Scheduler
-    from coordinator.speculative import SpeculativeOptions
+    from specd_core.request import SpeculativeOptions
     from target_worker import load_model
 
     decoder, _ = load_model("tiny-random:vocab=64,seed=0,layers=2")

@@ -12,10 +12,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_harness import LocalService, run_in_thread
 
-from coordinator import SpeculativeOptions, speculative_decode_with
 from coordinator.server import sampling_from_proto
+from coordinator.speculative import speculative_decode_with
 from drafter_worker import PromptLookupSpeculator
 from specd.v1 import generation_pb2
+from specd_core.request import SpeculativeOptions
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,16 @@ from service_harness import LocalService
 from test_pipeline import FLAT, SlowTarget, assert_marginals_exact
 from test_service import MIXED, REPEATING, request, stream_tokens
 
-from coordinator import SamplingParams, SpeculativeOptions, speculative_decode_with
 from coordinator.adaptive import AdaptiveDraftLength, ForwardCostModel
 from coordinator.scheduler import Scheduler
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.client import DrafterClient
 from drafter_worker.local import LocalDrafter
 from drafter_worker.server import start_drafter_server
 from drafter_worker.suffix import SuffixDrafter
 from specd_core.draft import DraftBlock, DrafterCapabilities
+from specd_core.request import SpeculativeOptions
+from specd_core.sampling import SamplingParams
 from target_worker import load_model
 from target_worker.engine import TargetEngine
 

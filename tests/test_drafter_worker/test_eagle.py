@@ -13,8 +13,7 @@ import pytest
 import torch
 from drafters import exact_marginals, plain_decode, tiny_decoder, tv_tolerance
 
-from coordinator import SamplingParams, SpeculativeOptions, speculative_decode_with
-from coordinator.speculative import DecodeRequest
+from coordinator.speculative import speculative_decode_with
 from drafter_worker import DraftBlock, PromptLookupSpeculator
 from drafter_worker.client import DrafterClient, ProposeJob
 from drafter_worker.eagle import (
@@ -32,6 +31,8 @@ from drafter_worker.server import (
     check_drafter,
     start_drafter_server,
 )
+from specd_core.request import DecodeRequest, SpeculativeOptions
+from specd_core.sampling import SamplingParams
 
 
 def tiny_eagle(decoder, vocab_ids=None, seed: int = 1, max_draft_len: int = 4,

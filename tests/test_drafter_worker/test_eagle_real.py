@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import SpeculativeOptions, speculative_decode_with
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.server import build_drafter
+from specd_core.request import SpeculativeOptions
 from specd_core.text import encode_prompt
 
 pytestmark = pytest.mark.slow

@@ -10,10 +10,12 @@ import pytest
 import torch
 from drafters import OracleDrafter, TopKSamplingDrafter, plain_decode, tiny_decoder
 
-from coordinator import DecodeRequest, SamplingParams, SpeculativeOptions, speculative_decode_with
+from coordinator.speculative import speculative_decode_with
 from drafter_worker import DraftBlock, DraftDist, PromptLookupSpeculator
 from specd_core.draft import drafter_capabilities
+from specd_core.request import DecodeRequest, SpeculativeOptions
 from specd_core.rule import GreedyRows, ProbRows, SparseProbRows
+from specd_core.sampling import SamplingParams
 from target_worker import (
     Decoder,
     ModelConfig,
@@ -207,7 +209,7 @@ def test_rows_are_compacted_and_penalties_use_the_slot_history():
     cache = decoder.new_cache()
     decoder.forward_batch([1, 2, 3, 2, 5], 0, cache)
     logits = decoder.forward_batch([7, 8, 7], 5, cache)
-    from coordinator import target_rows
+    from specd_core.rule import target_rows
 
     want = target_rows(logits, params, [1, 2, 3, 2, 5, 7], 4, [8, 7])
     torch.testing.assert_close(out.rows.to_dense(), want.probs, atol=1e-5, rtol=0)

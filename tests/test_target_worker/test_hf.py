@@ -14,8 +14,9 @@ import torch
 from hf_checkpoints import MODELS, build_checkpoints, hf_model
 from tp_harness import engine_script, rows_of, run_tp
 
-from coordinator.speculative import SpeculativeOptions, speculative_decode_with
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
+from specd_core.request import SpeculativeOptions
 from target_worker import load_model
 from target_worker.loader import load_decoder, model_config, validate_model
 from target_worker.model import rope_tables

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator import Sampler, SamplingParams, sampling_distributions, target_rows
 from drafter_worker import DraftDist
-from specd_core.rule import GreedyRows, ProbRows, SparseProbRows, compact_rows
+from specd_core.rule import GreedyRows, ProbRows, SparseProbRows, compact_rows, target_rows
+from specd_core.sampling import Sampler, SamplingParams, sampling_distributions
 from target_worker import Decoder, ModelConfig
 
 VOCAB = 11

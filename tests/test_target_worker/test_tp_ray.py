@@ -181,10 +181,11 @@ def test_the_coordinators_scheduler_runs_unchanged_on_a_tp2_replica(ray_local):
     requests (greedy and seeded sampling) stream exactly what the in-process core produces."""
     import asyncio
 
-    from coordinator import SpeculativeOptions, speculative_decode_with
     from coordinator.scheduler import RayTarget, Scheduler
+    from coordinator.speculative import speculative_decode_with
     from drafter_worker.client import DrafterClient
     from drafter_worker.server import start_drafter_server
+    from specd_core.request import SpeculativeOptions
     from target_worker import load_model
 
     decoder, _ = load_model(MOE)
