@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from specd.v1 import generation_pb2
 from specd_core.request import SpeculativeDecodeResult
 
-from .errors import RequestError, client_status
+from .errors import RequestError, RequestInvalid, client_status
 from .server import trimmed_stops
 
 log = logging.getLogger(__name__)
@@ -289,38 +289,28 @@ def grpc_request(body: _Body) -> tuple[generation_pb2.GenerateRequest, str]:
     return req, max_name
 
 
-#: A shared-validation message's leading field: ``sampling.top_p=...``, ``stop[2]: ...``.
-_FIELD_RE = re.compile(r"^(sampling\.)?([a-z_]+(?:\.[a-z_]+)?)(?=[=:\[])")
-#: gRPC request fields -> the OpenAI field they come from (others keep their name).
-_GRPC_TO_OPENAI = {"chat": "messages", "text": "prompt", "token_ids": "prompt",
-                   "prompt_logprobs": "logprobs"}
-_KNOWN_PARAMS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-                 "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-                 "stop", "stop_token_ids", "prompt", "messages", "logprobs", "speculation.drafter",
-                 "speculation.max_draft_len", "speculation.enabled"}
-
-
-def _openai_field(message: str, max_name: str, chat: bool) -> tuple[str, str | None]:
-    """(message, param) of a shared-validation message, in the OpenAI request's terms."""
-    message = message.replace("max_new_tokens", max_name)
-    m = _FIELD_RE.match(message)
-    if m is None:
-        return message, None
-    name = m.group(2)
-    param = _GRPC_TO_OPENAI.get(name, name)
-    if name == "prompt" and chat:
-        param = "messages"
-    if param not in _KNOWN_PARAMS:
-        return message, None
-    return param + message[m.end():], param
+def _openai_param(field: str, max_name: str, chat: bool) -> str:
+    """The OpenAI request parameter a `RequestInvalid` field (the gRPC API's field path)
+    comes from: ``max_new_tokens`` is ``max_name``, ``sampling.<x>`` is ``<x>``, the prompt
+    (``text``, ``token_ids``, ``chat``, ``prompt``) is ``prompt`` or chat ``messages``,
+    ``prompt_logprobs`` is ``logprobs``; the others share their name."""
+    if field == "max_new_tokens":
+        return max_name
+    if field.startswith("sampling."):
+        return field.removeprefix("sampling.")
+    if field in ("text", "token_ids", "chat", "prompt"):
+        return "messages" if chat or field == "chat" else "prompt"
+    return "logprobs" if field == "prompt_logprobs" else field
 
 
 def _request_error(exc: RequestError, max_name: str, chat: bool) -> ApiError:
     """The HTTP answer to a request that failed (`coordinator.errors.client_status`)."""
     code, message = client_status(exc)
     if code == "INVALID_ARGUMENT":
-        message, param = _openai_field(message, max_name, chat)
-        return ApiError(400, message, param=param)
+        if isinstance(exc, RequestInvalid) and exc.field is not None:
+            param = _openai_param(exc.field, max_name, chat)
+            return ApiError(400, exc.naming(param), param=param)
+        return ApiError(400, message)
     if code == "UNAVAILABLE":
         return _unavailable(message)
     return ApiError(500, message, "server_error", code="internal_error")

@@ -45,7 +45,7 @@ from specd_core.step import payload_bytes
 from target_worker.channel import ChannelClosed
 
 from .drafter_pool import DrafterPool
-from .errors import ReplicaUnavailable
+from .errors import REPLICA_FAILED, ReplicaUnavailable
 from .scheduler import Scheduler, ServiceRequest, Target
 from .step_plan import ChunkPolicy
 
@@ -56,10 +56,6 @@ MAX_COUNT = 64
 
 #: Longest wait between two attempts to re-create a failed replica or drafter, seconds.
 MAX_RESTART_DELAY_S = 30.0
-
-#: What a client whose request was on a failed replica is told (no pids, ids or addresses).
-REPLICA_FAILED_MESSAGE = ("the target replica serving this request failed; it is being "
-                          "restarted, a retry may succeed")
 
 #: ``async (name) -> (target, stop, info)``: starts a replica; ``info`` is its ``model_info``
 #: dict (plus anything to report, e.g. ``tp``, and its calibrated ``cost_model``, a
@@ -402,7 +398,7 @@ class ReplicaScheduler(Scheduler):
         if self.on_failure is not None:
             self.on_failure(self, sorted(unstarted, key=lambda r: r.submitted_at))
         for req in lost:
-            await self._fail(req, exc, ReplicaUnavailable(REPLICA_FAILED_MESSAGE))
+            await self._fail(req, exc, ReplicaUnavailable(REPLICA_FAILED))
         self.active = []
         if not self.requests:
             self._empty.set()
@@ -861,7 +857,7 @@ class Router:
             serving = self.serving()
             if not serving:
                 scheduler.stats.failed += 1
-                req.events.put_nowait(ReplicaUnavailable(REPLICA_FAILED_MESSAGE))
+                req.events.put_nowait(ReplicaUnavailable(REPLICA_FAILED))
                 continue
             other = min(serving, key=lambda r: (*r.scheduler.load(), r.scheduler.placed))
             other.scheduler.adopt(req)

@@ -61,17 +61,18 @@ from target_worker.engine import SlotsExhausted
 
 from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target
 from .drafting import DraftingPolicy, RunAhead
-from .errors import ReplicaUnavailable, RequestError, RequestFailed, ServiceStopping
+from .errors import (
+    REPLICA_FAILED,
+    REQUEST_FAILED,
+    ReplicaUnavailable,
+    RequestError,
+    RequestFailed,
+    ServiceStopping,
+)
 from .latency import LatencyHistograms
 from .step_plan import ChunkPolicy, plan_prefill_chunks
 
 log = logging.getLogger(__name__)
-
-#: What a client sees when its request failed inside the service (the cause goes to the log).
-REQUEST_FAILED = ("generation failed: internal error while serving this request (the server "
-                  "log has the details)")
-REPLICA_FAILED = "the target replica failed while serving this request; retry it"
-
 
 class Target(Protocol):
     """What the scheduler needs from a target replica: the service's

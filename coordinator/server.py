@@ -32,14 +32,16 @@ from specd_core.sampling import SamplingParams
 from specd_core.text import TextStream, encode_chat, encode_prompt
 
 from .errors import (
+    REQUEST_FAILED,
     ReplicaUnavailable,
     RequestError,
     RequestFailed,
     RequestInvalid,
     ServiceStopping,
     client_status,
+    literal,
 )
-from .scheduler import REQUEST_FAILED, Scheduler, ServiceRequest
+from .scheduler import Scheduler, ServiceRequest
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +80,6 @@ def _text_bytes(texts: Sequence[str], cap: int) -> int:
     return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
 
 
-class InvalidRequest(ValueError):
-    """A request field is invalid; the message names it."""
-
-
 #: Most stop strings per request, and UTF-8 bytes per stop string: each step checks every
 #: string against the output's tail, so an unbounded list slows the whole batch down.
 MAX_STOP_STRINGS = 32
@@ -91,26 +89,27 @@ MAX_STOP_TOKEN_IDS = 1024
 
 
 def _check_stops(request: generation_pb2.GenerateRequest) -> None:
-    """Raises `InvalidRequest` naming ``stop`` / ``stop_token_ids`` when over their caps or
+    """Raises `RequestInvalid` naming ``stop`` / ``stop_token_ids`` when over their caps or
     a stop string is empty."""
     if len(request.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"stop: {len(request.stop)} stop strings, at most "
-                             f"{MAX_STOP_STRINGS} are allowed")
+        raise RequestInvalid(f"{{field}}: {len(request.stop)} stop strings, at most "
+                             f"{MAX_STOP_STRINGS} are allowed", "stop")
     for i, stop in enumerate(request.stop):
         if not stop:
-            raise InvalidRequest("stop: stop strings must be non-empty")
+            raise RequestInvalid("{field}: stop strings must be non-empty", "stop")
         if _text_bytes([stop], MAX_STOP_STRING_BYTES) > MAX_STOP_STRING_BYTES:
-            raise InvalidRequest(f"stop[{i}]: longer than {MAX_STOP_STRING_BYTES} bytes")
+            raise RequestInvalid(f"{{field}}[{i}]: longer than {MAX_STOP_STRING_BYTES} bytes",
+                                 "stop")
     if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequest(f"stop_token_ids: {len(request.stop_token_ids)} ids, at most "
-                             f"{MAX_STOP_TOKEN_IDS} are allowed")
+        raise RequestInvalid(f"{{field}}: {len(request.stop_token_ids)} ids, at most "
+                             f"{MAX_STOP_TOKEN_IDS} are allowed", "stop_token_ids")
 
 
 def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
     """`SamplingParams` from the proto, unset fields taking their defaults.
 
     Raises:
-        InvalidRequest: naming the out-of-range field.
+        RequestInvalid: naming the out-of-range field (``sampling.<name>``).
     """
     fields = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
               "frequency_penalty")
@@ -123,8 +122,11 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
         kwargs["top_k"] = msg.top_k
     try:
         return SamplingParams(**kwargs)
-    except ValueError as exc:  # "SamplingParams.top_p=..." -> "sampling.top_p=..."
-        raise InvalidRequest(str(exc).replace("SamplingParams.", "sampling.", 1)) from exc
+    except ValueError as exc:  # "SamplingParams.top_p=2.0: why" -> field "sampling.top_p"
+        name, sep, rest = str(exc).removeprefix("SamplingParams.").partition("=")
+        if not sep or name not in (*fields, "top_k"):  # pragma: no cover - not its format
+            raise RequestInvalid(str(exc)) from exc
+        raise RequestInvalid("{field}=" + literal(rest), f"sampling.{name}") from exc
 
 
 def speculation_stats(result: SpeculativeDecodeResult, drafter_failures: int
@@ -166,13 +168,14 @@ def _top_count(request: generation_pb2.GenerateRequest, name: str) -> int | None
     """``request.<name>`` (a top-alternatives count) or None when unset.
 
     Raises:
-        InvalidRequest: over `MAX_TOP_LOGPROBS`.
+        RequestInvalid: over `MAX_TOP_LOGPROBS`.
     """
     if not request.HasField(name):
         return None
     value = getattr(request, name)
     if value > MAX_TOP_LOGPROBS:
-        raise InvalidRequest(f"{name}: must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+        raise RequestInvalid(f"{{field}}: must be in [0, {MAX_TOP_LOGPROBS}], got {value}",
+                             name)
     return value
 
 
@@ -314,41 +317,46 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _prompt_tokens(self, request: generation_pb2.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind is None:
-            raise InvalidRequest("prompt: set one of text, chat or token_ids")
+            raise RequestInvalid("{field}: set one of text, chat or token_ids", "prompt")
         if kind == "token_ids":
             if len(request.token_ids.ids) >= self.max_seq_len:  # before copying or scanning
-                raise InvalidRequest(
-                    f"prompt: {len(request.token_ids.ids)} tokens leave no room in the "
-                    f"model's context of {self.max_seq_len}")
+                raise RequestInvalid(
+                    f"{{field}}: {len(request.token_ids.ids)} tokens leave no room in the "
+                    f"model's context of {self.max_seq_len}", "prompt")
             ids = list(request.token_ids.ids)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise InvalidRequest(
-                    f"token_ids: id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+                raise RequestInvalid(f"{{field}}: id {bad[0]} is outside the vocabulary "
+                                     f"[0, {self.vocab_size})", "token_ids")
         elif kind == "text":
             self._check_size("text", [request.text])
             ids = encode_prompt(self.tokenizer, request.text, raw=True) if request.text else []
         else:
             messages = [_chat_message(m) for m in request.chat.messages]
             if not messages or not any(m["content"] for m in messages):
-                raise InvalidRequest("chat: at least one message with content is required")
+                raise RequestInvalid("{field}: at least one message with content is required",
+                                     "chat")
             self._check_size("chat", [t for m in messages for t in m.values()])
-            ids = encode_chat(self.tokenizer, messages)
+            try:
+                ids = encode_chat(self.tokenizer, messages)
+            except ValueError as exc:  # "chat: the model's chat template refused ..."
+                raise RequestInvalid("{field}: " + literal(str(exc).removeprefix("chat: ")),
+                                     "chat") from exc
         if not ids:
-            raise InvalidRequest(f"prompt: the {kind} prompt is empty")
+            raise RequestInvalid(f"{{field}}: the {kind} prompt is empty", "prompt")
         return ids
 
     def _check_size(self, kind: str, texts: Sequence[str]) -> None:
         size = _text_bytes(texts, self.max_prompt_bytes)
         if size > self.max_prompt_bytes:
-            raise InvalidRequest(
-                f"{kind}: the prompt is over {self.max_prompt_bytes} bytes, more than the "
-                f"model's context of {self.max_seq_len} tokens can hold")
+            raise RequestInvalid(
+                f"{{field}}: the prompt is over {self.max_prompt_bytes} bytes, more than the "
+                f"model's context of {self.max_seq_len} tokens can hold", kind)
 
     def parse(self, request: generation_pb2.GenerateRequest,
               default_max_new_tokens: bool = False,
               ) -> tuple[list[int], SpeculativeOptions, bool, int | None]:
-        """(prompt ids, options, speculate, max_draft_len) or `InvalidRequest`. Tokenizes:
+        """(prompt ids, options, speculate, max_draft_len) or `RequestInvalid`. Tokenizes:
         blocking (the server calls it in a worker thread). ``default_max_new_tokens``: an
         unset (0) ``max_new_tokens`` takes the rest of the model's context."""
         _check_stops(request)  # cheap, before tokenizing
@@ -360,24 +368,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             request = _with_max_new_tokens(request, max(1, self.max_seq_len - len(prompt) + 1))
         if request.max_new_tokens <= 0 and prompt_logprobs is None:
             # 0 only scores the prompt, which needs prompt_logprobs to say anything.
-            raise InvalidRequest("max_new_tokens: must be >= 1 (0 only with prompt_logprobs)")
+            raise RequestInvalid("{field}: must be >= 1 (0 only with prompt_logprobs)",
+                                 "max_new_tokens")
         if len(prompt) >= self.max_seq_len:
-            raise InvalidRequest(f"prompt: {len(prompt)} tokens leave no room in the model's "
-                                 f"context of {self.max_seq_len}")
+            raise RequestInvalid(f"{{field}}: {len(prompt)} tokens leave no room in the "
+                                 f"model's context of {self.max_seq_len}", "prompt")
         if len(prompt) + request.max_new_tokens - 1 > self.max_seq_len:
-            raise InvalidRequest(
-                f"max_new_tokens: prompt ({len(prompt)} tokens) + max_new_tokens "
-                f"({request.max_new_tokens}) exceeds the model's context of {self.max_seq_len}")
+            raise RequestInvalid(
+                f"{{field}}: prompt ({len(prompt)} tokens) + {{field}} "
+                f"({request.max_new_tokens}) exceeds the model's context of {self.max_seq_len}",
+                "max_new_tokens")
         bad = [t for t in request.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequest(f"stop_token_ids: id {bad[0]} is outside the vocabulary")
+            raise RequestInvalid(f"{{field}}: id {bad[0]} is outside the vocabulary",
+                                 "stop_token_ids")
 
         spec = request.speculation
         drafter = spec.drafter
         if drafter not in ("", "none", self.drafter_name):
-            raise InvalidRequest(
-                f"speculation.drafter: unknown drafter {drafter!r}; this service has "
-                f"{self.drafter_name!r} (or 'none')")
+            raise RequestInvalid(
+                "{field}: unknown drafter " + literal(f"{drafter!r}; this service has "
+                                                      f"{self.drafter_name!r} (or 'none')"),
+                "speculation.drafter")
         speculate = (drafter != "none" and (not spec.HasField("enabled") or spec.enabled)
                      and self.drafter_name != "none")
         max_draft_len = spec.max_draft_len if spec.HasField("max_draft_len") else None
@@ -461,6 +473,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # not stall every other stream's steps. Hugging Face fast tokenizers release the
             # GIL while encoding, and encode/decode with fixed settings are thread-safe.
             return await asyncio.to_thread(self.parse, request, default_max_new_tokens)
+        except RequestInvalid:
+            raise
         except ValueError as exc:
             raise RequestInvalid(str(exc)) from exc
         except Exception as exc:  # the tokenizer failed: no internals to the client
@@ -833,7 +847,6 @@ class _HealthReporter:
 __all__ = [
     "BearerTokenInterceptor",
     "GenerationServicer",
-    "InvalidRequest",
     "StopTrimmer",
     "StreamChunk",
     "default_max_prompt_bytes",

@@ -538,7 +538,8 @@ def test_a_prompt_over_the_size_cap_is_refused_before_tokenizing(gated):
 
 
 def test_the_default_size_cap_admits_a_full_context_of_the_longest_token():
-    from coordinator.server import MAX_MESSAGE_BYTES, GenerationServicer, InvalidRequest
+    from coordinator.errors import RequestInvalid as InvalidRequest
+    from coordinator.server import MAX_MESSAGE_BYTES, GenerationServicer
 
     class Vocab:
         def get_vocab(self):
