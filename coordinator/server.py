@@ -28,7 +28,7 @@ from drafter_worker.server import CredentialInterceptor
 from specd.v1 import generation_pb2, generation_pb2_grpc
 from specd_core.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
-from specd_core.sampling import SamplingParams
+from specd_core.sampling import SamplingParamError, SamplingParams
 from specd_core.text import TextStream, encode_chat, encode_prompt
 
 from .errors import (
@@ -122,11 +122,9 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
         kwargs["top_k"] = msg.top_k
     try:
         return SamplingParams(**kwargs)
-    except ValueError as exc:  # "SamplingParams.top_p=2.0: why" -> field "sampling.top_p"
-        name, sep, rest = str(exc).removeprefix("SamplingParams.").partition("=")
-        if not sep or name not in (*fields, "top_k"):  # pragma: no cover - not its format
-            raise RequestInvalid(str(exc)) from exc
-        raise RequestInvalid("{field}=" + literal(rest), f"sampling.{name}") from exc
+    except SamplingParamError as exc:
+        raise RequestInvalid("{field}=" + literal(f"{exc.value!r}: {exc.why}"),
+                             f"sampling.{exc.field}") from exc
 
 
 def speculation_stats(result: SpeculativeDecodeResult, drafter_failures: int
