@@ -3,10 +3,11 @@
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health`` and ``GET /metrics`` (Prometheus), on FastAPI +
 uvicorn as vLLM and SGLang serve theirs. The layer is a thin adapter: an OpenAI request body
-becomes a ``specd.v1.GenerateRequest`` and goes through `GenerationServicer.submit_choices` /
-`GenerationServicer.stream`, the very path the gRPC API takes (validation, limits, the
-router, the `coordinator.errors` contract), so the same request gives the same tokens on both
-APIs. It differs from gRPC's defaults as OpenAI's own API does: ``temperature`` defaults to
+becomes a `coordinator.gateway.GenerationRequest` (`generation_request`) and goes through
+`Gateway.submit_choices` / `Gateway.stream`, the very path the gRPC API takes (validation,
+limits, the router, the `coordinator.errors` contract), so the same request gives the same
+tokens on both APIs; a `RequestInvalid` 's field is named as the OpenAI parameter it came
+from. It differs from gRPC's defaults as OpenAI's own API does: ``temperature`` defaults to
 1, chat ``max_tokens`` to the rest of the context, completion ``max_tokens`` to 16, and the
 text ends before a stop string (``include_stop_str_in_output: true`` keeps it, as gRPC does).
 Log probabilities (chat ``logprobs``/``top_logprobs``, completions ``logprobs``/``echo``) are
@@ -45,11 +46,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from specd.v1 import generation_pb2
 from specd_core.request import SpeculativeDecodeResult
 
 from .errors import RequestError, RequestInvalid, client_status
-from .server import trimmed_stops
+from .gateway import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +199,8 @@ def _chat_content(i: int, content: str | list[dict] | None) -> str:
     return "".join(parts)
 
 
-def grpc_request(body: _Body) -> tuple[generation_pb2.GenerateRequest, str]:
-    """The ``GenerateRequest`` an OpenAI body means, and the name of its max-tokens field.
+def generation_request(body: _Body) -> tuple[GenerationRequest, str]:
+    """The `GenerationRequest` an OpenAI body means, and the name of its max-tokens field.
     ``max_new_tokens`` is left 0 (= the rest of the context) for a chat request without one.
     ``n`` is checked here but not carried: the caller submits that many choices.
 
@@ -209,7 +209,7 @@ def grpc_request(body: _Body) -> tuple[generation_pb2.GenerateRequest, str]:
     """
     _refuse_unsupported(body)
     _int_field("n", body.n, 1, MAX_CHOICES)
-    req = generation_pb2.GenerateRequest(ignore_eos=body.ignore_eos)
+    req = GenerationRequest(ignore_eos=body.ignore_eos)
     max_name, max_tokens = "max_tokens", body.max_tokens
     min_tokens = 1
     if isinstance(body, ChatBody):
@@ -224,13 +224,16 @@ def grpc_request(body: _Body) -> tuple[generation_pb2.GenerateRequest, str]:
             max_name, max_tokens = "max_completion_tokens", body.max_completion_tokens
         if not body.messages:
             raise ApiError(400, "messages: at least one message is required", param="messages")
+        req.chat = []
         for i, m in enumerate(body.messages):
             if m.role not in CHAT_ROLES:
                 raise ApiError(400, f"messages[{i}].role: {m.role!r} is not a chat role; "
                                     f"expected one of {', '.join(CHAT_ROLES)}",
                                param=f"messages[{i}].role")
-            req.chat.messages.add(role=m.role, content=_chat_content(i, m.content),
-                                  name=m.name or "")
+            message = {"role": m.role, "content": _chat_content(i, m.content)}
+            if m.name:  # only when set: templates that do not use it ignore the key
+                message["name"] = m.name
+            req.chat.append(message)
     else:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -243,7 +246,7 @@ def grpc_request(body: _Body) -> tuple[generation_pb2.GenerateRequest, str]:
         else:
             for t in prompt:
                 _int_field("prompt", t, -(2**31), 2**31 - 1)
-            req.token_ids.ids.extend(prompt)
+            req.token_ids = list(prompt)
         if max_tokens is None:
             max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
         if body.logprobs is not None:
@@ -257,35 +260,33 @@ def grpc_request(body: _Body) -> tuple[generation_pb2.GenerateRequest, str]:
                 req.prompt_logprobs = body.logprobs or 0
     if max_tokens is not None:
         req.max_new_tokens = _int_field(max_name, max_tokens, min_tokens, _UINT32_MAX)
-    temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
-    req.sampling.temperature = temperature
+    req.sampling["temperature"] = (DEFAULT_TEMPERATURE if body.temperature is None
+                                   else body.temperature)
     for name in ("top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):
         value = getattr(body, name)
         if value is not None:
-            setattr(req.sampling, name, value)
+            req.sampling[name] = value
     if body.top_k is not None:
         # -1 is OpenAI-side tooling's (vLLM's) "off"; the gRPC API says 0.
-        req.sampling.top_k = 0 if body.top_k == -1 else _int_field("top_k", body.top_k, 0,
-                                                                    2**31 - 1)
+        req.sampling["top_k"] = 0 if body.top_k == -1 else _int_field("top_k", body.top_k, 0,
+                                                                       2**31 - 1)
     if body.seed is not None:
         req.seed = _int_field("seed", body.seed, 0, 2**64 - 1)
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    req.stop.extend(stops)
+    req.stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     # OpenAI's semantics by default: the text ends before the stop string.
     req.include_stop_str_in_output = body.include_stop_str_in_output
     for t in body.stop_token_ids or ():
         _int_field("stop_token_ids", t, -(2**31), 2**31 - 1)
-    req.stop_token_ids.extend(body.stop_token_ids or ())
+    req.stop_token_ids = list(body.stop_token_ids or ())
     if body.speculation is not None:
         spec = body.speculation
-        if spec.enabled is not None:
-            req.speculation.enabled = spec.enabled
+        req.speculate = spec.enabled
         if spec.max_draft_len is not None:
-            req.speculation.max_draft_len = _int_field("speculation.max_draft_len",
-                                                       spec.max_draft_len, 0, _UINT32_MAX)
+            req.max_draft_len = _int_field("speculation.max_draft_len", spec.max_draft_len, 0,
+                                           _UINT32_MAX)
         if spec.drafter is not None:
-            req.speculation.drafter = spec.drafter
+            req.drafter = spec.drafter
     return req, max_name
 
 
@@ -503,8 +504,9 @@ MAX_JSON_DEPTH = 32
 
 
 class OpenAIApi:
-    """The HTTP app's state. ``servicer`` is the running `GenerationServicer`, or None while
-    the service starts (every generation call and ``/health`` answer 503 then).
+    """The HTTP app's state. ``servicer`` is the running `coordinator.gateway.Gateway` (the
+    service's `GenerationServicer`, so that a drain covers both APIs), or None while the
+    service starts (every generation call and ``/health`` answer 503 then).
 
     Args:
         auth_token: required as ``Authorization: Bearer`` on everything but ``/health``.
@@ -541,7 +543,7 @@ class OpenAIApi:
         servicer = self.servicer
         if servicer is None:
             raise _unavailable("the service is starting")
-        if servicer._draining:
+        if servicer.draining:
             raise _unavailable("the service is shutting down")
         return servicer
 
@@ -595,10 +597,9 @@ class OpenAIApi:
             servicer = self.servicer
             if servicer is None:
                 raise _unavailable("the service is starting")
-            if servicer._draining:
+            if servicer.draining:
                 raise _unavailable("the service is shutting down")
-            can_serve = getattr(servicer.scheduler, "can_serve", None)
-            if can_serve is not None and not can_serve():
+            if not servicer.can_serve():
                 raise _unavailable("no target replica can serve now")
             return {"status": "ok"}
 
@@ -637,19 +638,19 @@ class OpenAIApi:
     async def _generate(self, body: _Body, request: Request, chat: bool):
         servicer = self._ready()
         self._check_model(servicer, body.model)
-        grpc_req, max_name = grpc_request(body)
-        trim = trimmed_stops(grpc_req)
+        gen, max_name = generation_request(body)
+        trim = gen.trimmed_stops()
         with contextlib.ExitStack() as stack:
-            stack.enter_context(servicer._tracked())
+            stack.enter_context(servicer.tracked())
             try:
-                reqs = await servicer.submit_choices(grpc_req, body.n or 1,
+                reqs = await servicer.submit_choices(gen, body.n or 1,
                                                      default_max_new_tokens=chat)
             except RequestError as exc:
                 raise _request_error(exc, max_name, chat) from None
 
             def cancel_all() -> None:
                 for req in reqs:
-                    servicer.scheduler.cancel(req)
+                    servicer.cancel(req)
 
             meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
                     "created": int(time.time()), "model": servicer.model_name}
@@ -879,7 +880,7 @@ def _echo_text(servicer, body: CompletionBody, req) -> str:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else servicer._detokenize(req.decode.prefill_tokens())
+    return prompt if isinstance(prompt, str) else servicer.detokenize(req.decode.prefill_tokens())
 
 
 def _reject_constant(name: str):
@@ -1176,4 +1177,4 @@ async def start_http_server(api: OpenAIApi, host: str = "127.0.0.1", port: int =
     return server, server.port
 
 
-__all__ = ["ApiError", "HttpLimits", "OpenAIApi", "grpc_request", "start_http_server"]
+__all__ = ["ApiError", "HttpLimits", "OpenAIApi", "generation_request", "start_http_server"]

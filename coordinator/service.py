@@ -430,8 +430,8 @@ class CoordinatorActor:
 
     async def start(self) -> int:
         """Starts the drafters, the replicas, then the API; returns the bound API port."""
+        from .grpc_api import GenerationServicer, start_generation_server
         from .router import Router
-        from .server import GenerationServicer, start_generation_server
 
         cfg = self.config
         if cfg.http_port is not None:

@@ -17,9 +17,9 @@ from concurrent.futures import Future
 
 import grpc
 
+from coordinator.grpc_api import GenerationServicer, start_generation_server
 from coordinator.router import Router
 from coordinator.scheduler import LocalTarget
-from coordinator.server import GenerationServicer, start_generation_server
 from drafter_worker import PromptLookupSpeculator
 from drafter_worker.client import DrafterClient
 from drafter_worker.server import start_drafter_server

@@ -412,8 +412,9 @@ def test_n_choices_without_a_seed_are_independent(client):
 
 
 def test_a_message_name_reaches_the_chat_template(client):
-    from coordinator.http_api import ChatBody, grpc_request
-    from coordinator.server import GenerationServicer
+    from coordinator.grpc_api import GenerationServicer
+    from coordinator.http_api import ChatBody
+    from coordinator.http_api import generation_request as grpc_request
 
     seen = []
 
@@ -445,7 +446,7 @@ def test_a_message_name_reaches_the_chat_template(client):
 def test_the_stop_trimmer_holds_back_only_what_could_start_a_stop_string():
     import random
 
-    from coordinator.server import StopTrimmer
+    from coordinator.gateway import StopTrimmer
 
     t = StopTrimmer(["bcd", "xy"])
     assert [t.push(d) for d in ("ab", "c", "e", "bx", "z")] == ["a", "", "bce", "b", "xz"]

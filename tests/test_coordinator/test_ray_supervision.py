@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_harness import MODEL, run_in_thread
 
-from coordinator.server import GENERATION_SERVICE
+from coordinator.grpc_api import GENERATION_SERVICE
 from coordinator.service import Service, ServiceConfig
 from specd.v1 import generation_pb2, generation_pb2_grpc
 

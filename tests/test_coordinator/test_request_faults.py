@@ -497,7 +497,7 @@ def test_tokenizer_failures_answer_their_request_with_a_clear_status(gated):
 
 
 def test_a_prompt_over_the_size_cap_is_refused_before_tokenizing(gated):
-    from coordinator.server import GenerationServicer, start_generation_server
+    from coordinator.grpc_api import GenerationServicer, start_generation_server
 
     svc, tok = gated, gated.tokenizer
     servicer = GenerationServicer(svc.scheduler, tok, 64, 256, "prompt-lookup", "tiny",
@@ -539,7 +539,7 @@ def test_a_prompt_over_the_size_cap_is_refused_before_tokenizing(gated):
 
 def test_the_default_size_cap_admits_a_full_context_of_the_longest_token():
     from coordinator.errors import RequestInvalid as InvalidRequest
-    from coordinator.server import MAX_MESSAGE_BYTES, GenerationServicer
+    from coordinator.grpc_api import MAX_MESSAGE_BYTES, GenerationServicer
 
     class Vocab:
         def get_vocab(self):

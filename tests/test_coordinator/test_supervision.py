@@ -19,7 +19,7 @@ from test_scaling import PROMPTS, FakeClient, collect, gate_all, greedy_solo, op
 from test_service import REPEATING, request, stream_tokens
 
 from coordinator.drafter_pool import DrafterPool
-from coordinator.server import GENERATION_SERVICE
+from coordinator.grpc_api import GENERATION_SERVICE
 from drafter_worker.client import ProposeJob
 from specd.v1 import generation_pb2
 

@@ -1,13 +1,15 @@
-"""The gRPC ``specd.v1.Generation`` front end (grpc.aio) over a `Scheduler`.
+"""Transport-neutral admission: what both front ends (the gRPC API, `coordinator.grpc_api`, and
+the OpenAI HTTP API, `coordinator.http_api`) do with a request between their wire format and
+the scheduler.
 
-Bad input is refused with ``INVALID_ARGUMENT`` and a message naming the field; the server
-keeps serving others. Bytes that are not a valid request message are ``INVALID_ARGUMENT`` too
-(each handler parses its own request, see `generation_handlers`). A prompt over the size cap
-(``max_prompt_bytes``) is refused before it is tokenized, and tokenizing and chat rendering run
-in a worker thread, so a big prompt never stalls the event loop (every stream's steps).
-A client that cancels (or whose deadline passes) stops its request at the next step boundary
-and frees its KV slot. Optional TLS and a bearer token checked by a server interceptor (the
-health service is exempt so probes work without it).
+A front end turns its message into a `GenerationRequest` (the fields of ``specd.v1.
+GenerateRequest``, as plain Python values) and hands it to a `Gateway`, which validates it
+(caps on what a client controls, the model's vocabulary and context, the drafter), tokenizes it
+in a worker thread (a big prompt never stalls the event loop, every stream's steps), queues it
+on the scheduler or router, and turns its events into `StreamChunk` s (stable text deltas,
+stop strings trimmed, log probabilities). Bad input is `coordinator.errors.RequestInvalid`
+whose ``field`` is the request field's gRPC path; each front end names it in its own terms. A
+draining gateway refuses new requests (`ServiceStopping`) and waits for those in flight.
 """
 
 from __future__ import annotations
@@ -16,16 +18,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 
-import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from drafter_worker.server import CredentialInterceptor
-from specd.v1 import generation_pb2, generation_pb2_grpc
 from specd_core.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
 from specd_core.sampling import SamplingParamError, SamplingParams
@@ -45,8 +42,6 @@ from .scheduler import Scheduler, ServiceRequest
 
 log = logging.getLogger(__name__)
 
-GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: Bytes per token assumed for a tokenizer that does not list its vocabulary (a guess).
 FALLBACK_TOKEN_BYTES = 64
 
@@ -87,8 +82,67 @@ MAX_STOP_STRING_BYTES = 1024
 #: Most stop token ids per request.
 MAX_STOP_TOKEN_IDS = 1024
 
+#: The sampling fields that are floats (float32 on the gRPC wire); ``top_k`` is an integer.
+SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")
 
-def _check_stops(request: generation_pb2.GenerateRequest) -> None:
+
+@dataclass
+class GenerationRequest:
+    """One generation request as a client wrote it, whatever the API: the fields of
+    ``specd.v1.GenerateRequest`` (see ``protos/``) as plain values, unset optional fields
+    None. Exactly one of ``text``, ``chat`` and ``token_ids`` is the prompt.
+
+    Attributes:
+        text: a raw-text prompt (tokenized as is, no chat template).
+        chat: chat messages, ``{"role", "content"}`` plus ``"name"`` when set, rendered with
+            the model's chat template.
+        token_ids: a prompt already tokenized.
+        max_new_tokens: tokens to generate; 0 is unset (`Gateway.parse` says what it means).
+        sampling: the sampling fields the client set (`SAMPLING_FLOATS` and ``top_k``), by
+            name; unset ones take `SamplingParams` defaults.
+        seed, stop, stop_token_ids, ignore_eos: as in the proto.
+        include_stop_str_in_output: False cuts the text before a stop string; None (unset)
+            and True keep it (the gRPC API's default).
+        logprobs, prompt_logprobs: alternatives per position to report, or None for none.
+        speculate: the client's ``speculation.enabled`` (None: unset, on).
+        max_draft_len: the client's cap on draft length, or None.
+        drafter: the drafter the client asked for ("" or the service's; "none" disables).
+    """
+
+    text: str | None = None
+    chat: list[dict[str, str]] | None = None
+    token_ids: Sequence[int] | None = None
+    max_new_tokens: int = 0
+    sampling: dict[str, float | int] = field(default_factory=dict)
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    speculate: bool | None = None
+    max_draft_len: int | None = None
+    drafter: str = ""
+
+    def prompt_kind(self) -> str | None:
+        """``"text"``, ``"chat"`` or ``"token_ids"``: which field holds the prompt (None:
+        none does)."""
+        for kind in ("text", "chat", "token_ids"):
+            if getattr(self, kind) is not None:
+                return kind
+        return None
+
+    def trimmed_stops(self) -> tuple[str, ...]:
+        """The stop strings to cut the text before: the request's when it set
+        ``include_stop_str_in_output`` false, else none (the gRPC API's default keeps them)."""
+        if self.include_stop_str_in_output is False:
+            return tuple(self.stop)
+        return ()
+
+
+def _check_stops(request: GenerationRequest) -> None:
     """Raises `RequestInvalid` naming ``stop`` / ``stop_token_ids`` when over their caps or
     a stop string is empty."""
     if len(request.stop) > MAX_STOP_STRINGS:
@@ -105,21 +159,24 @@ def _check_stops(request: generation_pb2.GenerateRequest) -> None:
                              f"{MAX_STOP_TOKEN_IDS} are allowed", "stop_token_ids")
 
 
-def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
-    """`SamplingParams` from the proto, unset fields taking their defaults.
+
+def sampling_params(values: dict[str, float | int]) -> SamplingParams:
+    """`SamplingParams` from the fields a client set (``values``: `SAMPLING_FLOATS` and
+    ``top_k`` by name), unset fields taking their defaults.
+
+    Each float is taken as float32 (what the gRPC API carries) and written back as the shortest
+    decimal that round-trips it (0.01 arrives over gRPC as 0.0099999998): the value the client
+    wrote, so a request means the same over either API as in process, and documented bounds
+    such as repetition_penalty >= 0.01 hold as written.
 
     Raises:
         RequestInvalid: naming the out-of-range field (``sampling.<name>``).
     """
-    fields = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-              "frequency_penalty")
-    # The proto's float32 back to the shortest decimal that round-trips it (0.01 arrives as
-    # 0.0099999998): the value the client wrote, so a request means the same here as in
-    # process, and documented bounds such as repetition_penalty >= 0.01 hold as written.
-    kwargs = {f: float(np.format_float_positional(np.float32(getattr(msg, f)), unique=True))
-              for f in fields if msg.HasField(f)}
-    if msg.HasField("top_k"):
-        kwargs["top_k"] = msg.top_k
+    kwargs: dict[str, float | int] = {}
+    with np.errstate(over="ignore"):  # a float beyond float32's range is inf, as on the wire
+        for name, value in values.items():
+            kwargs[name] = (float(np.format_float_positional(np.float32(value), unique=True))
+                            if name in SAMPLING_FLOATS else value)
     try:
         return SamplingParams(**kwargs)
     except SamplingParamError as exc:
@@ -127,62 +184,17 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
                              f"sampling.{exc.field}") from exc
 
 
-def speculation_stats(result: SpeculativeDecodeResult, drafter_failures: int
-                      ) -> generation_pb2.SpeculationStats:
-    return generation_pb2.SpeculationStats(
-        forward_calls=result.forward_calls,
-        verification_steps=result.verification_steps,
-        drafted_tokens=result.drafted_tokens,
-        accepted_tokens=result.accepted_tokens,
-        acceptance_length=result.acceptance_length() or 0.0,
-        accept_rate=result.accept_rate() or 0.0,
-        evaluated_at_position=result.evaluated_at_position,
-        accepted_at_position=result.accepted_at_position,
-        drafter_failures=drafter_failures,
-    )
-
-
-def _final_fields(req: ServiceRequest, result: SpeculativeDecodeResult) -> dict:
-    """The finish reason, usage and speculation counters both RPC shapes end with."""
-    return {
-        "finish_reason": result.finish_reason,
-        "usage": generation_pb2.Usage(prompt_tokens=req.decode.num_prompt_tokens,
-                                      completion_tokens=result.tokens_generated),
-        "speculation": speculation_stats(result, req.drafter_failures),
-    }
-
-
-def logprob_protos(records: Sequence[TokenLogprob | None]
-                   ) -> list[generation_pb2.TokenLogprob]:
-    """``TokenLogprob`` messages of ``records`` (None entries, the first prompt token's,
-    skipped)."""
-    return [generation_pb2.TokenLogprob(
-                token_id=r.token, logprob=r.logprob,
-                top=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in r.top])
-            for r in records if r is not None]
-
-
-def _top_count(request: generation_pb2.GenerateRequest, name: str) -> int | None:
+def _top_count(request: GenerationRequest, name: str) -> int | None:
     """``request.<name>`` (a top-alternatives count) or None when unset.
 
     Raises:
         RequestInvalid: over `MAX_TOP_LOGPROBS`.
     """
-    if not request.HasField(name):
-        return None
     value = getattr(request, name)
-    if value > MAX_TOP_LOGPROBS:
+    if value is not None and value > MAX_TOP_LOGPROBS:
         raise RequestInvalid(f"{{field}}: must be in [0, {MAX_TOP_LOGPROBS}], got {value}",
                              name)
     return value
-
-
-def _with_max_new_tokens(request: generation_pb2.GenerateRequest, n: int
-                         ) -> generation_pb2.GenerateRequest:
-    copy = generation_pb2.GenerateRequest()
-    copy.CopyFrom(request)
-    copy.max_new_tokens = n
-    return copy
 
 
 class StopTrimmer:
@@ -240,17 +252,9 @@ class StopTrimmer:
         return out
 
 
-def trimmed_stops(request: generation_pb2.GenerateRequest) -> tuple[str, ...]:
-    """The stop strings to cut the text before: the request's when it set
-    ``include_stop_str_in_output`` false, else none (the gRPC API's default keeps them)."""
-    if request.HasField("include_stop_str_in_output") and not request.include_stop_str_in_output:
-        return tuple(request.stop)
-    return ()
-
-
 @dataclass(frozen=True)
 class StreamChunk:
-    """One step's output of a request (`GenerationServicer.stream`).
+    """One step's output of a request (`Gateway.stream`).
 
     Attributes:
         token_ids: the tokens emitted (empty on the final chunk).
@@ -269,16 +273,17 @@ class StreamChunk:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """``specd.v1.Generation`` over a scheduler.
+
+class Gateway:
+    """Admission of generation requests to a scheduler, for every front end.
 
     Args:
         scheduler: the running `Scheduler`, or a `coordinator.router.Router` (replicas and
-            drafters; then Status reports them and Scale works).
+            drafters).
         tokenizer: encodes text / chat prompts and decodes text deltas.
         vocab_size, max_seq_len: the target's, for validation.
         drafter_name: the service's drafter ("none" when it has none).
-        model_name: reported by Status.
+        model_name: the served model's name (the front ends report it).
         max_prompt_bytes: the most UTF-8 bytes of prompt text (or of all chat messages'
             contents) accepted, checked before tokenizing; None derives it from the
             tokenizer so the model's context stays reachable (`default_max_prompt_bytes`).
@@ -302,9 +307,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.max_prompt_bytes = max_prompt_bytes
         self.drafter_name = drafter_name
         self.model_name = model_name
-        self._scale_tasks: set[asyncio.Task] = set()
-        #: The server's health service (set by `start_generation_server`), for `drain`.
-        self.health = None
         self._draining = False
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -312,16 +314,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     # ---- request parsing ----
 
-    def _prompt_tokens(self, request: generation_pb2.GenerateRequest) -> list[int]:
-        kind = request.WhichOneof("prompt")
+    def _prompt_tokens(self, request: GenerationRequest) -> list[int]:
+        kind = request.prompt_kind()
         if kind is None:
             raise RequestInvalid("{field}: set one of text, chat or token_ids", "prompt")
         if kind == "token_ids":
-            if len(request.token_ids.ids) >= self.max_seq_len:  # before copying or scanning
+            if len(request.token_ids) >= self.max_seq_len:  # before copying or scanning
                 raise RequestInvalid(
-                    f"{{field}}: {len(request.token_ids.ids)} tokens leave no room in the "
+                    f"{{field}}: {len(request.token_ids)} tokens leave no room in the "
                     f"model's context of {self.max_seq_len}", "prompt")
-            ids = list(request.token_ids.ids)
+            ids = list(request.token_ids)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise RequestInvalid(f"{{field}}: id {bad[0]} is outside the vocabulary "
@@ -330,7 +332,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._check_size("text", [request.text])
             ids = encode_prompt(self.tokenizer, request.text, raw=True) if request.text else []
         else:
-            messages = [_chat_message(m) for m in request.chat.messages]
+            messages = request.chat
             if not messages or not any(m["content"] for m in messages):
                 raise RequestInvalid("{field}: at least one message with content is required",
                                      "chat")
@@ -351,7 +353,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 f"{{field}}: the prompt is over {self.max_prompt_bytes} bytes, more than the "
                 f"model's context of {self.max_seq_len} tokens can hold", kind)
 
-    def parse(self, request: generation_pb2.GenerateRequest,
+    def parse(self, request: GenerationRequest,
               default_max_new_tokens: bool = False,
               ) -> tuple[list[int], SpeculativeOptions, bool, int | None]:
         """(prompt ids, options, speculate, max_draft_len) or `RequestInvalid`. Tokenizes:
@@ -359,11 +361,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         unset (0) ``max_new_tokens`` takes the rest of the model's context."""
         _check_stops(request)  # cheap, before tokenizing
         prompt = self._prompt_tokens(request)
-        sampling = sampling_from_proto(request.sampling)
+        sampling = sampling_params(request.sampling)
         logprobs = _top_count(request, "logprobs")
         prompt_logprobs = _top_count(request, "prompt_logprobs")
         if default_max_new_tokens and request.max_new_tokens == 0:
-            request = _with_max_new_tokens(request, max(1, self.max_seq_len - len(prompt) + 1))
+            request = dataclasses.replace(
+                request, max_new_tokens=max(1, self.max_seq_len - len(prompt) + 1))
         if request.max_new_tokens <= 0 and prompt_logprobs is None:
             # 0 only scores the prompt, which needs prompt_logprobs to say anything.
             raise RequestInvalid("{field}: must be >= 1 (0 only with prompt_logprobs)",
@@ -381,16 +384,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise RequestInvalid(f"{{field}}: id {bad[0]} is outside the vocabulary",
                                  "stop_token_ids")
 
-        spec = request.speculation
-        drafter = spec.drafter
+        drafter = request.drafter
         if drafter not in ("", "none", self.drafter_name):
             raise RequestInvalid(
                 "{field}: unknown drafter " + literal(f"{drafter!r}; this service has "
                                                       f"{self.drafter_name!r} (or 'none')"),
                 "speculation.drafter")
-        speculate = (drafter != "none" and (not spec.HasField("enabled") or spec.enabled)
+        speculate = (drafter != "none" and request.speculate is not False
                      and self.drafter_name != "none")
-        max_draft_len = spec.max_draft_len if spec.HasField("max_draft_len") else None
+        max_draft_len = request.max_draft_len
         stops = list(request.stop_token_ids)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if eos is not None and not request.ignore_eos:
@@ -398,21 +400,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         options = SpeculativeOptions(
             max_new_tokens=request.max_new_tokens,
             sampling=sampling,
-            seed=request.seed if request.HasField("seed") else None,
+            seed=request.seed,
             stop_token_ids=tuple(stops),
             stop_strings=tuple(request.stop),
-            detokenize=self._detokenize,
+            detokenize=self.detokenize,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
         return prompt, options, speculate, max_draft_len
 
-    def _detokenize(self, ids: Sequence[int]) -> str:
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """``ids`` as text (special tokens skipped), as the stream decodes them."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    # ---- in flight, and draining ----
+
     @contextlib.contextmanager
-    def _tracked(self):
-        """Counts a Generate call in flight (for `drain`)."""
+    def tracked(self):
+        """Counts a call in flight (for `drain`): a front end holds it while it serves one."""
         self._in_flight += 1
         self._idle.clear()
         try:
@@ -422,25 +427,41 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if not self._in_flight:
                 self._idle.set()
 
+    @property
+    def draining(self) -> bool:
+        """True once `drain` began: new requests are refused."""
+        return self._draining
+
     async def drain(self, grace_s: float) -> None:
-        """Starts a graceful shutdown: new Generate calls get ``UNAVAILABLE`` from the
-        handler itself, health reports ``NOT_SERVING`` from now on, and this waits up to
-        ``grace_s`` seconds for the calls in flight to finish. (Stopping the gRPC server
-        at once instead ends calls that have arrived but not reached a handler with
-        ``CANCELLED``, grpc/grpc#41785.)"""
+        """Starts a graceful shutdown: new requests get `ServiceStopping` from now on, and
+        this waits up to ``grace_s`` seconds for the calls in flight (`tracked`) to finish."""
         self._draining = True
-        if self.health is not None:
-            await self.health.enter_graceful_shutdown()
+        await self.on_drain()
         try:
             await asyncio.wait_for(self._idle.wait(), grace_s)
         except TimeoutError:
             log.warning("%d call(s) still in flight after the %g s grace period",
                         self._in_flight, grace_s)
 
-    async def submit(self, request: generation_pb2.GenerateRequest,
+    async def on_drain(self) -> None:
+        """Called by `drain` once new requests are refused, before it waits: a front end's
+        hook to announce it (the gRPC one's health service answers NOT_SERVING)."""
+
+    def can_serve(self) -> bool:
+        """Whether some target replica can serve now (always, for a bare scheduler)."""
+        can_serve = getattr(self.scheduler, "can_serve", None)  # a Router
+        return can_serve is None or can_serve()
+
+    def cancel(self, req: ServiceRequest) -> None:
+        """Stops a submitted request at the next step and frees its slot."""
+        self.scheduler.cancel(req)
+
+    # ---- submit, stream, collect ----
+
+    async def submit(self, request: GenerationRequest,
                      default_max_new_tokens: bool = False) -> ServiceRequest:
-        """Parses, validates and queues ``request``: the one path both front ends (gRPC and
-        the OpenAI HTTP API, `coordinator.http_api`) take.
+        """Parses, validates and queues ``request``: the one path both front ends (gRPC,
+        `coordinator.grpc_api`, and the OpenAI HTTP API, `coordinator.http_api`) take.
 
         ``default_max_new_tokens``: an unset (0) ``max_new_tokens`` means "the rest of the
         model's context" instead of an error (OpenAI's chat default).
@@ -460,7 +481,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except RuntimeError as exc:  # a router with no serving replica
             raise ReplicaUnavailable(str(exc)) from exc
 
-    async def _parse(self, request: generation_pb2.GenerateRequest,
+    async def _parse(self, request: GenerationRequest,
                      default_max_new_tokens: bool):
         """`parse` off the event loop, refused while draining, its errors as `submit`
         raises them."""
@@ -479,7 +500,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             log.exception("parsing a request failed")
             raise RequestFailed(REQUEST_FAILED) from exc
 
-    async def submit_choices(self, request: generation_pb2.GenerateRequest, n: int,
+    async def submit_choices(self, request: GenerationRequest, n: int,
                              default_max_new_tokens: bool = False) -> list[ServiceRequest]:
         """`submit` for ``n`` independent choices of one prompt, tokenized once. Choice ``i``
         samples with seed ``seed + i`` (mod 2**64) when the request has a seed, so a seeded
@@ -578,45 +599,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # Client cancel, deadline, or a dropped stream: free the slot at the next step.
             self.scheduler.cancel(req)
 
-    async def _submit(self, request, context) -> ServiceRequest:
-        try:
-            return await self.submit(request)
-        except RequestError as exc:
-            await _abort_failed(context, exc)
-            raise
-
-    # ---- RPCs ----
-
-    async def Generate(self, request, context):
-        with self._tracked():
-            req = await self._submit(request, context)
-            try:
-                async with contextlib.aclosing(
-                        self.stream(req, trimmed_stops(request))) as chunks:
-                    async for chunk in chunks:
-                        lp = {"logprobs": logprob_protos(chunk.logprobs or ()),
-                              "prompt_logprobs": logprob_protos(chunk.prompt_logprobs or ())}
-                        if chunk.result is None:
-                            yield generation_pb2.GenerateResponse(token_ids=chunk.token_ids,
-                                                                  text=chunk.text, **lp)
-                        else:
-                            yield generation_pb2.GenerateResponse(
-                                text=chunk.text, **_final_fields(req, chunk.result), **lp)
-            except RequestError as exc:
-                await _abort_failed(context, exc)
-
-    async def GenerateUnary(self, request, context):
-        with self._tracked():
-            req = await self._submit(request, context)
-            try:
-                tokens, text, result = await self.collect(req, trimmed_stops(request))
-            except RequestError as exc:
-                await _abort_failed(context, exc)
-            return generation_pb2.GenerateResult(
-                text=text, token_ids=tokens, **_final_fields(req, result),
-                logprobs=logprob_protos(req.decode.token_logprobs),
-                prompt_logprobs=logprob_protos(req.decode.prompt_logprobs))
-
     async def collect(self, req: ServiceRequest, trim_stops: Sequence[str] = ()
                       ) -> tuple[list[int], str, SpeculativeDecodeResult]:
         """(token ids, text, result) of a submitted request: the text is the streamed
@@ -636,221 +618,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     return tokens, "".join(parts), chunk.result
         raise RequestFailed(REQUEST_FAILED)  # pragma: no cover - stream always ends so
 
-    async def Status(self, request, context):
-        refresh = getattr(self.scheduler, "refresh", None)  # a Router: replicas' own stats
-        if refresh is not None:
-            await refresh()
-        s = self.scheduler.status()
-        return generation_pb2.StatusResponse(
-            active_requests=s["active_requests"], waiting_requests=s["waiting_requests"],
-            used_slots=s["used_slots"], total_slots=s["total_slots"], steps=s["steps"],
-            tokens_generated=s["tokens_generated"], drafter_failures=s["drafter_failures"],
-            model=self.model_name, drafter=self.drafter_name, forward_calls=s["forward_calls"],
-            failed=s.get("failed", 0),
-            replicas=[_replica_proto(r) for r in s.get("replicas", ())],
-            drafters=[_drafter_proto(d) for d in s.get("drafters", ())],
-        )
-
-    async def Scale(self, request, context):
-        """Admin: scales replicas and drafters (`coordinator.router.Router.scale`). The work
-        runs to completion even if the caller goes away (a half-done scale helps no one)."""
-        scale = getattr(self.scheduler, "scale", None)
-        if scale is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server cannot scale")
-        task = asyncio.ensure_future(scale(
-            target_replicas=(request.target_replicas if request.HasField("target_replicas")
-                             else None),
-            drafters=request.drafters if request.HasField("drafters") else None))
-        self._scale_tasks.add(task)
-        task.add_done_callback(self._scale_tasks.discard)
-        try:
-            result = await asyncio.shield(task)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except RuntimeError as exc:
-            log.error("scaling failed: %s", exc)  # may name pids, actor ids, addresses
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                "scaling failed: a new worker did not start (the server log "
-                                "has the details)")
-        return generation_pb2.ScaleResponse(**result)
-
-
-def _chat_message(m: generation_pb2.ChatMessage) -> dict[str, str]:
-    """A chat message as the chat template gets it: ``name`` only when set (templates that
-    do not use it ignore the key)."""
-    message = {"role": m.role, "content": m.content}
-    if m.name:
-        message["name"] = m.name
-    return message
-
-
-async def _abort_failed(context, exc: BaseException) -> None:
-    """Ends an RPC whose request failed with the status and client-safe message
-    `coordinator.errors.client_status` gives (internals stay in the server log)."""
-    code, message = client_status(exc)
-    if code == "INTERNAL":
-        log.error("request failed: %r", exc)
-    await context.abort(grpc.StatusCode[code], message)
-
-
-def _replica_proto(r: dict) -> generation_pb2.ReplicaStatus:
-    fields = generation_pb2.ReplicaStatus.DESCRIPTOR.fields_by_name
-    return generation_pb2.ReplicaStatus(**{k: v for k, v in r.items() if k in fields})
-
-
-def _drafter_proto(d: dict) -> generation_pb2.DrafterStatus:
-    return generation_pb2.DrafterStatus(
-        name=d["name"], address=d["address"], state=d["state"], calls=d["calls"],
-        errors=d["errors"], mean_latency_seconds=d["mean_latency_s"],
-        assigned_requests=d["assigned_requests"], in_flight=d["in_flight"],
-        restarts=d.get("restarts", 0), node=d.get("node", ""))
-
-
-class BearerTokenInterceptor(CredentialInterceptor):
-    """Requires ``authorization: Bearer <token>`` metadata on every RPC except health checks;
-    anything else gets ``UNAUTHENTICATED``.
-
-    Raises:
-        ValueError: an empty token.
-    """
-
-    EMPTY = "auth token must be non-empty"
-    REFUSAL = "missing or invalid bearer token"
-
-    def presented(self, metadata: Sequence[tuple[str, str | bytes]]) -> str:
-        scheme, _, given = str(dict(metadata).get("authorization", "")).partition(" ")
-        # The scheme name is case-insensitive (RFC 6750); the token is compared in constant time.
-        return given if scheme.lower() == "bearer" else ""
-
-
-def generation_handlers(servicer: generation_pb2_grpc.GenerationServicer
-                        ) -> dict[str, grpc.RpcMethodHandler]:
-    """The ``specd.v1.Generation`` method handlers (as ``add_GenerationServicer_to_server``
-    builds them) except that each parses its own request bytes: bytes that are not a valid
-    message get ``INVALID_ARGUMENT`` naming the message type. (grpc.aio answers a failing
-    ``request_deserializer`` with ``UNKNOWN`` and an exception class name.)"""
-    handlers = {}
-    for method in generation_pb2.DESCRIPTOR.services_by_name["Generation"].methods:
-        if method.client_streaming:  # pragma: no cover - the API has none
-            raise NotImplementedError(f"{method.full_name}: client streaming")
-        request_cls = getattr(generation_pb2, method.input_type.name)
-        serialize = getattr(generation_pb2, method.output_type.name).SerializeToString
-        impl = getattr(servicer, method.name)
-        if method.server_streaming:
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                _parsing_stream(impl, request_cls), response_serializer=serialize)
-        else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _parsing_unary(impl, request_cls), response_serializer=serialize)
-    return handlers
-
-
-async def _parse_request(raw: bytes, request_cls, context):
-    try:
-        return request_cls.FromString(raw)
-    except Exception:  # DecodeError, or anything else a parser raises on bad bytes
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"malformed request: not a valid {request_cls.DESCRIPTOR.full_name}")
-
-
-def _parsing_unary(impl: Callable, request_cls) -> Callable:
-    async def handler(raw: bytes, context):
-        return await impl(await _parse_request(raw, request_cls, context), context)
-
-    return handler
-
-
-def _parsing_stream(impl: Callable, request_cls) -> Callable:
-    async def handler(raw: bytes, context):
-        async for response in impl(await _parse_request(raw, request_cls, context), context):
-            yield response
-
-    return handler
-
-
-async def start_generation_server(
-    servicer: GenerationServicer,
-    host: str = "127.0.0.1",
-    port: int = 50051,
-    tls_cert: bytes | None = None,
-    tls_key: bytes | None = None,
-    auth_token: str | None = None,
-) -> tuple[grpc.aio.Server, int]:
-    """Starts the Generation server with health checking and reflection.
-
-    Returns:
-        (server, bound port) — ``port=0`` picks a free one.
-
-    Raises:
-        ValueError: only one of ``tls_cert``/``tls_key``, or the port cannot be bound.
-    """
-    interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
-    server = grpc.aio.server(
-        interceptors=interceptors,
-        options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                 # A second server on a busy port must fail, not silently share it.
-                 ("grpc.so_reuseport", 0)],
-    )
-    handlers = generation_handlers(servicer)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers),))
-    server.add_registered_method_handlers(GENERATION_SERVICE, handlers)
-    health_servicer = health.aio.HealthServicer()
-    servicer.health = health_servicer
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    address = f"{host}:{port}"
-    if (tls_cert is None) != (tls_key is None):
-        raise ValueError("TLS needs both a certificate and a key")
-    try:
-        if tls_cert is not None:
-            credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)])
-            bound = server.add_secure_port(address, credentials)
-        else:
-            bound = server.add_insecure_port(address)
-    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
-        raise ValueError(f"cannot listen on {address}: the address is in use or invalid") \
-            from exc
-    await server.start()
-    for name in ("", GENERATION_SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    listen = getattr(servicer.scheduler, "add_health_listener", None)  # a Router
-    if listen is not None:
-        listen(_HealthReporter(health_servicer))
-    return server, bound
-
-
-class _HealthReporter:
-    """Mirrors a router's "some replica can serve" into the health service, for the overall
-    server ("") and the Generation service: SERVING or NOT_SERVING, in the order reported."""
-
-    def __init__(self, health_servicer):
-        self.health = health_servicer
-        self._last: asyncio.Future | None = None
-
-    def __call__(self, can_serve: bool) -> None:
-        status = (health_pb2.HealthCheckResponse.SERVING if can_serve
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        self._last = asyncio.ensure_future(self._set(self._last, status))
-
-    async def _set(self, previous: asyncio.Future | None, status) -> None:
-        if previous is not None:
-            await asyncio.gather(previous, return_exceptions=True)  # keep the order
-        for name in ("", GENERATION_SERVICE):
-            await self.health.set(name, status)
-
 
 __all__ = [
-    "BearerTokenInterceptor",
-    "GenerationServicer",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_BYTES",
+    "MAX_STOP_TOKEN_IDS",
+    "SAMPLING_FLOATS",
+    "Gateway",
+    "GenerationRequest",
     "StopTrimmer",
     "StreamChunk",
     "default_max_prompt_bytes",
-    "generation_handlers",
-    "sampling_from_proto",
-    "start_generation_server",
-    "trimmed_stops",
+    "sampling_params",
 ]
-
