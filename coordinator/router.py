@@ -44,15 +44,13 @@ from specd_core.request import SpeculativeOptions
 from specd_core.step import payload_bytes
 from target_worker.channel import ChannelClosed
 
+from .config import check_count
 from .drafter_pool import DrafterPool
 from .errors import REPLICA_FAILED, ReplicaUnavailable
 from .scheduler import Scheduler, ServiceRequest, Target
 from .step_plan import ChunkPolicy
 
 log = logging.getLogger(__name__)
-
-#: Upper bound on either count in one `Router.scale` call (a typo guard, not a design limit).
-MAX_COUNT = 64
 
 #: Longest wait between two attempts to re-create a failed replica or drafter, seconds.
 MAX_RESTART_DELAY_S = 30.0
@@ -428,15 +426,6 @@ _COUNTERS = ("steps", "tokens_generated", "forward_calls", "drafter_failures", "
              "active_seconds")
 
 
-def check_count(name: str, value, minimum: int) -> None:
-    """Raises ValueError naming ``name`` unless ``value`` is None or an int in
-    [minimum, `MAX_COUNT`]."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_COUNT:
-        raise ValueError(f"{name}: must be an integer in [{minimum}, {MAX_COUNT}], got {value!r}")
-
-
 class Router:
     """Target replicas and a drafter pool behind the `Scheduler` interface.
 
@@ -671,8 +660,9 @@ class Router:
         stays). Scale calls run one at a time.
 
         Raises:
-            ValueError: a count below 1 (replicas) or 0 (drafters), above `MAX_COUNT`, not an
-                integer, or drafters > 0 on a service without a drafter. Nothing changes.
+            ValueError: a count below 1 (replicas) or 0 (drafters), above
+                `coordinator.config.MAX_COUNT`, not an integer, or drafters > 0 on a service
+                without a drafter. Nothing changes.
             RuntimeError: starting a replica or drafter failed (the others that started are
                 kept; the message names the failure).
         """

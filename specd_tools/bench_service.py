@@ -447,7 +447,7 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
     """
     from dataclasses import asdict as as_dict
 
-    from coordinator.service import default_target_threads
+    from coordinator.config import default_target_threads
     from target_worker import load_model
 
     from .bench import (

@@ -92,7 +92,7 @@ def in_process_threads() -> int:
     """``generate --in-process``'s torch threads when --threads is not given: the cores less
     one (at least 1), as for the service's target (`default_target_threads`): two threads on 2
     cores beside one busy process fell from 53 to ~N tok/s (README, "Threads")."""
-    from coordinator.service import default_target_threads
+    from coordinator.config import default_target_threads
 
     return default_target_threads(1)
 
@@ -105,7 +105,7 @@ def in_process_prefill_threads() -> int:
     machine, but 2 threads 2x slower than 1 beside one busy process; the service keeps its
     target threads for prompt chunks (beside its own coordinator and drafter two threads
     collapsed)."""
-    from coordinator.service import usable_cpus
+    from coordinator.config import usable_cpus
 
     return usable_cpus()
 
@@ -270,7 +270,7 @@ def _generate_via_service(args: argparse.Namespace) -> int:
 def embedded_service_config(args: argparse.Namespace):
     """The `ServiceConfig` of the service ``specd generate`` embeds (no ``--server``): one
     replica and one drafter on this machine, API on a free loopback port."""
-    from coordinator.service import ServiceConfig
+    from coordinator.config import ServiceConfig
 
     return ServiceConfig(
         model=args.model, dtype=args.dtype, port=0, drafter=args.drafter,
@@ -305,7 +305,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from coordinator.service import Service, ServiceConfig
+    from coordinator.config import ServiceConfig
+    from coordinator.service import Service
 
     service = Service(ServiceConfig(
         model=args.model, dtype=args.dtype, host=args.host, port=args.port,

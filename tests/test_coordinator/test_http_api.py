@@ -702,7 +702,8 @@ def test_the_coordinators_stop_ends_streams_past_the_grace_with_an_error_and_don
     event and ``[DONE]``, not a cut connection."""
     import json
 
-    from coordinator.service import CoordinatorActor, ServiceConfig
+    from coordinator.actor import CoordinatorActor
+    from coordinator.config import ServiceConfig
 
     svc = GatedService(http=True).start()
     actor = CoordinatorActor(ServiceConfig(model=MODEL, http_port=0))

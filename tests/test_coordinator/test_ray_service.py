@@ -12,7 +12,8 @@ import grpc
 import pytest
 from service_harness import MODEL, serve_process
 
-from coordinator.service import Service, ServiceConfig
+from coordinator.config import ServiceConfig
+from coordinator.service import Service
 from coordinator.speculative import speculative_decode_with
 from drafter_worker import PromptLookupSpeculator
 from specd.v1 import generation_pb2, generation_pb2_grpc

@@ -230,7 +230,8 @@ def test_specd_serve_path_with_two_suffix_drafter_actors():
     import grpc
     from service_harness import MODEL
 
-    from coordinator.service import Service, ServiceConfig
+    from coordinator.config import ServiceConfig
+    from coordinator.service import Service
     from specd.v1 import generation_pb2_grpc
 
     svc = Service(ServiceConfig(model=MODEL, port=0, drafter="suffix", drafters=2,
