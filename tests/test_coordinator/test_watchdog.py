@@ -25,7 +25,8 @@ from test_supervision import (
     wait_until,
 )
 
-from coordinator.router import MeteredTarget, ReplicaFailed, StallWatchdog
+from coordinator.router import MeteredTarget
+from coordinator.supervisor import ReplicaFailed, StallWatchdog
 from specd_core.sampling import SamplingParams
 from specd_core.step import VerifyItem
 from target_worker.channel import ChannelTarget
