@@ -6,7 +6,7 @@ local one bound to loopback, then starts the coordinator actor (pinned to this n
 listens where ``specd serve`` runs), which starts:
 
 - ``target_replicas`` target replicas of ``tp`` ranks each (`target_worker.tp`: the model and
-  its KV-cache slots), one `coordinator.router.ReplicaScheduler` loop per replica,
+  its KV-cache slots), one `coordinator.replica.ReplicaScheduler` loop per replica,
 - ``drafters`` drafter actors serving the ``specd.v1.Drafter`` gRPC API (unless
   ``drafter == "none"``), shared through a `coordinator.drafter_pool.DrafterPool`,
 - the ``specd.v1.Generation`` gRPC server over the `coordinator.router.Router`; its Scale RPC

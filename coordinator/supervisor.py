@@ -30,7 +30,7 @@ from target_worker.channel import ChannelClosed
 from .errors import REPLICA_FAILED, ReplicaUnavailable
 
 if TYPE_CHECKING:
-    from .router import MeteredTarget, Replica, ReplicaScheduler
+    from .replica import MeteredTarget, Replica, ReplicaScheduler
     from .scheduler import ServiceRequest
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ from service_harness import MODEL, LocalService, run_in_thread
 from test_service import REPEATING, request, solo, stream_tokens
 
 from coordinator.drafter_pool import DrafterPool
-from coordinator.router import RateMeter, Router
+from coordinator.replica import RateMeter
+from coordinator.router import Router
 from coordinator.speculative import speculative_decode_with
 from drafter_worker import DraftBlock, PromptLookupSpeculator
 from drafter_worker.client import DrafterUnavailable

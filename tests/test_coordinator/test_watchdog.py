@@ -25,7 +25,7 @@ from test_supervision import (
     wait_until,
 )
 
-from coordinator.router import MeteredTarget
+from coordinator.replica import MeteredTarget
 from coordinator.supervisor import ReplicaFailed, StallWatchdog
 from specd_core.sampling import SamplingParams
 from specd_core.step import VerifyItem
