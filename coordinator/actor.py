@@ -232,7 +232,8 @@ class CoordinatorActor:
 
     async def _start_http(self) -> None:
         """Starts the OpenAI HTTP API before the replicas: 503 until they serve."""
-        from .http_api import OpenAIApi, start_http_server
+        from .http_api import OpenAIApi
+        from .http_server import start_http_server
 
         cfg = self.config
         self.http_api = OpenAIApi(auth_token=cfg.auth_token)

@@ -104,7 +104,8 @@ class LocalService:
             servicer, "127.0.0.1", 0, auth_token=self.auth_token)
         self.address = f"127.0.0.1:{port}"
         if self.http:
-            from coordinator.http_api import OpenAIApi, start_http_server
+            from coordinator.http_api import OpenAIApi
+            from coordinator.http_server import start_http_server
             from coordinator.metrics import router_registry
 
             self.http_api = OpenAIApi(servicer, auth_token=self.auth_token,

@@ -11,7 +11,8 @@ import openai
 import pytest
 from service_harness import MODEL, LocalService, SplitCharTokenizer
 
-from coordinator.http_api import OpenAIApi, start_http_server
+from coordinator.http_api import OpenAIApi
+from coordinator.http_server import start_http_server
 from coordinator.scheduler import LocalTarget
 from specd.v1 import generation_pb2
 
@@ -413,8 +414,8 @@ def test_n_choices_without_a_seed_are_independent(client):
 
 def test_a_message_name_reaches_the_chat_template(client):
     from coordinator.grpc_api import GenerationServicer
-    from coordinator.http_api import ChatBody
-    from coordinator.http_api import generation_request as grpc_request
+    from coordinator.openai_request import ChatBody
+    from coordinator.openai_request import generation_request as grpc_request
 
     seen = []
 
@@ -537,7 +538,7 @@ def test_models_have_a_created_time_and_can_be_fetched_by_id(client):
 
 
 def _limited_server(service, **limits):
-    from coordinator.http_api import HttpLimits
+    from coordinator.http_server import HttpLimits
 
     api = OpenAIApi(servicer=service.http_api.servicer, auth_token=TOKEN,
                     limits=HttpLimits(**limits))
