@@ -12,7 +12,6 @@ from pathlib import Path
 from target_worker.engine import DEFAULT_PREFIX_CACHE_TOKENS
 
 from .config import ServiceConfig, default_target_threads
-from .step_plan import ChunkPolicy
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +193,7 @@ class CoordinatorActor:
                              self._start_drafter if with_drafter else None,
                              max_active=cfg.max_active, adaptive=cfg.adaptive,
                              target_timeout_s=cfg.target_timeout_s, pipeline=cfg.pipeline,
-                             chunking=ChunkPolicy(cfg.max_batched_tokens,
-                                                  cfg.max_partial_prefills),
+                             chunking=cfg.chunking,
                              prefix_caching=cfg.prefix_caching)
         await self.router.scale(target_replicas=cfg.target_replicas,
                                 drafters=cfg.drafters if with_drafter else 0)

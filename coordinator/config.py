@@ -156,6 +156,12 @@ class ServiceConfig:
         ChunkPolicy(self.max_batched_tokens, self.max_partial_prefills)  # names a bad one
 
     @property
+    def chunking(self) -> ChunkPolicy:
+        """Every replica loop's chunked-prefill policy (`max_batched_tokens`,
+        `max_partial_prefills`)."""
+        return ChunkPolicy(self.max_batched_tokens, self.max_partial_prefills)
+
+    @property
     def tls_channels(self) -> bool:
         """Whether the per-step channels run inside TLS (`channel_tls`)."""
         return self.channel_tls == "on" or (self.channel_tls == "auto" and
