@@ -159,7 +159,6 @@ def _check_stops(request: GenerationRequest) -> None:
                              f"{MAX_STOP_TOKEN_IDS} are allowed", "stop_token_ids")
 
 
-
 def sampling_params(values: dict[str, float | int]) -> SamplingParams:
     """`SamplingParams` from the fields a client set (``values``: `SAMPLING_FLOATS` and
     ``top_k`` by name), unset fields taking their defaults.
