@@ -196,6 +196,22 @@ def _top_count(request: GenerationRequest, name: str) -> int | None:
     return value
 
 
+def speculation_counters(result: SpeculativeDecodeResult, drafter_failures: int) -> dict:
+    """A finished request's speculation counters, by the names both APIs report them under
+    (the gRPC ``SpeculationStats`` fields)."""
+    return {
+        "forward_calls": result.forward_calls,
+        "verification_steps": result.verification_steps,
+        "drafted_tokens": result.drafted_tokens,
+        "accepted_tokens": result.accepted_tokens,
+        "acceptance_length": result.acceptance_length() or 0.0,
+        "accept_rate": result.accept_rate() or 0.0,
+        "evaluated_at_position": list(result.evaluated_at_position),
+        "accepted_at_position": list(result.accepted_at_position),
+        "drafter_failures": drafter_failures,
+    }
+
+
 class StopTrimmer:
     """Cuts a text stream before its first stop string (OpenAI's and vLLM's default stop
     semantics), without ever returning text that a later match would remove: a delta holds
@@ -629,4 +645,5 @@ __all__ = [
     "StreamChunk",
     "default_max_prompt_bytes",
     "sampling_params",
+    "speculation_counters",
 ]

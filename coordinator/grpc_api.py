@@ -31,7 +31,13 @@ from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
 from specd_core.sampling import SamplingParams
 
 from .errors import RequestError, client_status
-from .gateway import SAMPLING_FLOATS, Gateway, GenerationRequest, sampling_params
+from .gateway import (
+    SAMPLING_FLOATS,
+    Gateway,
+    GenerationRequest,
+    sampling_params,
+    speculation_counters,
+)
 from .scheduler import ServiceRequest
 
 log = logging.getLogger(__name__)
@@ -81,28 +87,14 @@ def generation_request(msg: generation_pb2.GenerateRequest) -> GenerationRequest
     )
 
 
-def speculation_stats(result: SpeculativeDecodeResult, drafter_failures: int
-                      ) -> generation_pb2.SpeculationStats:
-    return generation_pb2.SpeculationStats(
-        forward_calls=result.forward_calls,
-        verification_steps=result.verification_steps,
-        drafted_tokens=result.drafted_tokens,
-        accepted_tokens=result.accepted_tokens,
-        acceptance_length=result.acceptance_length() or 0.0,
-        accept_rate=result.accept_rate() or 0.0,
-        evaluated_at_position=result.evaluated_at_position,
-        accepted_at_position=result.accepted_at_position,
-        drafter_failures=drafter_failures,
-    )
-
-
 def _final_fields(req: ServiceRequest, result: SpeculativeDecodeResult) -> dict:
     """The finish reason, usage and speculation counters both RPC shapes end with."""
     return {
         "finish_reason": result.finish_reason,
         "usage": generation_pb2.Usage(prompt_tokens=req.decode.num_prompt_tokens,
                                       completion_tokens=result.tokens_generated),
-        "speculation": speculation_stats(result, req.drafter_failures),
+        "speculation": generation_pb2.SpeculationStats(
+            **speculation_counters(result, req.drafter_failures)),
     }
 
 

@@ -49,6 +49,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from specd_core.request import SpeculativeDecodeResult
 
 from .errors import RequestError
+from .gateway import speculation_counters
 from .http_server import Guard, HttpLimits
 from .openai_logprobs import chat_logprobs, completion_logprobs
 from .openai_request import (
@@ -64,21 +65,6 @@ from .openai_request import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def _speculation(result, drafter_failures: int) -> dict:
-    """The request's speculation counters (the gRPC ``SpeculationStats`` fields)."""
-    return {
-        "forward_calls": result.forward_calls,
-        "verification_steps": result.verification_steps,
-        "drafted_tokens": result.drafted_tokens,
-        "accepted_tokens": result.accepted_tokens,
-        "acceptance_length": result.acceptance_length() or 0.0,
-        "accept_rate": result.accept_rate() or 0.0,
-        "evaluated_at_position": list(result.evaluated_at_position),
-        "accepted_at_position": list(result.accepted_at_position),
-        "drafter_failures": drafter_failures,
-    }
 
 
 def _combined(results: list[SpeculativeDecodeResult]) -> SpeculativeDecodeResult:
@@ -314,7 +300,7 @@ class OpenAIApi:
             results = [out[2] for out in outs]
             return {**meta, "object": "chat.completion" if chat else "text_completion",
                     "choices": choices, "usage": _usage(reqs, results),
-                    "speculation": _speculation(
+                    "speculation": speculation_counters(
                         results[0] if len(results) == 1 else _combined(results),
                         sum(req.drafter_failures for req in reqs))}
 
@@ -390,7 +376,7 @@ class OpenAIApi:
                         if c.result is not None:
                             results[i] = c.result
                             yield chunk([choice(i, None, c.result.finish_reason)],
-                                        speculation=_speculation(c.result,
+                                        speculation=speculation_counters(c.result,
                                                                  reqs[i].drafter_failures))
                 if include_usage:
                     yield chunk([], usage=_usage(reqs, results))
