@@ -31,13 +31,8 @@ from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
 from specd_core.sampling import SamplingParams
 
 from .errors import RequestError, client_status
-from .gateway import (
-    SAMPLING_FLOATS,
-    Gateway,
-    GenerationRequest,
-    sampling_params,
-    speculation_counters,
-)
+from .gateway import Gateway, speculation_counters
+from .generation_request import SAMPLING_FLOATS, GenerationRequest, sampling_params
 from .scheduler import ServiceRequest
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .errors import RequestError, RequestInvalid, client_status
-from .gateway import GenerationRequest
+from .generation_request import GenerationRequest
 
 #: ``max_tokens`` when a completion request does not set it (OpenAI's default).
 COMPLETION_DEFAULT_MAX_TOKENS = 16

@@ -8,7 +8,11 @@ import pytest
 from service_harness import LocalService
 from test_service import request, solo
 
-from coordinator.gateway import MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from coordinator.generation_request import (
+    MAX_STOP_STRING_BYTES,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from coordinator.grpc_api import sampling_from_proto
 from specd.v1 import generation_pb2
 from specd_core.sampling import SamplingParams
