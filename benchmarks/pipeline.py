@@ -101,7 +101,8 @@ def main() -> None:
     p.add_argument("--target-threads", type=int, default=1)
     args = p.parse_args()
 
-    from coordinator.service import Service, ServiceConfig, init_embedded_ray
+    from coordinator.config import ServiceConfig
+    from coordinator.service import Service, init_embedded_ray
     from target_worker.testing import is_tiny_random_spec
 
     model = None if args.model == "default" else args.model

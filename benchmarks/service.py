@@ -16,7 +16,8 @@ from pathlib import Path
 
 import grpc
 
-from coordinator.service import Service, ServiceConfig
+from coordinator.config import ServiceConfig
+from coordinator.service import Service
 from coordinator.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd.v1 import generation_pb2, generation_pb2_grpc

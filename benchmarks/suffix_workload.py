@@ -47,8 +47,9 @@ def _build(name: str, max_draft_len: int):
 
 def in_process(args, decoder, tokenizer, prompts: list[list[int]]) -> dict:
     """Every prompt through every system, interleaved; per-system totals after warm-up."""
-    from coordinator import SpeculativeOptions, speculative_decode_with
     from coordinator.adaptive import AdaptiveDraftLength, calibrate_for
+    from coordinator.speculative import speculative_decode_with
+    from specd_core.request import SpeculativeOptions
 
     cost = calibrate_for(decoder, repeats=2)
     drafters = {name: _build(name, args.max_draft_len) for name in args.systems}
@@ -116,10 +117,10 @@ async def _service_hit_rate(args, decoder, prompts: list[list[int]], workers: in
     """The requests through an in-process service with ``workers`` drafter workers."""
     from coordinator.router import Router
     from coordinator.scheduler import LocalTarget
-    from coordinator.speculative import SpeculativeOptions
     from drafter_worker.client import DrafterClient
     from drafter_worker.server import start_drafter_server
     from drafter_worker.suffix import SuffixDrafter
+    from specd_core.request import SpeculativeOptions
     from target_worker.engine import TargetEngine
 
     servers, drafters = [], []

@@ -9,6 +9,13 @@ exception on the queue is reported as ``INTERNAL`` with a generic message.
 
 from __future__ import annotations
 
+#: What a client sees when its request failed inside the service (the cause goes to the log).
+REQUEST_FAILED = ("generation failed: internal error while serving this request (the server "
+                  "log has the details)")
+#: What a client whose request was on a failed target replica is told (no pids, ids or
+#: addresses): the one message for that failure, with or without supervision restarting it.
+REPLICA_FAILED = "the target replica serving this request failed; a retry may succeed"
+
 
 class RequestError(Exception):
     """One request failed; the message is safe to show its client.
@@ -21,9 +28,39 @@ class RequestError(Exception):
 
 
 class RequestInvalid(RequestError):
-    """The request's own input cannot be served (found after admission)."""
+    """The request's own input cannot be served.
+
+    Args:
+        message: the client-safe text. With ``field``, a `str.format` template in which
+            ``{field}`` stands for the field's name (literal braces doubled, see `literal`),
+            so that each front end can name the field in its own terms (`naming`).
+        field: the offending request field as the service names it: the gRPC API's field
+            path (``"max_new_tokens"``, ``"sampling.top_p"``, ``"stop"``, ``"chat"``,
+            ``"prompt"`` for the prompt as a whole, ...), or None when no one field is at
+            fault. ``str(exc)`` names it so.
+
+    Attributes:
+        field: as above.
+    """
 
     code = "INVALID_ARGUMENT"
+
+    def __init__(self, message: str, field: str | None = None):
+        self.field = field
+        self._template = message
+        super().__init__(message if field is None else message.format(field=field))
+
+    def naming(self, name: str) -> str:
+        """The message with the field called ``name`` (a front end's term for `field`)."""
+        if self.field is None:
+            return str(self)
+        return self._template.format(field=name)
+
+
+def literal(text: str) -> str:
+    """``text`` (a client's value, a library's message) as literal text of a `RequestInvalid`
+    template."""
+    return text.replace("{", "{{").replace("}", "}}")
 
 
 class RequestFailed(RequestError):
@@ -53,5 +90,5 @@ def client_status(exc: BaseException) -> tuple[str, str]:
     return "INTERNAL", "generation failed: internal error (the server log has the details)"
 
 
-__all__ = ["ReplicaUnavailable", "RequestError", "RequestFailed", "RequestInvalid",
-           "ServiceStopping", "client_status"]
+__all__ = ["REPLICA_FAILED", "REQUEST_FAILED", "ReplicaUnavailable", "RequestError",
+           "RequestFailed", "RequestInvalid", "ServiceStopping", "client_status", "literal"]

@@ -1,26 +1,15 @@
 """Target replicas (data parallel) behind one front end, and scaling while serving.
 
-A `Router` runs one `ReplicaScheduler` per target replica (each its own continuous-batching
-loop and KV slots, the unchanged `Scheduler`), places each new request on the least-loaded
-serving replica, and shares one `DrafterPool` among them. It has the `Scheduler`'s
-``submit`` / ``cancel`` / ``status`` so the Generation server drives either.
+A `Router` runs one `ReplicaScheduler` (`coordinator.replica`) per target replica (each its
+own continuous-batching loop and KV slots, the unchanged `Scheduler`), places each new request
+on the least-loaded serving replica, and shares one `DrafterPool` among them. It has the
+`Scheduler`'s ``submit`` / ``cancel`` / ``status`` so the Generation server drives either.
+Its failed replicas and drafters are found and re-created by
+`coordinator.supervisor.Supervision`.
 
 `Router.scale` adds and removes replicas and drafters while requests run. A replica leaves by
 draining: it stops getting requests, the ones it holds finish, then its loop stops and its
 actors are destroyed. A drafter leaves at once; its requests continue on another one.
-
-Supervision. A replica whose target call finds it dead (a Ray actor error, its step channel
-closed) or that misses the call's deadline (`StallWatchdog`: scaled by the replica's measured
-step cost, capped by ``target_timeout_s``) is taken out of placement at once: the requests it
-was decoding fail with `coordinator.errors.ReplicaUnavailable` (a message with no internals),
-the ones it had not started move to a serving replica (or get the same error when none
-serves), and it is re-created through the replica factory (fresh KV slots) under the same
-name, retried with backoff while the factory fails. A replica that died while idle is found
-the moment its step channel closes (`ChannelTarget.watch`), before a request is sent to it;
-a periodic probe and every Status catch one whose transport cannot tell. A drafter that fails
-``unhealthy_after`` calls in a row is marked unhealthy (`DrafterPool`), its requests move, and
-it is replaced through the drafter factory. Health listeners (the gRPC health service) hear
-whenever "some replica can serve" changes.
 
 Metrics (`Router.status`): per replica, requests, tokens/s (last 10 s), mean wall time of a
 verify call as the coordinator sees it, the replica's own forward time per call, and the
@@ -33,33 +22,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import sys
-import time
 import weakref
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 
 from specd_core.request import SpeculativeOptions
-from specd_core.step import payload_bytes
-from target_worker.channel import ChannelClosed
 
+from .config import check_count
 from .drafter_pool import DrafterPool
-from .errors import ReplicaUnavailable
-from .scheduler import Scheduler, ServiceRequest, Target
+from .replica import MeteredTarget, Replica, ReplicaScheduler
+from .scheduler import ServiceRequest, Target
 from .step_plan import ChunkPolicy
+from .supervisor import STALL_FACTOR, STALL_FLOOR_S, Supervision
 
 log = logging.getLogger(__name__)
-
-#: Upper bound on either count in one `Router.scale` call (a typo guard, not a design limit).
-MAX_COUNT = 64
-
-#: Longest wait between two attempts to re-create a failed replica or drafter, seconds.
-MAX_RESTART_DELAY_S = 30.0
-
-#: What a client whose request was on a failed replica is told (no pids, ids or addresses).
-REPLICA_FAILED_MESSAGE = ("the target replica serving this request failed; it is being "
-                          "restarted, a retry may succeed")
 
 #: ``async (name) -> (target, stop, info)``: starts a replica; ``info`` is its ``model_info``
 #: dict (plus anything to report, e.g. ``tp``, and its calibrated ``cost_model``, a
@@ -72,359 +47,6 @@ ReplicaFactory = Callable[[str], Awaitable[tuple[Target, Callable[[], Awaitable[
 DrafterFactory = Callable[[str], Awaitable[tuple[object, Callable[[], Awaitable[None]]]]]
 
 
-class ReplicaFailed(Exception):
-    """A target call found its replica dead or unresponsive. Internal: the message (which may
-    carry Ray's pid / actor id / address) goes to the log; clients get `ReplicaUnavailable`."""
-
-
-def is_replica_death(exc: BaseException | None) -> bool:
-    """Whether ``exc`` says a replica's process is gone: `ReplicaFailed`, a Ray actor error
-    (``ray.exceptions.RayActorError``: ActorDiedError, ActorUnavailableError), also as the
-    cause of a task error (a tensor-parallel rank that died under rank 0), or its step
-    channel closing (`target_worker.channel.ChannelClosed`)."""
-    ray_errors = sys.modules.get("ray.exceptions")  # a Ray error implies Ray is imported
-    for _ in range(8):  # a short cause chain; never loops on a cycle
-        if exc is None:
-            return False
-        if isinstance(exc, ReplicaFailed | ChannelClosed):
-            return True
-        if ray_errors is not None and isinstance(exc, ray_errors.RayActorError):
-            return True
-        exc = getattr(exc, "cause", None) or exc.__cause__
-    return False
-
-
-class RateMeter:
-    """Events per second over a sliding window (``count in the last window_s`` / window_s)."""
-
-    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
-        self.window_s = window_s
-        self.clock = clock
-        self._events: deque[tuple[float, int]] = deque()
-
-    def add(self, n: int) -> None:
-        now = self.clock()
-        self._events.append((now, n))
-        self._trim(now)
-
-    def rate(self) -> float:
-        self._trim(self.clock())
-        return sum(n for _, n in self._events) / self.window_s
-
-    def _trim(self, now: float) -> None:
-        while self._events and self._events[0][0] < now - self.window_s:
-            self._events.popleft()
-
-
-#: A target call may take this many times its predicted cost before the replica is taken for
-#: stalled (`StallWatchdog`), but never less than `STALL_FLOOR_S` seconds.
-STALL_FACTOR = 10.0
-STALL_FLOOR_S = 10.0
-
-
-class StallWatchdog:
-    """The deadline of one target call, scaled by what this replica's calls have cost, so a
-    frozen replica (SIGSTOP, a wedged device, a hung collective) is found within ~``factor``
-    steps rather than after one fixed timeout sized for the worst prefill.
-
-    A call feeding ``tokens`` is predicted to take ``max(step, per_token * tokens)``, where
-    ``step`` is the moving average of a call's wall time and ``per_token`` the average
-    seconds per token fed (ratio of the averages: small calls' fixed cost makes it an
-    overestimate for big ones, which errs towards waiting). Its deadline is ``factor`` times
-    that, at least ``floor_s`` and at most ``cap_s``; ``cap_s`` alone until a call was
-    measured (the first prefill may be a long prompt).
-
-    Args:
-        cap_s: the most one call may take, seconds (``target_timeout_s``).
-        factor: how many times its predicted cost a call may take (> 1).
-        floor_s: the least deadline, seconds: covers a GC pause, a loaded machine, a
-            transport hiccup, and the calls too small to measure (allocate, free).
-        alpha: weight of the newest call in the moving averages.
-
-    Raises:
-        ValueError: ``cap_s`` or ``floor_s`` not > 0, or ``factor`` not > 1.
-    """
-
-    def __init__(self, cap_s: float, factor: float = STALL_FACTOR,
-                 floor_s: float = STALL_FLOOR_S, alpha: float = 0.2):
-        if not cap_s > 0 or not floor_s > 0 or not factor > 1:
-            raise ValueError(f"StallWatchdog needs cap_s > 0, floor_s > 0 and factor > 1, "
-                             f"got {cap_s!r}, {floor_s!r}, {factor!r}")
-        self.cap_s, self.factor, self.floor_s, self.alpha = cap_s, factor, floor_s, alpha
-        self._seconds: float | None = None  # moving average of a call's seconds
-        self._tokens = 0.0  # moving average of a call's tokens fed
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        """Records a prefill or verify call that fed ``tokens`` and took ``seconds``."""
-        if self._seconds is None:
-            self._seconds, self._tokens = seconds, float(tokens)
-            return
-        a = self.alpha
-        self._seconds += a * (seconds - self._seconds)
-        self._tokens += a * (tokens - self._tokens)
-
-    def predicted_s(self, tokens: int) -> float | None:
-        """Expected seconds of a call feeding ``tokens``; None before any measurement."""
-        if self._seconds is None:
-            return None
-        per_token = self._seconds / self._tokens if self._tokens > 0 else 0.0
-        return max(self._seconds, per_token * tokens)
-
-    def deadline_s(self, tokens: int = 0) -> float:
-        """Seconds a call feeding ``tokens`` may take before the replica counts as stalled."""
-        predicted = self.predicted_s(tokens)
-        if predicted is None:
-            return self.cap_s
-        return min(self.cap_s, max(self.floor_s, self.factor * predicted))
-
-
-class MeteredTarget:
-    """A `Target` that counts, per kind (``prefill``, ``verify``): calls, wall seconds as the
-    coordinator sees them (transport included), and payload bytes sent and received
-    (`specd_core.step.payload_bytes`: counted from the items' and outputs' structure, the
-    step is not serialised again to measure it); and
-    that supervises every call.
-
-    Supervision: a call that raises a replica death error (`is_replica_death`) or runs past
-    its deadline marks the replica failed (`failure` says why, for the log) and raises
-    `ReplicaFailed`; once failed, every call raises `ReplicaFailed` at once (a dead replica is
-    never waited on again). The deadline is `StallWatchdog`'s: ``stall_factor`` times the
-    call's predicted cost from this replica's measured calls, at least ``stall_floor_s``, at
-    most ``timeout_s``.
-
-    Args:
-        inner: the replica's `Target`.
-        timeout_s: the most one call may take in seconds (allocate, free, prefill, verify),
-            or None: no deadline at all.
-        stall_factor, stall_floor_s: see `StallWatchdog`.
-    """
-
-    def __init__(self, inner: Target, timeout_s: float | None = None,
-                 stall_factor: float = STALL_FACTOR, stall_floor_s: float = STALL_FLOOR_S):
-        self.inner = inner
-        self.timeout_s = timeout_s
-        self.watchdog = None if timeout_s is None else StallWatchdog(
-            timeout_s, stall_factor, min(stall_floor_s, timeout_s))
-        self.failure: str | None = None
-        #: Called once (on the event loop) when the replica is first marked failed, by
-        #: whatever found it: a call (``free`` included), a probe, a closed channel.
-        self.on_failed: Callable[[], None] | None = None
-        self.stats: dict[str, float] = {}
-        for kind in ("prefill", "verify"):
-            for key in ("calls", "seconds", "bytes_sent", "bytes_received"):
-                self.stats[f"{kind}_{key}"] = 0
-
-    @property
-    def failed(self) -> bool:
-        return self.failure is not None
-
-    def mark_failed(self, why: str) -> None:
-        if self.failure is None:
-            self.failure = why
-            if self.on_failed is not None:
-                self.on_failed()
-
-    async def allocate(self) -> int:
-        return await self._guarded("allocate", self.inner.allocate)
-
-    async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
-        return await self._guarded("allocate", lambda: self.inner.allocate_prefix(tokens))
-
-    async def free(self, slot: int) -> None:
-        await self._guarded("free", lambda: self.inner.free(slot))
-
-    async def prefill(self, items: list) -> list:
-        return await self._metered("prefill", lambda: self.inner.prefill(items), items)
-
-    async def verify(self, items: list) -> list:
-        return await self._metered("verify", lambda: self.inner.verify(items), items)
-
-    async def _guarded(self, kind: str, call: Callable[[], Awaitable], tokens: int = 0):
-        if self.failure is not None:
-            raise ReplicaFailed(self.failure)
-        limit = None if self.watchdog is None else self.watchdog.deadline_s(tokens)
-        try:
-            if limit is None:
-                return await call()
-            async with asyncio.timeout(limit) as deadline:
-                return await call()
-        except TimeoutError as exc:
-            if limit is None or not deadline.expired():
-                raise
-            predicted = self.watchdog.predicted_s(tokens)
-            self.mark_failed(f"{kind} of {tokens} tokens did not answer within {limit:.3g} s"
-                             + ("" if predicted is None else
-                                f" (its measured cost predicts {predicted:.3g} s)"))
-            raise ReplicaFailed(self.failure) from exc
-        except Exception as exc:
-            if not is_replica_death(exc):
-                raise
-            self.mark_failed(f"{kind} failed: the replica died: {exc!r}")
-            raise ReplicaFailed(self.failure) from exc
-
-    async def _metered(self, kind: str, call, items: list) -> list:
-        sent = payload_bytes(items)
-        tokens = sum(len(item.tokens) for item in items)
-        start = time.perf_counter()
-        out = await self._guarded(kind, call, tokens)
-        seconds = time.perf_counter() - start
-        if self.watchdog is not None:
-            self.watchdog.observe(tokens, seconds)
-        self.stats[f"{kind}_seconds"] += seconds
-        self.stats[f"{kind}_calls"] += 1
-        self.stats[f"{kind}_bytes_sent"] += sent
-        self.stats[f"{kind}_bytes_received"] += payload_bytes(out)
-        return out
-
-    async def replica_status(self) -> dict:
-        """The replica's own ``status()`` (`TargetActor.status`) when it has one, else {}
-        (also once it failed)."""
-        if self.failure is not None:
-            return {}
-        handle = getattr(self.inner, "handle", None)
-        if handle is not None:
-            return await handle.status.remote()
-        engine = getattr(self.inner, "engine", None)
-        if engine is not None:
-            return {"used_slots": engine.used_slots, "max_slots": engine.max_slots,
-                    "stats": dict(engine.stats)}
-        return {}
-
-
-class ReplicaScheduler(Scheduler):
-    """The `Scheduler` of one replica plus what routing, draining and supervision need: the
-    set of requests it holds, a token rate meter, `drain`, `adopt`. Request ids come from a
-    counter shared by all replicas, so they are unique service-wide (the drafter pool keys
-    by id).
-
-    Args:
-        on_failure: called once, as ``on_failure(scheduler, unstarted)``, when the target
-            turns out dead or unresponsive (`MeteredTarget.failed`); ``unstarted`` are the
-            requests it held but had not prefilled, for the router to place elsewhere (the
-            rest fail with `ReplicaUnavailable`: `_on_target_failure`).
-    """
-
-    def __init__(self, name: str, target: MeteredTarget, drafter, ids: itertools.count,
-                 max_active: int = 32, wants_hidden: bool = False, adaptive: bool = False,
-                 cost_model=None, pipeline: bool = False,
-                 on_failure: Callable[[ReplicaScheduler, list[ServiceRequest]], None]
-                 | None = None, chunking: ChunkPolicy | None = None,
-                 prefix_caching: bool = True):
-        super().__init__(target, drafter, max_active=max_active, wants_hidden=wants_hidden,
-                         adaptive=adaptive, cost_model=cost_model, pipeline=pipeline,
-                         chunking=chunking, prefix_caching=prefix_caching)
-        self.name = name
-        self._ids = ids
-        self.on_failure = on_failure
-        self.requests: set[ServiceRequest] = set()
-        self.placed = 0
-        self.tokens_emitted = 0
-        self.meter = RateMeter()
-        self._empty = asyncio.Event()
-        self._empty.set()
-        self._failure_handled = False
-
-    def submit(self, prompt_tokens: Sequence[int], options: SpeculativeOptions,
-               speculate: bool = True, max_draft_len: int | None = None) -> ServiceRequest:
-        req = super().submit(prompt_tokens, options, speculate, max_draft_len)
-        self.requests.add(req)
-        self.placed += 1
-        self._empty.clear()
-        return req
-
-    def adopt(self, req: ServiceRequest) -> None:
-        """Queues a request another replica held but never prefilled (its events queue and id
-        stay, it holds no slot; nothing about it was computed yet, so its output is unchanged)."""
-        req.adaptive = None  # priced with the other replica's cost model
-        self.waiting.append(req)
-        self.requests.add(req)
-        self.placed += 1
-        self._empty.clear()
-        self._wakeup.set()
-
-    def load(self) -> tuple[int, int]:
-        """(requests held — decoding or waiting, tokens still to process — prompts awaiting
-        prefill plus tokens still to generate); smaller is less loaded."""
-        tokens = 0
-        for r in self.requests:
-            if r.slot is None:
-                tokens += r.decode.num_prompt_tokens
-            tokens += r.decode.options.max_new_tokens - len(r.decode.generated)
-        return len(self.requests), tokens
-
-    async def drain(self) -> None:
-        """Waits until every request it holds has finished (or was cancelled), then stops
-        its loop. The caller must stop submitting first."""
-        await self._empty.wait()
-        self._closed = True  # the loop ends at its next boundary, never inside a step
-        self._wakeup.set()
-        if self._task is not None:
-            await self._task
-
-    def _emitted(self, n: int) -> None:
-        if n:
-            self.tokens_emitted += n
-            self.meter.add(n)
-
-    async def _release(self, req: ServiceRequest, count: bool = True) -> None:
-        if self.target.failed:
-            self._take_slot(req)  # its slot died with the replica: nothing to free
-        try:
-            await super()._release(req, count)
-        finally:
-            self.requests.discard(req)
-            if not self.requests:
-                self._empty.set()
-
-    async def _on_target_failure(self, exc: Exception, requests: list[ServiceRequest]) -> None:
-        """The replica is dead or unresponsive (else: `Scheduler._on_target_failure`). This
-        loop ends; the requests it held that were in the failed call or had been prefilled
-        fail with `ReplicaUnavailable` (their cache is gone mid-stream); the others (waiting,
-        or admitted but not yet prefilled) go to ``on_failure`` to be placed elsewhere."""
-        if not self.target.failed:
-            await super()._on_target_failure(exc, requests)
-            return
-        if self._failure_handled:
-            return
-        self._failure_handled = True
-        self._closed = True
-        self._wakeup.set()
-        log.error("replica %s is out of service: %s", self.name, self.target.failure)
-        in_call = {*requests, *self.active}
-        lost = [r for r in self.requests if r in in_call or r.decode.result.forward_calls > 0]
-        unstarted = [r for r in self.requests if r not in in_call and
-                     r.decode.result.forward_calls == 0]
-        self.requests.difference_update(unstarted)
-        self.waiting.clear()
-        for req in unstarted:  # a slot allocated on the dead replica dies with it
-            self._take_slot(req)
-        self._admitting = []
-        if self.on_failure is not None:
-            self.on_failure(self, sorted(unstarted, key=lambda r: r.submitted_at))
-        for req in lost:
-            await self._fail(req, exc, ReplicaUnavailable(REPLICA_FAILED_MESSAGE))
-        self.active = []
-        if not self.requests:
-            self._empty.set()
-
-
-@dataclass(eq=False)
-class Replica:
-    name: str
-    scheduler: ReplicaScheduler
-    target: MeteredTarget
-    stop: Callable[[], Awaitable[None]] | None
-    info: dict = field(default_factory=dict)
-    #: "serving", "draining", "restarting" (failed; being re-created) or "failed" (its
-    #: re-creation failed; retried with backoff).
-    state: str = "serving"
-    reported: dict = field(default_factory=dict)  # the replica's last status()
-    restarts: int = 0
-    #: `time.monotonic` of the first of the unanswered status probes in a row while it held
-    #: no request (None: it answered the last one, or was busy).
-    silent_since: float | None = None
-
-
 _GAUGES = ("active_requests", "prefilling_requests", "waiting_requests", "used_slots",
            "total_slots")
 _COUNTERS = ("steps", "tokens_generated", "forward_calls", "drafter_failures", "completed",
@@ -432,16 +54,7 @@ _COUNTERS = ("steps", "tokens_generated", "forward_calls", "drafter_failures", "
              "active_seconds")
 
 
-def check_count(name: str, value, minimum: int) -> None:
-    """Raises ValueError naming ``name`` unless ``value`` is None or an int in
-    [minimum, `MAX_COUNT`]."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_COUNT:
-        raise ValueError(f"{name}: must be an integer in [{minimum}, {MAX_COUNT}], got {value!r}")
-
-
-class Router:
+class Router(Supervision):
     """Target replicas and a drafter pool behind the `Scheduler` interface.
 
     Args:
@@ -464,7 +77,7 @@ class Router:
         probe_interval_s: how often idle replicas are asked for their status to find one
             that died while idle, seconds; None: only on `refresh` and `scale`.
         restart_delay_s: wait after a failed re-creation attempt (doubling, at most
-            `MAX_RESTART_DELAY_S`), seconds.
+            `coordinator.supervisor.MAX_RESTART_DELAY_S`), seconds.
         pipeline: pipelined drafting in every replica's loop (`Scheduler` ``pipeline``).
         chunking, prefix_caching: every replica loop's chunked prefill policy and prefix
             reuse (`Scheduler`).
@@ -493,17 +106,11 @@ class Router:
         self.drafter_factory = drafter_factory
         self.max_active = max_active
         self.target_timeout_s = target_timeout_s
-        self.probe_interval_s = probe_interval_s
-        self.restart_delay_s = restart_delay_s
         self.pool = drafter_pool or DrafterPool()
         self.pool.on_failure = self._on_drafter_failure
-        self.pool.on_unhealthy = self._on_drafter_unhealthy
-        self._restarts: dict[str, asyncio.Task] = {}  # name -> its re-creation task
-        self._tasks: set[asyncio.Task] = set()  # watch / found-dead tasks in flight
-        self._attempts: dict[str, asyncio.Task] = {}  # name -> the factory call in flight
+        self._init_supervision(probe_interval_s, restart_delay_s)
         self._health_listeners: list[Callable[[bool], None]] = []
         self._health: bool | None = None
-        self._probe_task: asyncio.Task | None = None
         self.replicas: dict[str, Replica] = {}
         self.wants_hidden = False
         #: The drafter's own cap on one proposal (its `DrafterInfo`), None until known.
@@ -635,31 +242,6 @@ class Router:
         its forward); one whose process is gone is taken out of service (`probe`)."""
         await self.probe(timeout_s)
 
-    async def probe(self, timeout_s: float = 2.0) -> None:
-        """Asks every serving replica for its ``status()``; one that answers with a death
-        error is taken out of service and restarted (as a failed call would). So is an idle
-        one (holding no request) whose status probes all went unanswered for longer than a
-        call's deadline (`StallWatchdog`): frozen, found before a request waits on it. A
-        busy replica's silence is left to its calls' deadlines."""
-        async def one(replica: Replica) -> None:
-            target = replica.target
-            try:
-                replica.reported = await asyncio.wait_for(target.replica_status(), timeout_s)
-                replica.silent_since = None
-            except Exception as exc:  # never fail Status over metrics
-                if replica.target is not target:
-                    return  # replaced meanwhile
-                if is_replica_death(exc):
-                    target.mark_failed(f"status probe: the replica died: {exc!r}")
-                    await self._found_dead(replica)
-                elif isinstance(exc, TimeoutError):
-                    await self._silent(replica, time.monotonic() - timeout_s)
-                else:
-                    log.warning("replica %s status failed: %r", replica.name, exc)
-
-        await asyncio.gather(*(one(r) for r in list(self.replicas.values())
-                               if not r.target.failed))
-
     # ---- scaling ----
 
     async def scale(self, target_replicas: int | None = None, drafters: int | None = None
@@ -675,8 +257,9 @@ class Router:
         stays). Scale calls run one at a time.
 
         Raises:
-            ValueError: a count below 1 (replicas) or 0 (drafters), above `MAX_COUNT`, not an
-                integer, or drafters > 0 on a service without a drafter. Nothing changes.
+            ValueError: a count below 1 (replicas) or 0 (drafters), above
+                `coordinator.config.MAX_COUNT`, not an integer, or drafters > 0 on a service
+                without a drafter. Nothing changes.
             RuntimeError: starting a replica or drafter failed (the others that started are
                 kept; the message names the failure).
         """
@@ -834,7 +417,7 @@ class Router:
             await self._stop_replica(replica)
         await self.pool.close()
 
-    # ---- supervision ----
+    # ---- health, and drafter failures ----
 
     def _health_changed(self) -> None:
         now = self.can_serve()
@@ -844,180 +427,6 @@ class Router:
                 log.error("no target replica can serve: new requests get UNAVAILABLE")
             for listener in self._health_listeners:
                 listener(now)
-
-    def _on_replica_failure(self, scheduler: ReplicaScheduler,
-                            unstarted: list[ServiceRequest]) -> None:
-        """`ReplicaScheduler` ``on_failure``: out of placement now, re-created in the
-        background, its unstarted requests placed on serving replicas (or failed)."""
-        replica = self.replicas.get(scheduler.name)
-        if replica is not None and replica.scheduler is scheduler and \
-                replica.state == "serving":
-            replica.state = "restarting"
-            self._restarts[replica.name] = asyncio.get_running_loop().create_task(
-                self._restart_replica(replica))
-        # (a draining replica that fails is just removed: its drain ends with its requests)
-        self._health_changed()
-        for req in unstarted:
-            serving = self.serving()
-            if not serving:
-                scheduler.stats.failed += 1
-                req.events.put_nowait(ReplicaUnavailable(REPLICA_FAILED_MESSAGE))
-                continue
-            other = min(serving, key=lambda r: (*r.scheduler.load(), r.scheduler.placed))
-            other.scheduler.adopt(req)
-            self._placement[req] = other
-            log.info("request %s moved from failed replica %s to %s", req.id, scheduler.name,
-                     other.name)
-
-    async def _silent(self, replica: Replica, since: float) -> None:
-        """A status probe of ``replica`` sent at ``since`` went unanswered: an idle replica
-        silent for longer than a call's deadline is taken for stalled."""
-        target = replica.target
-        if replica.scheduler.requests or target.watchdog is None:
-            replica.silent_since = None  # busy: its calls' deadlines judge it
-            return
-        if replica.silent_since is None:
-            replica.silent_since = since
-        silent = time.monotonic() - replica.silent_since
-        limit = target.watchdog.deadline_s(0)
-        if silent >= limit and not target.failed:
-            target.mark_failed(f"stalled: idle, its status probes unanswered for {silent:.3g} s "
-                               f"(a call's deadline is {limit:.3g} s)")
-            await self._found_dead(replica)
-
-    def _watch(self, replica: Replica) -> None:
-        """Has a replica whose transport can tell (`target_worker.channel.ChannelTarget.
-        watch`) report its death the moment its connection closes, so an idle replica that
-        died is out of placement (and restarting) before a request is sent to it, rather
-        than at the next probe."""
-        target = replica.target
-        watch = getattr(target.inner, "watch", None)
-        if watch is None:
-            return
-
-        def closed(why: str) -> None:
-            # Not a replica replaced or removed (stopping it closes the channel).
-            if replica.target is target and self.replicas.get(replica.name) is replica:
-                target.mark_failed(f"its step channel closed: {why}")  # -> `_failed`
-
-        async def arm() -> None:
-            try:
-                await watch(closed)
-            except Exception as exc:  # its first call (or the probe) finds out instead
-                log.warning("replica %s: watching its channel failed: %r", replica.name, exc)
-
-        self._spawn(arm())
-
-    def _spawn(self, coro) -> None:
-        """Runs ``coro`` as a task the router keeps until it ends."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _failed(self, name: str, target: MeteredTarget) -> None:
-        """``target`` was marked failed: `_found_dead` for its replica, unless replaced."""
-        replica = self.replicas.get(name)
-        if replica is not None and replica.target is target:
-            await self._found_dead(replica)
-
-    async def _found_dead(self, replica: Replica) -> None:
-        """A probe found ``replica``'s process gone. An idle replica is handled here; a busy
-        one's loop finds out at its next target call (which now fails at once)."""
-        scheduler = replica.scheduler
-        if not scheduler.requests:
-            await scheduler._on_target_failure(ReplicaFailed(replica.target.failure), [])
-        else:
-            scheduler._wakeup.set()
-
-    async def _restart_replica(self, replica: Replica) -> None:
-        try:
-            await replica.scheduler.close()  # its loop has ended or waits idle; nothing in it
-            await self._stop_replica(replica)  # frees the dead one's resources first
-
-            def attempt_failed() -> None:
-                replica.state = "failed"
-
-            target, stop, info = await self._recreate(replica.name, self.replica_factory,
-                                                      attempt_failed)
-            self._retire(replica.scheduler)
-            replica.target, replica.scheduler = self._new_scheduler(replica.name, target, info)
-            replica.stop, replica.info, replica.reported = stop, dict(info), {}
-            replica.silent_since = None
-            self._watch(replica)
-            replica.restarts += 1
-            replica.state = "serving"
-            replica.scheduler.start()
-            log.warning("replica %s restarted", replica.name)
-            self._health_changed()
-        finally:
-            self._restarts.pop(replica.name, None)
-
-    async def _recreate(self, name: str, factory, attempt_failed: Callable[[], None]):
-        """``factory(name)``, retried with backoff until it succeeds (cancellable). The call
-        in flight is kept in ``_attempts`` so a cancellation can stop what it started."""
-        delay = self.restart_delay_s
-        while True:
-            attempt = self._attempts[name] = asyncio.ensure_future(factory(name))
-            try:
-                result = await attempt
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                del self._attempts[name]
-                log.warning("re-creating %s failed (retrying in %.1f s): %r", name, delay, exc)
-                attempt_failed()
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, MAX_RESTART_DELAY_S)
-                continue
-            del self._attempts[name]
-            return result
-
-    async def _cancel_restart(self, name: str) -> None:
-        """Stops re-creating ``name``; a worker its last attempt started but that was never
-        installed is stopped."""
-        task = self._restarts.pop(name, None)
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        attempt = self._attempts.pop(name, None)
-        if attempt is not None and attempt.done() and not attempt.cancelled() \
-                and attempt.exception() is None:
-            try:
-                await attempt.result()[1]()
-            except Exception:
-                log.exception("stopping an uninstalled %s failed", name)
-
-    async def _stop_replica(self, replica: Replica) -> None:
-        stop, replica.stop = replica.stop, None
-        if stop is not None:
-            try:
-                await stop()
-            except Exception:
-                log.exception("stopping replica %s failed", replica.name)
-
-    async def _probe_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.probe_interval_s)
-            try:
-                await self.probe()
-            except Exception:
-                log.exception("replica probe failed")
-
-    def _on_drafter_unhealthy(self, name: str) -> None:
-        """`DrafterPool` ``on_unhealthy``: replaces the worker in the background."""
-        if self.drafter_factory is None or name in self._restarts:
-            return
-        self._restarts[name] = asyncio.get_running_loop().create_task(
-            self._restart_drafter(name))
-
-    async def _restart_drafter(self, name: str) -> None:
-        try:
-            await self.pool.stop_worker(name)
-            client, stop = await self._recreate(name, self.drafter_factory, lambda: None)
-            self.pool.replace(name, client, stop)
-            log.warning("drafter %s replaced", name)
-        finally:
-            self._restarts.pop(name, None)
 
     def _on_drafter_failure(self, request_ids: list[str]) -> None:
         # Counted as the single-drafter scheduler counts: per request step, and per replica

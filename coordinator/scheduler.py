@@ -61,23 +61,24 @@ from target_worker.engine import SlotsExhausted
 
 from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target
 from .drafting import DraftingPolicy, RunAhead, remembered_tokens
-from .errors import ReplicaUnavailable, RequestError, RequestFailed, ServiceStopping
+from .errors import (
+    REPLICA_FAILED,
+    REQUEST_FAILED,
+    ReplicaUnavailable,
+    RequestError,
+    RequestFailed,
+    ServiceStopping,
+)
 from .latency import LatencyHistograms
 from .step_plan import ChunkPolicy, plan_prefill_chunks
 
 log = logging.getLogger(__name__)
 
-#: What a client sees when its request failed inside the service (the cause goes to the log).
-REQUEST_FAILED = ("generation failed: internal error while serving this request (the server "
-                  "log has the details)")
-REPLICA_FAILED = "the target replica failed while serving this request; retry it"
-
-
 class Target(Protocol):
     """What the scheduler needs from a target replica: the service's
-    `target_worker.channel.ChannelTarget` (the replica's step socket), a Ray actor handle
-    wrapped by `RayTarget`, or a `target_worker.engine.TargetEngine` wrapped by
-    `LocalTarget`."""
+    `target_worker.channel.ChannelTarget` (the replica's step socket) or a
+    `target_worker.engine.TargetEngine` wrapped by `LocalTarget` (the tests also drive a Ray
+    actor handle through `tests/tp_harness.RayTarget`)."""
 
     async def allocate(self) -> int: ...
     async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]: ...
@@ -122,28 +123,6 @@ class CacheTarget(LocalTarget):
 
     async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
         return self.engine.adopt(self.cache), 0
-
-
-class RayTarget:
-    """A `target_worker.actor.TargetActor` Ray actor handle behind the `Target` interface."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    async def allocate(self) -> int:
-        return await self.handle.allocate.remote()
-
-    async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
-        return tuple(await self.handle.allocate_prefix.remote(tokens))
-
-    async def free(self, slot: int) -> None:
-        await self.handle.free.remote(slot)
-
-    async def prefill(self, items: list) -> list:
-        return await self.handle.prefill.remote(items)
-
-    async def verify(self, items: list) -> list:
-        return await self.handle.verify.remote(items)
 
 
 @dataclass(eq=False)

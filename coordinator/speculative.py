@@ -23,7 +23,6 @@ from drafter_worker.registry import DEFAULT_NGRAM_SIZE, LOOKUP_DRAFT_LEN
 from specd_core.draft import Drafter
 from specd_core.request import (
     DecodeRequest,
-    FinishReason,
     SpeculativeDecodeResult,
     SpeculativeOptions,
     check_context,
@@ -32,15 +31,7 @@ from specd_core.request import (
 from .adaptive import AdaptiveDraftLength
 from .scheduler import CacheTarget, Scheduler
 
-__all__ = [
-    "DecodeRequest",
-    "FinishReason",
-    "SpeculativeDecodeResult",
-    "SpeculativeOptions",
-    "check_context",
-    "speculative_decode",
-    "speculative_decode_with",
-]
+__all__ = ["speculative_decode", "speculative_decode_with"]
 
 
 def speculative_decode_with(

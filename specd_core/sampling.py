@@ -30,6 +30,16 @@ GREEDY_TEMPERATURE = 1e-5
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
+class SamplingParamError(ValueError):
+    """A `SamplingParams` field out of its range: ``field`` names it (``"top_p"``), ``value``
+    is what it got, ``why`` the rule it broke; the message is
+    ``SamplingParams.<field>=<value!r>: <why>``."""
+
+    def __init__(self, field: str, value: object, why: str):
+        super().__init__(f"SamplingParams.{field}={value!r}: {why}")
+        self.field, self.value, self.why = field, value, why
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the target samples, validated on construction.
@@ -47,7 +57,7 @@ class SamplingParams:
         frequency_penalty: in [-2, 2]; subtracted per occurrence in the output.
 
     Raises:
-        ValueError: naming the field whose value is out of range.
+        SamplingParamError (a ValueError): naming the field whose value is out of range.
     """
 
     temperature: float = 0.0
@@ -59,9 +69,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
-        def bad(field: str, value: object, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{field}={value!r}: {why}")
-
+        bad = SamplingParamError
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

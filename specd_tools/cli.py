@@ -246,7 +246,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from coordinator.service import Service, ServiceConfig
+    from coordinator.config import ServiceConfig
+    from coordinator.service import Service
 
     service = Service(ServiceConfig(
         model=args.model, dtype=args.dtype, host=args.host, port=args.port,

@@ -129,7 +129,7 @@ def embedded_service_config(options):
     Raises:
         ValueError: as `prefill_config`.
     """
-    from coordinator.service import ServiceConfig
+    from coordinator.config import ServiceConfig
 
     return ServiceConfig(
         model=options.model, dtype=options.dtype, port=0, drafter=options.drafter,
@@ -163,7 +163,7 @@ def in_process_threads() -> int:
     """``generate --in-process``'s torch threads when --threads is not given: the cores less
     one (at least 1), as for the service's target (`default_target_threads`): two threads on 2
     cores beside one busy process fell from 53 to ~N tok/s (README, "Threads")."""
-    from coordinator.service import default_target_threads
+    from coordinator.config import default_target_threads
 
     return default_target_threads(1)
 
@@ -176,6 +176,6 @@ def in_process_prefill_threads() -> int:
     machine, but 2 threads 2x slower than 1 beside one busy process; the service keeps its
     target threads for prompt chunks (beside its own coordinator and drafter two threads
     collapsed)."""
-    from coordinator.service import usable_cpus
+    from coordinator.config import usable_cpus
 
     return usable_cpus()

@@ -373,7 +373,7 @@ class ChannelTarget:
     Raises (from every call):
         ChannelClosed: the connection could not be made, broke or failed the handshake (the
             replica did not prove it holds the secret); the replica is taken for dead
-            (`coordinator.router.is_replica_death`).
+            (`coordinator.supervisor.is_replica_death`).
         Whatever the replica raised, as `step_codec.ERRORS` carries it (ValueError for a
             refused item, SlotsExhausted, ...).
     """

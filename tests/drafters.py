@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from coordinator import Sampler, SamplingParams, sampling_distribution
 from specd_core.draft import DraftBlock, DraftDist
+from specd_core.sampling import Sampler, SamplingParams, sampling_distribution
 from target_worker.config import ModelConfig
 from target_worker.model import Decoder
 

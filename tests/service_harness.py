@@ -17,9 +17,9 @@ from concurrent.futures import Future
 
 import grpc
 
+from coordinator.grpc_api import GenerationServicer, start_generation_server
 from coordinator.router import Router
 from coordinator.scheduler import LocalTarget
-from coordinator.server import GenerationServicer, start_generation_server
 from drafter_worker.client import DrafterClient
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from drafter_worker.server import start_drafter_server
@@ -104,7 +104,8 @@ class LocalService:
             servicer, "127.0.0.1", 0, auth_token=self.auth_token)
         self.address = f"127.0.0.1:{port}"
         if self.http:
-            from coordinator.http_api import OpenAIApi, start_http_server
+            from coordinator.http_api import OpenAIApi
+            from coordinator.http_server import start_http_server
             from coordinator.metrics import router_registry
 
             self.http_api = OpenAIApi(servicer, auth_token=self.auth_token,

@@ -3,7 +3,7 @@ per rank, joined by a gloo group over a file store; rank 0 saves what it compute
 
 `engine_script` is the workload: raw packed forwards, then prefill + verify + rollback steps
 through a `TargetEngine`, greedy and sampling slots side by side. Run it on a plain `Decoder`
-for the reference.
+for the reference. `RayTarget` puts a Ray-actor replica behind the scheduler's `Target` interface.
 """
 
 from __future__ import annotations
@@ -165,3 +165,25 @@ def run_tp(tp: int, spec: str, out_dir: str | os.PathLike, weights: str | None =
                 p.kill()
             raise TimeoutError(f"tensor-parallel ranks did not finish within {timeout_s} s")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(tp)]
+
+
+class RayTarget:
+    """A `target_worker.actor.TargetActor` Ray actor handle behind the `Target` interface."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def allocate(self) -> int:
+        return await self.handle.allocate.remote()
+
+    async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
+        return tuple(await self.handle.allocate_prefix.remote(tokens))
+
+    async def free(self, slot: int) -> None:
+        await self.handle.free.remote(slot)
+
+    async def prefill(self, items: list) -> list:
+        return await self.handle.prefill.remote(items)
+
+    async def verify(self, items: list) -> list:
+        return await self.handle.verify.remote(items)

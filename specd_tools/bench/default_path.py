@@ -200,7 +200,7 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
     """
     from dataclasses import asdict as as_dict
 
-    from coordinator.service import default_target_threads
+    from coordinator.config import default_target_threads
     from target_worker.loader import load_model
 
     from ..generate import embedded_service_config

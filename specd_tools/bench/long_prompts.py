@@ -161,7 +161,7 @@ def second_turn(address: str, service, text: str) -> dict:
 
 
 def service_tokenizer_decode(service, ids: list[int]) -> str:
-    from coordinator.service import load_tokenizer_for
+    from coordinator.actor import load_tokenizer_for
 
     tokenizer = getattr(service, "_bench_tokenizer", None)
     if tokenizer is None:
@@ -175,12 +175,9 @@ def _prefix(service) -> int:
 
 def service_tables(model: str, document: str, stall_tokens: int, turn_tokens: int,
                    short_new: int, budgets: list[int]) -> None:
-    from coordinator.service import (
-        Service,
-        ServiceConfig,
-        init_embedded_ray,
-        load_tokenizer_for,
-    )
+    from coordinator.actor import load_tokenizer_for
+    from coordinator.config import ServiceConfig
+    from coordinator.service import Service, init_embedded_ray
 
     tokenizer = load_tokenizer_for(model)
     long_text = long_prompt(tokenizer, document, stall_tokens)[0]

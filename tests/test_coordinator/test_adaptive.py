@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 from drafters import FixedDrafter, exact_marginals, plain_decode, tiny_decoder, tv_tolerance
 
-from coordinator import SamplingParams, SpeculativeOptions, speculative_decode_with
 from coordinator.adaptive import (
     AcceptanceTracker,
     AdaptiveDraftLength,
@@ -14,8 +13,11 @@ from coordinator.adaptive import (
     choose_draft_len,
     expected_tokens,
 )
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.draft import DraftBlock
+from specd_core.request import SpeculativeOptions
+from specd_core.sampling import SamplingParams
 
 # The measured CPU curve from the issue: 1 token 57 ms, 2-8 tokens ~97 ms, then slow growth.
 CPU = {1: 0.057, 2: 0.097, 8: 0.097, 16: 0.114, 32: 0.143}

@@ -13,13 +13,14 @@ import torch
 from drafters import FixedDrafter, exact_marginals, plain_decode, tiny_decoder, tv_tolerance
 from test_service import REPEATING
 
-from coordinator import SamplingParams, SpeculativeOptions
 from coordinator.adaptive import ForwardCostModel
 from coordinator.scheduler import LocalTarget, Scheduler
 from coordinator.step_plan import ChunkPolicy
 from drafter_worker.local import LocalDrafter
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.draft import DraftBlock
+from specd_core.request import SpeculativeOptions
+from specd_core.sampling import SamplingParams
 from specd_core.step import PrefillItem
 from target_worker.engine import TargetEngine
 from target_worker.loader import load_model

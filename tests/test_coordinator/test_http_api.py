@@ -11,7 +11,8 @@ import openai
 import pytest
 from service_harness import MODEL, LocalService, SplitCharTokenizer
 
-from coordinator.http_api import OpenAIApi, start_http_server
+from coordinator.http_api import OpenAIApi
+from coordinator.http_server import start_http_server
 from coordinator.scheduler import LocalTarget
 from specd.v1 import generation_pb2
 
@@ -412,8 +413,9 @@ def test_n_choices_without_a_seed_are_independent(client):
 
 
 def test_a_message_name_reaches_the_chat_template(client):
-    from coordinator.http_api import ChatBody, grpc_request
-    from coordinator.server import GenerationServicer
+    from coordinator.grpc_api import GenerationServicer
+    from coordinator.openai_request import ChatBody
+    from coordinator.openai_request import generation_request as grpc_request
 
     seen = []
 
@@ -445,7 +447,7 @@ def test_a_message_name_reaches_the_chat_template(client):
 def test_the_stop_trimmer_holds_back_only_what_could_start_a_stop_string():
     import random
 
-    from coordinator.server import StopTrimmer
+    from coordinator.gateway import StopTrimmer
 
     t = StopTrimmer(["bcd", "xy"])
     assert [t.push(d) for d in ("ab", "c", "e", "bx", "z")] == ["a", "", "bce", "b", "xz"]
@@ -536,7 +538,7 @@ def test_models_have_a_created_time_and_can_be_fetched_by_id(client):
 
 
 def _limited_server(service, **limits):
-    from coordinator.http_api import HttpLimits
+    from coordinator.http_server import HttpLimits
 
     api = OpenAIApi(servicer=service.http_api.servicer, auth_token=TOKEN,
                     limits=HttpLimits(**limits))
@@ -701,7 +703,8 @@ def test_the_coordinators_stop_ends_streams_past_the_grace_with_an_error_and_don
     event and ``[DONE]``, not a cut connection."""
     import json
 
-    from coordinator.service import CoordinatorActor, ServiceConfig
+    from coordinator.actor import CoordinatorActor
+    from coordinator.config import ServiceConfig
 
     svc = GatedService(http=True).start()
     actor = CoordinatorActor(ServiceConfig(model=MODEL, http_port=0))

@@ -14,12 +14,13 @@ import torch
 from test_chunked_prefill import FLAT, LONG, RecordingTarget
 from test_service import REPEATING
 
-from coordinator import SamplingParams, SpeculativeOptions
 from coordinator.scheduler import Scheduler
 from coordinator.step_plan import ChunkPolicy
 from drafter_worker.local import LocalDrafter
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.logprobs import RowLogprobs
+from specd_core.request import SpeculativeOptions
+from specd_core.sampling import SamplingParams
 from specd_core.step import PrefillItem, VerifyItem, payload_bytes
 from target_worker.engine import TargetEngine
 from target_worker.loader import load_model

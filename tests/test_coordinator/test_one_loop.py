@@ -10,11 +10,12 @@ import torch
 from service_harness import MODEL, LocalService
 from test_service import REPEATING, request, stream_tokens
 
-from coordinator import SamplingParams, SpeculativeOptions, speculative_decode_with
 from coordinator.adaptive import AdaptiveDraftLength, ForwardCostModel
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.draft import DraftBlock, DrafterCapabilities
-from specd_core.sampling import greedy_tokens
+from specd_core.request import SpeculativeOptions
+from specd_core.sampling import SamplingParams, greedy_tokens
 from target_worker.loader import load_model
 
 

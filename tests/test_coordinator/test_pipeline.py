@@ -14,14 +14,15 @@ from drafters import exact_marginals, plain_decode, tiny_decoder, tv_tolerance
 from service_harness import LocalService
 from test_service import MIXED, REPEATING, stream_tokens
 
-from coordinator import SamplingParams, SpeculativeOptions, speculative_decode_with
 from coordinator.adaptive import ForwardCostModel
 from coordinator.scheduler import LocalTarget, Scheduler
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.client import DrafterUnavailable
 from drafter_worker.local import LocalDrafter
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.draft import DraftBlock, DraftDist, DrafterCapabilities, propose_ahead
-from specd_core.sampling import Sampler
+from specd_core.request import SpeculativeOptions
+from specd_core.sampling import Sampler, SamplingParams
 from target_worker.engine import TargetEngine
 from target_worker.loader import load_model
 

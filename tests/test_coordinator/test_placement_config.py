@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.service import Service, ServiceConfig
+from coordinator.config import ServiceConfig
+from coordinator.service import Service
 from specd_tools.cli import build_parser
 
 MODEL = "tiny-random:vocab=64,seed=0,layers=2"

@@ -10,10 +10,12 @@ import grpc
 import pytest
 from service_harness import MODEL, run_in_thread
 
-from coordinator import SpeculativeOptions, speculative_decode_with
-from coordinator.service import Service, ServiceConfig
+from coordinator.config import ServiceConfig
+from coordinator.service import Service
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd.v1 import generation_pb2, generation_pb2_grpc
+from specd_core.request import SpeculativeOptions
 from specd_tools.cli import main as specd
 from target_worker.loader import load_model
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import SpeculativeOptions, speculative_decode_with
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
+from specd_core.request import SpeculativeOptions
 from specd_core.text import encode_prompt
 
 pytestmark = pytest.mark.slow
@@ -49,7 +50,8 @@ def test_greedy_speculative_decode_equals_plain_greedy(smollm2, name):
 def test_greedy_through_the_service_equals_the_in_process_core(smollm2, pipeline):
     import grpc
 
-    from coordinator.service import Service, ServiceConfig
+    from coordinator.config import ServiceConfig
+    from coordinator.service import Service
     from specd.v1 import generation_pb2, generation_pb2_grpc
 
     decoder, tokenizer = smollm2

@@ -18,9 +18,9 @@ from service_harness import LocalService, run_in_thread
 from test_service import REPEATING, solo
 from test_service import request as make_request
 
-from coordinator.speculative import DecodeRequest, SpeculativeDecodeResult
 from specd.v1 import generation_pb2
 from specd_core.draft import DraftDist
+from specd_core.request import DecodeRequest, SpeculativeDecodeResult
 from specd_core.rule import target_rows
 from specd_core.sampling import Sampler, SamplingParams, greedy_tokens, sampling_distributions
 from target_worker.engine import TargetEngine
@@ -357,7 +357,7 @@ def test_a_request_whose_drafting_fails_decodes_undrafted_and_the_others_keep_dr
 
 def test_status_counts_a_slot_held_while_its_request_is_being_admitted():
     from coordinator.scheduler import LocalTarget, Scheduler
-    from coordinator.speculative import SpeculativeOptions
+    from specd_core.request import SpeculativeOptions
     from target_worker.loader import load_model
 
     decoder, _ = load_model("tiny-random:vocab=64,seed=0,layers=2")
@@ -497,7 +497,7 @@ def test_tokenizer_failures_answer_their_request_with_a_clear_status(gated):
 
 
 def test_a_prompt_over_the_size_cap_is_refused_before_tokenizing(gated):
-    from coordinator.server import GenerationServicer, start_generation_server
+    from coordinator.grpc_api import GenerationServicer, start_generation_server
 
     svc, tok = gated, gated.tokenizer
     servicer = GenerationServicer(svc.scheduler, tok, 64, 256, "prompt-lookup", "tiny",
@@ -538,7 +538,8 @@ def test_a_prompt_over_the_size_cap_is_refused_before_tokenizing(gated):
 
 
 def test_the_default_size_cap_admits_a_full_context_of_the_longest_token():
-    from coordinator.server import MAX_MESSAGE_BYTES, GenerationServicer, InvalidRequest
+    from coordinator.errors import RequestInvalid as InvalidRequest
+    from coordinator.grpc_api import MAX_MESSAGE_BYTES, GenerationServicer
 
     class Vocab:
         def get_vocab(self):

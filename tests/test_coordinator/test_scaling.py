@@ -11,13 +11,15 @@ import pytest
 from service_harness import MODEL, LocalService, run_in_thread
 from test_service import REPEATING, request, solo, stream_tokens
 
-from coordinator import SpeculativeDecodeResult, SpeculativeOptions, speculative_decode_with
 from coordinator.drafter_pool import DrafterPool
-from coordinator.router import RateMeter, Router
+from coordinator.replica import RateMeter
+from coordinator.router import Router
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.client import DrafterUnavailable
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd.v1 import generation_pb2, generation_pb2_grpc
 from specd_core.draft import DraftBlock
+from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
 
 PROMPTS = [REPEATING, [11, 3, 40, 22, 17, 9, 31], [2, 4, 2, 4, 2, 4], [1, 2, 3, 1, 2, 3, 1],
            [9, 9, 9, 9], [7, 1, 7, 1, 7, 1, 7, 1]]

@@ -12,10 +12,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_harness import LocalService, run_in_thread
 
-from coordinator import SpeculativeOptions, speculative_decode_with
-from coordinator.server import sampling_from_proto
+from coordinator.grpc_api import sampling_from_proto
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd.v1 import generation_pb2
+from specd_core.request import SpeculativeOptions
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(service, mut
 
 
 def test_a_second_server_on_a_busy_port_is_refused(service):
-    from coordinator.server import GenerationServicer, start_generation_server
+    from coordinator.grpc_api import GenerationServicer, start_generation_server
 
     port = int(service.address.rsplit(":", 1)[1])
     servicer = GenerationServicer(service.scheduler, service.tokenizer, 64, 256,
@@ -260,7 +261,7 @@ def test_tls_with_a_bearer_token(tmp_path):
     import shutil
     import subprocess
 
-    from coordinator.server import GenerationServicer, start_generation_server
+    from coordinator.grpc_api import GenerationServicer, start_generation_server
     from specd.v1 import generation_pb2_grpc
 
     if shutil.which("openssl") is None:

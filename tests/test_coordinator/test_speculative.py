@@ -14,15 +14,11 @@ from drafters import (
     tv_tolerance,
 )
 
-from coordinator import (
-    SamplingParams,
-    SpeculativeDecodeResult,
-    SpeculativeOptions,
-    speculative_decode,
-    speculative_decode_with,
-)
+from coordinator.speculative import speculative_decode, speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.draft import DraftBlock
+from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
+from specd_core.sampling import SamplingParams
 
 # ---- losslessness ----
 

@@ -15,15 +15,17 @@ from service_harness import LocalService
 from test_pipeline import FLAT, SlowTarget, assert_marginals_exact
 from test_service import MIXED, REPEATING, request, stream_tokens
 
-from coordinator import SamplingParams, SpeculativeOptions, speculative_decode_with
 from coordinator.adaptive import AdaptiveDraftLength, ForwardCostModel
 from coordinator.drafting import REMEMBER_PROMPT_TAIL, remembered_tokens
 from coordinator.scheduler import Scheduler
+from coordinator.speculative import speculative_decode_with
 from drafter_worker.client import DrafterClient
 from drafter_worker.local import LocalDrafter
 from drafter_worker.server import start_drafter_server
 from drafter_worker.suffix import SuffixDrafter
 from specd_core.draft import DraftBlock, DrafterCapabilities
+from specd_core.request import SpeculativeOptions
+from specd_core.sampling import SamplingParams
 from target_worker.engine import TargetEngine
 from target_worker.loader import load_model
 
@@ -265,7 +267,8 @@ def test_specd_serve_path_with_two_suffix_drafter_actors():
     import grpc
     from service_harness import MODEL
 
-    from coordinator.service import Service, ServiceConfig
+    from coordinator.config import ServiceConfig
+    from coordinator.service import Service
     from specd.v1 import generation_pb2_grpc
 
     svc = Service(ServiceConfig(model=MODEL, port=0, drafter="suffix", drafters=2,

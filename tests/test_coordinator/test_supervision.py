@@ -19,7 +19,7 @@ from test_scaling import PROMPTS, FakeClient, collect, gate_all, greedy_solo, op
 from test_service import REPEATING, request, stream_tokens
 
 from coordinator.drafter_pool import DrafterPool
-from coordinator.server import GENERATION_SERVICE
+from coordinator.grpc_api import GENERATION_SERVICE
 from drafter_worker.client import ProposeJob
 from specd.v1 import generation_pb2
 
@@ -361,7 +361,8 @@ def test_pool_marks_a_failing_member_unhealthy_and_moves_its_requests():
 
 @pytest.mark.parametrize("value", [0, -1.0, True, "60"])
 def test_target_timeout_must_be_a_positive_number(value):
-    from coordinator.service import Service, ServiceConfig
+    from coordinator.config import ServiceConfig
+    from coordinator.service import Service
 
     with pytest.raises(ValueError, match="target_timeout_s"):
         Service(ServiceConfig(model="tiny-random", target_timeout_s=value))

@@ -4,16 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator import (
-    GreedyRows,
-    ProbRows,
-    Sampler,
-    SamplingParams,
-    accept_or_resample,
-    sampling_distributions,
-    target_rows,
-)
 from specd_core.draft import DraftDist
+from specd_core.rule import GreedyRows, ProbRows, accept_or_resample, target_rows
+from specd_core.sampling import Sampler, SamplingParams, sampling_distributions
 
 
 def test_a_draft_at_least_as_likely_under_the_target_is_always_accepted():

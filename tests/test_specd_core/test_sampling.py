@@ -5,8 +5,13 @@ import math
 import pytest
 import torch
 
-from coordinator import SamplingParams, sampling_distribution, sampling_distributions
-from specd_core.sampling import greedy_tokens, penalize
+from specd_core.sampling import (
+    SamplingParams,
+    greedy_tokens,
+    penalize,
+    sampling_distribution,
+    sampling_distributions,
+)
 
 
 @pytest.mark.parametrize(

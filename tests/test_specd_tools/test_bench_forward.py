@@ -11,7 +11,7 @@ import pytest
 import torch
 from service_harness import LocalService
 
-from coordinator.service import default_target_threads
+from coordinator.config import default_target_threads
 from specd_tools.bench.core import BenchConfig, run_bench
 from specd_tools.bench.default_path import (
     SPECD_GENERATE,

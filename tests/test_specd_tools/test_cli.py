@@ -11,7 +11,7 @@ import pytest
 import torch
 from service_harness import SplitCharTokenizer
 
-from coordinator.service import default_target_threads
+from coordinator.config import default_target_threads
 from specd_tools import cli
 from target_worker.testing import load_tiny_random
 

@@ -225,7 +225,8 @@ def test_tokenizer_larger_than_embedding(dirs, tmp_path):
 def test_service_refuses_before_any_actor(dirs, tmp_path, monkeypatch):
     import ray
 
-    from coordinator.service import Service, ServiceConfig
+    from coordinator.config import ServiceConfig
+    from coordinator.service import Service
 
     d = edited_copy(dirs["llama3"], tmp_path / "m", architectures=["BertModel"])
 

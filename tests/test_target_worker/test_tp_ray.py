@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from tp_harness import engine_script, rows_of, run_tp
+from tp_harness import RayTarget, engine_script, rows_of, run_tp
 
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.sampling import SamplingParams
@@ -183,7 +183,7 @@ def test_the_coordinators_scheduler_runs_unchanged_on_a_tp2_replica(ray_local):
     requests (greedy and seeded sampling) stream exactly what the in-process core produces."""
     import asyncio
 
-    from coordinator.scheduler import RayTarget, Scheduler
+    from coordinator.scheduler import Scheduler
     from coordinator.speculative import speculative_decode_with
     from drafter_worker.client import DrafterClient
     from drafter_worker.server import start_drafter_server

@@ -1,0 +1,200 @@
+"""What ``specd serve`` configures (`ServiceConfig`, one validated dataclass) and the defaults
+derived from the machine (`default_target_threads`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from drafter_worker.registry import DEFAULT_NGRAM_SIZE, LOOKUP_DRAFT_LEN, check_drafter
+
+from .step_plan import DEFAULT_MAX_BATCHED_TOKENS, ChunkPolicy
+
+#: Upper bound on a replica or drafter count (at start or in one `Router.scale` call): a typo
+#: guard, not a design limit.
+MAX_COUNT = 64
+
+
+def check_count(name: str, value, minimum: int) -> None:
+    """Raises ValueError naming ``name`` unless ``value`` is None or an int in
+    [minimum, `MAX_COUNT`]."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_COUNT:
+        raise ValueError(f"{name}: must be an integer in [{minimum}, {MAX_COUNT}], got {value!r}")
+
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Everything ``specd serve`` configures, checked when made (before Ray or any actor
+    starts).
+
+    Attributes:
+        model: a ``.gguf`` path, a Hugging Face model directory, ``None`` for the default
+            SmolLM2, or ``tiny-random[:...]`` (a random test model).
+        dtype: the target's weights/compute dtype, ``"auto"`` (float32 on CPU, bfloat16 on
+            GPU), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        host, port: where the Generation API listens (port 0 picks a free one).
+        address: a Ray address to join (``"auto"`` or ``HOST:PORT``); None embeds a local Ray.
+        drafter: ``"prompt-lookup"``, ``"eagle"``, ``"eagle+lookup"`` or ``"none"``.
+        drafter_path: the EAGLE head file (None: the head shipped for SmolLM2).
+        suffix_cache_requests: ``--drafter suffix`` / ``suffix+lookup``: previous outputs
+            each drafter worker's global cache keeps (None: 10,000); every finished output
+            goes to every drafter worker.
+        max_active: requests decoding at once per target replica; the rest wait.
+        adaptive: choose each request's draft length per step (`Scheduler` ``adaptive``).
+        tp: ranks (tensor-parallel degree) of each target replica.
+        target_replicas: target replicas (data parallel) at start, >= 1.
+        drafters: drafter workers at start, >= 0 (ignored with ``drafter="none"``).
+        target_threads: torch threads per target rank; None divides this machine's cores
+            less one among all ranks (`default_target_threads`). Prompt chunks run on them
+            too: the coordinator and drafters run beside every step.
+        drafter_timeout_s: deadline of one Propose call; a miss decodes the step undrafted.
+        target_timeout_s: the most one target call (allocate, prefill, verify, free) may
+            take, seconds; a replica that misses its call's deadline is treated as stalled:
+            its requests fail with UNAVAILABLE and it is re-created. Each call's deadline is
+            scaled by the replica's measured step cost (`coordinator.supervisor.StallWatchdog`:
+            10x the predicted time, at least 10 s) and capped by this, which is generous by
+            default: a CPU prefill of a full batch of long prompts takes minutes. A replica
+            whose process dies is detected at once whatever this is.
+        tls_cert, tls_key: PEM file paths for TLS on the API.
+        auth_token: bearer token required by the API (health checks exempt).
+        metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0 picks a
+            port; None: off). Needs prometheus_client.
+        max_prompt_bytes: refuse prompts over this many UTF-8 bytes before tokenizing; None
+            derives it so the context stays reachable (`gateway.default_max_prompt_bytes`).
+        pipeline: draft the next block while the target verifies this one
+            (`coordinator.scheduler`); False keeps the serial step (``--no-pipeline``).
+        drafter_threads: torch threads of each drafter worker (EAGLE's head); None: 1,
+            so a drafter beside the target never oversubscribes the cores.
+        max_batched_tokens: tokens one replica step feeds at most: verify blocks first, then
+            prompt chunks (chunked prefill, `coordinator.step_plan`); None: whole prompts.
+        max_partial_prefills: prompts a replica may hold partly computed at once.
+        prefix_caching: reuse a finished request's warm KV slot for a prompt that starts
+            with its tokens (`TargetEngine.allocate_prefix`); False: off, nothing kept warm.
+        http_port: serve the OpenAI-compatible HTTP API (`coordinator.http_api`) on
+            ``host:http_port`` (0 picks a port; None: off), same token and TLS as gRPC. It
+            listens from the start of the coordinator, answering 503 until the replicas serve.
+        target_resource: a Ray custom resource every target rank needs 1 of
+            (`create_target_replica` ``resource``), or None: Ray's GPU/CPU accounting
+            places them.
+        drafter_resource: a Ray custom resource each drafter worker needs 1 of, or None.
+        channel_tls: TLS on the per-step channels (replica sockets, drafter gRPC), each
+            worker with a key pair of its own whose certificate the coordinator pins
+            (`target_worker.tls`): ``"auto"`` (on a
+            cluster, ``address`` given; off for the embedded loopback-only service),
+            ``"on"`` or ``"off"``. The channels' own authentication applies either way.
+
+    Raises:
+        ValueError: an invalid setting, named (unknown drafter, TLS half configured, bad
+            counts, threads, timeout, dtype, prefill budget or resource name).
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    address: str | None = None
+    drafter: str = "prompt-lookup"
+    ngram_size: int = DEFAULT_NGRAM_SIZE
+    max_draft_len: int | None = LOOKUP_DRAFT_LEN
+    drafter_path: str | None = None
+    suffix_cache_requests: int | None = None
+    max_active: int = 32
+    adaptive: bool = True
+    tp: int = 1
+    target_replicas: int = 1
+    drafters: int = 1
+    target_threads: int | None = None
+    drafter_timeout_s: float = 1.0
+    target_timeout_s: float = 600.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    auth_token: str | None = None
+    metrics_port: int | None = None
+    max_prompt_bytes: int | None = None
+    pipeline: bool = True
+    drafter_threads: int | None = None
+    http_port: int | None = None
+    max_batched_tokens: int | None = DEFAULT_MAX_BATCHED_TOKENS
+    max_partial_prefills: int = 1
+    prefix_caching: bool = True
+    target_resource: str | None = None
+    drafter_resource: str | None = None
+    channel_tls: str = "auto"
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key must be given together")
+        if self.channel_tls not in ("auto", "on", "off"):
+            raise ValueError(f"channel_tls must be auto, on or off, got {self.channel_tls!r}")
+        for name in ("target_resource", "drafter_resource"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty resource name, got {value!r}")
+        check_drafter(self.drafter, self.ngram_size, self.max_draft_len, self.drafter_path,
+                      self.suffix_cache_requests)
+        check_count("target_replicas", self.target_replicas, 1)
+        check_count("drafters", self.drafters, 0)
+        if isinstance(self.target_timeout_s, bool) or not isinstance(
+                self.target_timeout_s, int | float) or not self.target_timeout_s > 0:
+            raise ValueError(
+                f"target_timeout_s must be a positive number, got {self.target_timeout_s!r}")
+        from target_worker.loader import resolve_dtype
+
+        resolve_dtype(self.dtype)  # names a bad --dtype before anything starts
+        for name in ("tp", "max_active"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("drafter_threads", "target_threads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        ChunkPolicy(self.max_batched_tokens, self.max_partial_prefills)  # names a bad one
+
+    @property
+    def chunking(self) -> ChunkPolicy:
+        """Every replica loop's chunked-prefill policy (`max_batched_tokens`,
+        `max_partial_prefills`)."""
+        return ChunkPolicy(self.max_batched_tokens, self.max_partial_prefills)
+
+    @property
+    def tls_channels(self) -> bool:
+        """Whether the per-step channels run inside TLS (`channel_tls`)."""
+        return self.channel_tls == "on" or (self.channel_tls == "auto" and
+                                            self.address is not None)
+
+
+
+def default_target_threads(replicas: int, tp: int = 1, cpus: int | None = None) -> int:
+    """Torch threads per target rank when not given: this process's usable cores less one
+    (left to the coordinator, the drafter workers, gRPC and Ray, which all run beside the
+    target on every step), divided evenly among the ``replicas * tp`` ranks, at least 1.
+
+    Why one core off: torch's OpenMP threads spin-wait for each other at every op, so a
+    forward with a thread sharing a core with any busy process runs at that thread's pace.
+    Measured on 2 cores (SmolLM2-135M, k=1 forward over 300 cached tokens): quiet, 2 threads
+    17 ms vs 1 thread 28 ms; beside one busy process, 2 threads 36 ms (worst 134 ms) vs 1
+    thread 29 ms (worst 38 ms). On 2 cores: 1 thread; 16 cores, 1 replica: 15.
+
+    Args:
+        cpus: cores to share (default: ``os.sched_getaffinity``, else ``os.cpu_count``).
+    """
+    if cpus is None:
+        cpus = usable_cpus()
+    return max(1, (cpus - 1) // max(1, replicas * tp))
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+
+__all__ = ["MAX_COUNT", "ServiceConfig", "check_count", "default_target_threads", "usable_cpus"]

@@ -1,0 +1,401 @@
+"""The gRPC ``specd.v1.Generation`` front end (grpc.aio) over a `coordinator.gateway.Gateway`.
+
+The servicer is the gateway (admission, limits, tokenizing, streaming) plus the RPCs: it
+converts ``GenerateRequest`` messages to `GenerationRequest` s and results to messages. Bad
+input is refused with ``INVALID_ARGUMENT`` and a message naming the field (its path in the
+request message); the server keeps serving others. Bytes that are not a valid request message
+are ``INVALID_ARGUMENT`` too (each handler parses its own request, see `generation_handlers`).
+A prompt over the size cap (``max_prompt_bytes``) is refused before it is tokenized, and
+reading the message, tokenizing and chat rendering run in a worker thread, so a big prompt
+never stalls the event loop (every stream's steps). A client that cancels (or whose deadline
+passes) stops its request at the next step boundary and frees its KV slot. Optional TLS and a
+bearer token checked by a server interceptor (the health service is exempt so probes work
+without it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from drafter_worker.server import CredentialInterceptor
+from specd.v1 import generation_pb2, generation_pb2_grpc
+from specd_core.logprobs import TokenLogprob
+from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
+from specd_core.sampling import SamplingParams
+
+from .errors import RequestError, client_status
+from .gateway import Gateway, speculation_counters
+from .generation_request import SAMPLING_FLOATS, GenerationRequest, sampling_params
+from .scheduler import ServiceRequest
+
+log = logging.getLogger(__name__)
+
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
+    """`SamplingParams` from the proto, unset fields taking their defaults
+    (`coordinator.gateway.sampling_params`: the float32 values as the client wrote them).
+
+    Raises:
+        RequestInvalid: naming the out-of-range field (``sampling.<name>``).
+    """
+    values: dict[str, float | int] = {f: getattr(msg, f) for f in SAMPLING_FLOATS
+                                      if msg.HasField(f)}
+    if msg.HasField("top_k"):
+        values["top_k"] = msg.top_k
+    return sampling_params(values)
+
+
+def generation_request(msg: generation_pb2.GenerateRequest) -> GenerationRequest:
+    """The `GenerationRequest` a ``GenerateRequest`` message means (its field paths are the
+    gateway's field names). Reads every string of the message: call it off the event loop
+    for a big one."""
+    kind = msg.WhichOneof("prompt")
+    spec = msg.speculation
+    return GenerationRequest(
+        text=msg.text if kind == "text" else None,
+        chat=[_chat_message(m) for m in msg.chat.messages] if kind == "chat" else None,
+        token_ids=msg.token_ids.ids if kind == "token_ids" else None,  # not copied
+        max_new_tokens=msg.max_new_tokens,
+        sampling={f: getattr(msg.sampling, f) for f in (*SAMPLING_FLOATS, "top_k")
+                  if msg.sampling.HasField(f)},
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        stop_token_ids=msg.stop_token_ids,
+        ignore_eos=msg.ignore_eos,
+        include_stop_str_in_output=(msg.include_stop_str_in_output
+                                    if msg.HasField("include_stop_str_in_output") else None),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        speculate=spec.enabled if spec.HasField("enabled") else None,
+        max_draft_len=spec.max_draft_len if spec.HasField("max_draft_len") else None,
+        drafter=spec.drafter,
+    )
+
+
+def _final_fields(req: ServiceRequest, result: SpeculativeDecodeResult) -> dict:
+    """The finish reason, usage and speculation counters both RPC shapes end with."""
+    return {
+        "finish_reason": result.finish_reason,
+        "usage": generation_pb2.Usage(prompt_tokens=req.decode.num_prompt_tokens,
+                                      completion_tokens=result.tokens_generated),
+        "speculation": generation_pb2.SpeculationStats(
+            **speculation_counters(result, req.drafter_failures)),
+    }
+
+
+def logprob_protos(records: Sequence[TokenLogprob | None]
+                   ) -> list[generation_pb2.TokenLogprob]:
+    """``TokenLogprob`` messages of ``records`` (None entries, the first prompt token's,
+    skipped)."""
+    return [generation_pb2.TokenLogprob(
+                token_id=r.token, logprob=r.logprob,
+                top=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in r.top])
+            for r in records if r is not None]
+
+
+def trimmed_stops(request: generation_pb2.GenerateRequest) -> tuple[str, ...]:
+    """The stop strings to cut the text before: the request's when it set
+    ``include_stop_str_in_output`` false, else none (the gRPC API's default keeps them)."""
+    if request.HasField("include_stop_str_in_output") and not request.include_stop_str_in_output:
+        return tuple(request.stop)
+    return ()
+
+
+class GenerationServicer(Gateway, generation_pb2_grpc.GenerationServicer):
+    """``specd.v1.Generation`` over a scheduler: a `Gateway` (same arguments) with the RPCs.
+
+    Its `parse` (so `submit` and `submit_choices` too) also takes a ``GenerateRequest``
+    message, converted (`generation_request`) in the worker thread that tokenizes.
+    Status reports a `coordinator.router.Router` 's replicas and drafters, and Scale works
+    with one.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._scale_tasks: set[asyncio.Task] = set()
+        #: The server's health service (set by `start_generation_server`), for `drain`.
+        self.health = None
+
+    def parse(self, request: generation_pb2.GenerateRequest | GenerationRequest,
+              default_max_new_tokens: bool = False,
+              ) -> tuple[list[int], SpeculativeOptions, bool, int | None]:
+        """`Gateway.parse`, of a ``GenerateRequest`` message too."""
+        if isinstance(request, generation_pb2.GenerateRequest):
+            request = generation_request(request)
+        return super().parse(request, default_max_new_tokens)
+
+    async def on_drain(self) -> None:
+        """Health reports ``NOT_SERVING`` from now on; new Generate calls get ``UNAVAILABLE``
+        from the handler itself. (Stopping the gRPC server at once instead ends calls that
+        have arrived but not reached a handler with ``CANCELLED``, grpc/grpc#41785.)"""
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+
+    async def _submit(self, request, context) -> ServiceRequest:
+        try:
+            return await self.submit(request)
+        except RequestError as exc:
+            await _abort_failed(context, exc)
+            raise
+
+    # ---- RPCs ----
+
+    async def Generate(self, request, context):
+        with self.tracked():
+            req = await self._submit(request, context)
+            try:
+                async with contextlib.aclosing(
+                        self.stream(req, trimmed_stops(request))) as chunks:
+                    async for chunk in chunks:
+                        lp = {"logprobs": logprob_protos(chunk.logprobs or ()),
+                              "prompt_logprobs": logprob_protos(chunk.prompt_logprobs or ())}
+                        if chunk.result is None:
+                            yield generation_pb2.GenerateResponse(token_ids=chunk.token_ids,
+                                                                  text=chunk.text, **lp)
+                        else:
+                            yield generation_pb2.GenerateResponse(
+                                text=chunk.text, **_final_fields(req, chunk.result), **lp)
+            except RequestError as exc:
+                await _abort_failed(context, exc)
+
+    async def GenerateUnary(self, request, context):
+        with self.tracked():
+            req = await self._submit(request, context)
+            try:
+                tokens, text, result = await self.collect(req, trimmed_stops(request))
+            except RequestError as exc:
+                await _abort_failed(context, exc)
+            return generation_pb2.GenerateResult(
+                text=text, token_ids=tokens, **_final_fields(req, result),
+                logprobs=logprob_protos(req.decode.token_logprobs),
+                prompt_logprobs=logprob_protos(req.decode.prompt_logprobs))
+
+    async def Status(self, request, context):
+        refresh = getattr(self.scheduler, "refresh", None)  # a Router: replicas' own stats
+        if refresh is not None:
+            await refresh()
+        s = self.scheduler.status()
+        return generation_pb2.StatusResponse(
+            active_requests=s["active_requests"], waiting_requests=s["waiting_requests"],
+            used_slots=s["used_slots"], total_slots=s["total_slots"], steps=s["steps"],
+            tokens_generated=s["tokens_generated"], drafter_failures=s["drafter_failures"],
+            model=self.model_name, drafter=self.drafter_name, forward_calls=s["forward_calls"],
+            failed=s.get("failed", 0),
+            replicas=[_replica_proto(r) for r in s.get("replicas", ())],
+            drafters=[_drafter_proto(d) for d in s.get("drafters", ())],
+        )
+
+    async def Scale(self, request, context):
+        """Admin: scales replicas and drafters (`coordinator.router.Router.scale`). The work
+        runs to completion even if the caller goes away (a half-done scale helps no one)."""
+        scale = getattr(self.scheduler, "scale", None)
+        if scale is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server cannot scale")
+        task = asyncio.ensure_future(scale(
+            target_replicas=(request.target_replicas if request.HasField("target_replicas")
+                             else None),
+            drafters=request.drafters if request.HasField("drafters") else None))
+        self._scale_tasks.add(task)
+        task.add_done_callback(self._scale_tasks.discard)
+        try:
+            result = await asyncio.shield(task)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:
+            log.error("scaling failed: %s", exc)  # may name pids, actor ids, addresses
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                "scaling failed: a new worker did not start (the server log "
+                                "has the details)")
+        return generation_pb2.ScaleResponse(**result)
+
+
+
+def _chat_message(m: generation_pb2.ChatMessage) -> dict[str, str]:
+    """A chat message as the chat template gets it: ``name`` only when set (templates that
+    do not use it ignore the key)."""
+    message = {"role": m.role, "content": m.content}
+    if m.name:
+        message["name"] = m.name
+    return message
+
+
+async def _abort_failed(context, exc: BaseException) -> None:
+    """Ends an RPC whose request failed with the status and client-safe message
+    `coordinator.errors.client_status` gives (internals stay in the server log)."""
+    code, message = client_status(exc)
+    if code == "INTERNAL":
+        log.error("request failed: %r", exc)
+    await context.abort(grpc.StatusCode[code], message)
+
+
+def _replica_proto(r: dict) -> generation_pb2.ReplicaStatus:
+    fields = generation_pb2.ReplicaStatus.DESCRIPTOR.fields_by_name
+    return generation_pb2.ReplicaStatus(**{k: v for k, v in r.items() if k in fields})
+
+
+def _drafter_proto(d: dict) -> generation_pb2.DrafterStatus:
+    return generation_pb2.DrafterStatus(
+        name=d["name"], address=d["address"], state=d["state"], calls=d["calls"],
+        errors=d["errors"], mean_latency_seconds=d["mean_latency_s"],
+        assigned_requests=d["assigned_requests"], in_flight=d["in_flight"],
+        restarts=d.get("restarts", 0), node=d.get("node", ""))
+
+
+class BearerTokenInterceptor(CredentialInterceptor):
+    """Requires ``authorization: Bearer <token>`` metadata on every RPC except health checks;
+    anything else gets ``UNAUTHENTICATED``.
+
+    Raises:
+        ValueError: an empty token.
+    """
+
+    EMPTY = "auth token must be non-empty"
+    REFUSAL = "missing or invalid bearer token"
+
+    def presented(self, metadata: Sequence[tuple[str, str | bytes]]) -> str:
+        scheme, _, given = str(dict(metadata).get("authorization", "")).partition(" ")
+        # The scheme name is case-insensitive (RFC 6750); the token is compared in constant time.
+        return given if scheme.lower() == "bearer" else ""
+
+
+def generation_handlers(servicer: generation_pb2_grpc.GenerationServicer
+                        ) -> dict[str, grpc.RpcMethodHandler]:
+    """The ``specd.v1.Generation`` method handlers (as ``add_GenerationServicer_to_server``
+    builds them) except that each parses its own request bytes: bytes that are not a valid
+    message get ``INVALID_ARGUMENT`` naming the message type. (grpc.aio answers a failing
+    ``request_deserializer`` with ``UNKNOWN`` and an exception class name.)"""
+    handlers = {}
+    for method in generation_pb2.DESCRIPTOR.services_by_name["Generation"].methods:
+        if method.client_streaming:  # pragma: no cover - the API has none
+            raise NotImplementedError(f"{method.full_name}: client streaming")
+        request_cls = getattr(generation_pb2, method.input_type.name)
+        serialize = getattr(generation_pb2, method.output_type.name).SerializeToString
+        impl = getattr(servicer, method.name)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _parsing_stream(impl, request_cls), response_serializer=serialize)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _parsing_unary(impl, request_cls), response_serializer=serialize)
+    return handlers
+
+
+async def _parse_request(raw: bytes, request_cls, context):
+    try:
+        return request_cls.FromString(raw)
+    except Exception:  # DecodeError, or anything else a parser raises on bad bytes
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"malformed request: not a valid {request_cls.DESCRIPTOR.full_name}")
+
+
+def _parsing_unary(impl: Callable, request_cls) -> Callable:
+    async def handler(raw: bytes, context):
+        return await impl(await _parse_request(raw, request_cls, context), context)
+
+    return handler
+
+
+def _parsing_stream(impl: Callable, request_cls) -> Callable:
+    async def handler(raw: bytes, context):
+        async for response in impl(await _parse_request(raw, request_cls, context), context):
+            yield response
+
+    return handler
+
+
+async def start_generation_server(
+    servicer: GenerationServicer,
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    tls_cert: bytes | None = None,
+    tls_key: bytes | None = None,
+    auth_token: str | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """Starts the Generation server with health checking and reflection.
+
+    Returns:
+        (server, bound port) — ``port=0`` picks a free one.
+
+    Raises:
+        ValueError: only one of ``tls_cert``/``tls_key``, or the port cannot be bound.
+    """
+    interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                 # A second server on a busy port must fail, not silently share it.
+                 ("grpc.so_reuseport", 0)],
+    )
+    handlers = generation_handlers(servicer)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers),))
+    server.add_registered_method_handlers(GENERATION_SERVICE, handlers)
+    health_servicer = health.aio.HealthServicer()
+    servicer.health = health_servicer
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{host}:{port}"
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("TLS needs both a certificate and a key")
+    try:
+        if tls_cert is not None:
+            credentials = grpc.ssl_server_credentials([(tls_key, tls_cert)])
+            bound = server.add_secure_port(address, credentials)
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+        raise ValueError(f"cannot listen on {address}: the address is in use or invalid") \
+            from exc
+    await server.start()
+    for name in ("", GENERATION_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    listen = getattr(servicer.scheduler, "add_health_listener", None)  # a Router
+    if listen is not None:
+        listen(_HealthReporter(health_servicer))
+    return server, bound
+
+
+class _HealthReporter:
+    """Mirrors a router's "some replica can serve" into the health service, for the overall
+    server ("") and the Generation service: SERVING or NOT_SERVING, in the order reported."""
+
+    def __init__(self, health_servicer):
+        self.health = health_servicer
+        self._last: asyncio.Future | None = None
+
+    def __call__(self, can_serve: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if can_serve
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._last = asyncio.ensure_future(self._set(self._last, status))
+
+    async def _set(self, previous: asyncio.Future | None, status) -> None:
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)  # keep the order
+        for name in ("", GENERATION_SERVICE):
+            await self.health.set(name, status)
+
+
+
+__all__ = [
+    "GENERATION_SERVICE",
+    "MAX_MESSAGE_BYTES",
+    "BearerTokenInterceptor",
+    "GenerationServicer",
+    "generation_handlers",
+    "generation_request",
+    "sampling_from_proto",
+    "start_generation_server",
+    "trimmed_stops",
+]

@@ -1,0 +1,266 @@
+"""The HTTP server under `coordinator.http_api`: uvicorn on a socket bound here, with what one
+client may hold of it bounded (`HttpLimits`): connections, header and body sizes and times
+(`Guard`, the ASGI app in front of FastAPI, and h11 protocol limits), the bearer token checked
+before a body is read; refusals in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .openai_request import ApiError, unavailable
+
+if TYPE_CHECKING:
+    from .http_api import OpenAIApi
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one HTTP client may hold of the server (README, "The OpenAI-compatible HTTP API").
+
+    Attributes:
+        max_body_bytes: the largest request body, bytes; a larger one is refused with 413
+            before it is read (from its ``Content-Length``) or as soon as a chunked body
+            passes it. 8 MiB holds the largest prompt the default cap admits (~1.3 MB of
+            SmolLM2 text) even with every character JSON-escaped (6 bytes each).
+        body_timeout_s: the whole body must arrive within this many seconds of the
+            headers, else 408 (a client trickling its body holds a connection).
+        header_timeout_s: a connection must complete a request's headers within this many
+            seconds of opening (or of its previous response), else it is closed (slowloris).
+        max_connections: HTTP connections held at once; one more is answered 503 and closed
+            at once (idle connections count: each holds a file descriptor in the process
+            that also serves gRPC).
+        keep_alive_s: an idle keep-alive connection is closed after this many seconds
+            (uvicorn's ``timeout_keep_alive``).
+        max_header_bytes: the request line and headers, bytes: over it is a 431 (or, while
+            they are still arriving, h11's ``max_incomplete_event_size``: a 400).
+    """
+
+    max_body_bytes: int = 8 * 2**20
+    body_timeout_s: float = 30.0
+    header_timeout_s: float = 10.0
+    max_connections: int = 256
+    keep_alive_s: int = 5
+    max_header_bytes: int = 16 * 1024
+
+
+class Guard:
+    """The ASGI app uvicorn runs, in front of FastAPI: the bearer token is checked before
+    anything is read (401), then the body is read within `HttpLimits` (413 over
+    ``max_body_bytes``, refused from ``Content-Length`` before reading; 408 past
+    ``body_timeout_s``) and replayed to the app. Errors are OpenAI-shaped."""
+
+    def __init__(self, api: OpenAIApi, app):
+        self.api = api
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            # h11 bounds only headers still arriving (max_incomplete_event_size); headers
+            # that arrived in one read are bounded here.
+            size = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + sum(
+                len(k) + len(v) + 4 for k, v in scope["headers"])
+            if size > self.api.limits.max_header_bytes:
+                raise ApiError(431, f"the request line and headers are over "
+                                    f"{self.api.limits.max_header_bytes} bytes",
+                               code="request_header_fields_too_large")
+            # Before routing and body parsing: a caller without the token learns nothing
+            # about the request it sent (a malformed body is 401, not 400).
+            if scope["path"] != "/health":
+                self.api.check_auth(headers.get("authorization", ""))
+            body = await self._read_body(headers, receive)
+        except ApiError as exc:
+            # A refused body is left unread: the connection closes after the answer.
+            await _send_error(send, exc, close=exc.status in (408, 413, 431))
+            return
+        if body is None:  # the client went away
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read_body(self, headers: dict, receive) -> bytes | None:
+        limits = self.api.limits
+        too_large = ApiError(413, f"the request body is over {limits.max_body_bytes} bytes",
+                             code="request_too_large")
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > limits.max_body_bytes:
+            raise too_large
+        body = bytearray()
+        try:
+            async with asyncio.timeout(limits.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    body += message.get("body", b"")
+                    if len(body) > limits.max_body_bytes:
+                        raise too_large
+                    if not message.get("more_body", False):
+                        return bytes(body)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within "
+                                f"{limits.body_timeout_s:g} s", code="request_timeout") from None
+
+
+async def _send_error(send, exc: ApiError, close: bool = False) -> None:
+    data = json.dumps(exc.body()).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(data)).encode())]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+def _protocol_class(limits: HttpLimits):
+    """uvicorn's h11 protocol with the connection cap, the header timeout and
+    OpenAI-shaped answers to malformed HTTP (uvicorn's own are plain text)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    def raw_response(status: int, reason: bytes, exc: ApiError) -> list:
+        data = json.dumps(exc.body()).encode()
+        return [h11.Response(status_code=status, reason=reason, headers=[
+                    (b"content-type", b"application/json"), (b"connection", b"close"),
+                    (b"content-length", str(len(data)).encode())]),
+                h11.Data(data=data), h11.EndOfMessage()]
+
+    class GuardedH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                # Answered before any request: the client reads it when it sends one.
+                exc = unavailable(f"too many connections (at most {limits.max_connections})")
+                for event in raw_response(503, b"Service Unavailable", exc):
+                    transport.write(self.conn.send(event))
+                transport.close()
+                return
+            self._arm_header_timer()
+
+        def _arm_header_timer(self) -> None:
+            self._disarm_header_timer()
+            self._header_timer = self.loop.call_later(limits.header_timeout_s,
+                                                      self._headers_late)
+
+        def _disarm_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if (self.cycle is None or self.cycle.response_complete) and (
+                    not self.transport.is_closing()):
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm_header_timer()  # a request's headers are in
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_header_timer()  # the next request's headers
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_header_timer()
+            super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            exc = ApiError(400, f"invalid HTTP request: {msg}", code="bad_request")
+            for event in raw_response(400, b"Bad Request", exc):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
+    return GuardedH11Protocol
+
+
+class _Server:
+    """A uvicorn server on a socket bound up front (so a busy port fails at once, and port 0
+    reports the port it got), run as a task on the current event loop."""
+
+    def __init__(self, api: OpenAIApi, sock: socket.socket, tls_cert: str | None,
+                 tls_key: str | None):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def capture_signals(self):  # the process owner (Ray, specd serve) keeps them
+                return contextlib.nullcontext()
+
+        limits = api.limits
+        # uvicorn's limit_concurrency stays off: it answers plain text and counts idle
+        # connections with busy ones; `max_connections` caps connections instead.
+        config = uvicorn.Config(api.asgi, lifespan="off", log_level="warning",
+                                access_log=False, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
+                                timeout_graceful_shutdown=1, http=_protocol_class(limits),
+                                timeout_keep_alive=limits.keep_alive_s,
+                                h11_max_incomplete_event_size=limits.max_header_bytes)
+        self.server = Server(config)
+        self.sock = sock
+        self.port = sock.getsockname()[1]
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.ensure_future(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            with contextlib.suppress(Exception):
+                await self.task
+        self.sock.close()
+
+
+async def start_http_server(api: OpenAIApi, host: str = "127.0.0.1", port: int = 0,
+                            tls_cert: str | None = None, tls_key: str | None = None
+                            ) -> tuple[_Server, int]:
+    """Serves ``api`` on ``host:port`` (0 picks a free port), TLS when given the PEM paths.
+
+    Returns:
+        ``(server, bound port)``; stop with ``await server.stop()``.
+
+    Raises:
+        ValueError: the address cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    sock.listen(128)
+    sock.setblocking(False)
+    server = _Server(api, sock, tls_cert, tls_key)
+    await server.start()
+    return server, server.port
+
+
+__all__ = ["Guard", "HttpLimits", "start_http_server"]
