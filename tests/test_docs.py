@@ -207,20 +207,24 @@ def shell_env(tmp_path_factory):
 
 def run_shell(body: str, env: dict, cwd: Path, timeout_s: float) -> str:
     """Runs a shell recipe in its own session; afterwards stops whatever it left running (by
-    its process group, then SIGKILL) and fails on a non-zero exit. Returns its output."""
-    proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", body], env=env, cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    its process group, then SIGKILL) and fails on a non-zero exit. Returns its output (read
+    from a file: a server it leaves running would hold a pipe open)."""
+    log = cwd / f".recipe-{os.getpid()}-{id(body)}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", body], env=env, cwd=cwd,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout_s)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, _ = proc.communicate()
+        proc.wait()
+        pytest.fail(f"the recipe ran past {timeout_s} s:\n{log.read_text()[-4000:]}")
+    finally:
         stop_group(proc.pid)
-        pytest.fail(f"the recipe ran past {timeout_s} s:\n{out[-4000:]}")
-    stop_group(proc.pid)
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{out[-4000:]}"
-    return out
+    text = log.read_text()
+    log.unlink()
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{text[-4000:]}"
+    return text
 
 
 def group_members(pgid: int) -> list[int]:
@@ -286,6 +290,17 @@ def test_service_recipe(recipe, tiny_service, shell_env, tmp_path, capsys):
 
 
 SLOW_PAGES = sorted({r.page for r in ALL if r.kind == "slow"})
+# A Ray head's ports (GCS, dashboard / job API, dashboard agent) in the batch-job recipe: free
+# ones instead, so another Ray on the machine cannot make the recipe fail.
+HEAD_PORTS = ("6390", "8265", "52365")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -293,11 +308,15 @@ SLOW_PAGES = sorted({r.page for r in ALL if r.kind == "slow"})
 def test_slow_recipes(page, shell_env, tmp_path):
     """The page's slow recipes in order, in one directory (the real model, an embedded Ray,
     a local Ray head): each must finish without error, and what it started is stopped."""
+    ports = {port: str(free_port()) for port in HEAD_PORTS}
     for recipe in (r for r in ALL if r.page == page and r.kind == "slow"):
+        body = recipe.body
+        for port, free in ports.items():
+            body = re.sub(rf"\b{port}\b", free, body)
         if "file" in recipe.attrs:
-            (tmp_path / recipe.attrs["file"]).write_text(recipe.body + "\n")
+            (tmp_path / recipe.attrs["file"]).write_text(body + "\n")
         elif recipe.lang == "python":
-            subprocess.run([sys.executable, "-c", recipe.body], env=shell_env, cwd=tmp_path,
+            subprocess.run([sys.executable, "-c", body], env=shell_env, cwd=tmp_path,
                            check=True, timeout=600)
         else:
-            run_shell(recipe.body, shell_env, tmp_path, 600)
+            run_shell(body, shell_env, tmp_path, 600)
