@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-from tests.polling import wait_until
+from polling import wait_until
+from service_harness import MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -42,7 +42,6 @@ RUNNABLE = {"bash", "sh", "shell", "console", "python", "py"}
 KINDS = {"cheap", "service", "slow", "cluster", "not-run"}
 MARKER = re.compile(r"^<!--\s*recipe:\s*(?P<kind>[a-z-]+)(?P<rest>.*?)-->\s*$")
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w+-]*)\s*$")
-TINY = "tiny-random:vocab=64,seed=0,layers=2"  # tests/service_harness.py's model
 
 
 @dataclass
@@ -263,7 +262,7 @@ def test_cheap_recipe(recipe, shell_env, tmp_path):
 @pytest.fixture(scope="module")
 def tiny_service():
     """The in-process Generation service with the HTTP API, on the tiny model (no Ray)."""
-    from tests.service_harness import LocalService
+    from service_harness import LocalService
 
     service = LocalService(http=True).start()
     yield service
@@ -273,7 +272,7 @@ def tiny_service():
 def for_service(body: str, service) -> str:
     return (body.replace("127.0.0.1:50051", service.address)
             .replace("127.0.0.1:8000", service.http_address)
-            .replace("SmolLM2-135M-Instruct", TINY))
+            .replace("SmolLM2-135M-Instruct", MODEL))
 
 
 @pytest.mark.parametrize("recipe", of_kind("service"))
