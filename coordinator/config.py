@@ -6,7 +6,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from drafter_worker.registry import DEFAULT_NGRAM_SIZE, LOOKUP_DRAFT_LEN, check_drafter
+from drafter_worker.registry import (
+    DEFAULT_DRAFTER,
+    DEFAULT_NGRAM_SIZE,
+    check_drafter,
+    default_draft_len,
+)
 
 from .step_plan import DEFAULT_MAX_BATCHED_TOKENS, ChunkPolicy
 
@@ -37,7 +42,10 @@ class ServiceConfig:
             GPU), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         host, port: where the Generation API listens (port 0 picks a free one).
         address: a Ray address to join (``"auto"`` or ``HOST:PORT``); None embeds a local Ray.
-        drafter: ``"prompt-lookup"``, ``"eagle"``, ``"eagle+lookup"`` or ``"none"``.
+        drafter: a `drafter_worker.registry.DRAFTERS` name (default `DEFAULT_DRAFTER`,
+            ``"suffix+lookup"``), or ``"none"``.
+        max_draft_len: the most drafts per step; None: the drafter's default
+            (`drafter_worker.registry.default_draft_len`, its adaptive cap with ``adaptive``).
         drafter_path: the EAGLE head file (None: the head shipped for SmolLM2).
         suffix_cache_requests: ``--drafter suffix`` / ``suffix+lookup``: previous outputs
             each drafter worker's global cache keeps (None: 10,000); every finished output
@@ -96,9 +104,9 @@ class ServiceConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     address: str | None = None
-    drafter: str = "prompt-lookup"
+    drafter: str = DEFAULT_DRAFTER
     ngram_size: int = DEFAULT_NGRAM_SIZE
-    max_draft_len: int | None = LOOKUP_DRAFT_LEN
+    max_draft_len: int | None = None
     drafter_path: str | None = None
     suffix_cache_requests: int | None = None
     max_active: int = 32
@@ -135,6 +143,9 @@ class ServiceConfig:
                 raise ValueError(f"{name} must be a non-empty resource name, got {value!r}")
         check_drafter(self.drafter, self.ngram_size, self.max_draft_len, self.drafter_path,
                       self.suffix_cache_requests)
+        if self.max_draft_len is None:  # frozen: set the resolved default once, here
+            object.__setattr__(self, "max_draft_len",
+                               default_draft_len(self.drafter, adaptive=self.adaptive))
         check_count("target_replicas", self.target_replicas, 1)
         check_count("drafters", self.drafters, 0)
         if isinstance(self.target_timeout_s, bool) or not isinstance(

@@ -18,10 +18,12 @@ import signal
 import sys
 
 from .registry import (
+    DEFAULT_DRAFTER,
     DEFAULT_NGRAM_SIZE,
     EAGLE_MAX_DRAFT_LEN,
     LOOKUP_DRAFT_LEN,
     SERVED_DRAFTERS,
+    SUFFIX_DRAFT_LEN,
     build_drafter,
 )
 from .server import SECRET_ENV, start_drafter_server
@@ -48,10 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         metavar="SECONDS",
                         help="forget a request id this long after its last call "
                              "(default %(default)s)")
-    parser.add_argument("--drafter", default="prompt-lookup", choices=SERVED_DRAFTERS)
+    parser.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=SERVED_DRAFTERS,
+                        help="(default %(default)s)")
     parser.add_argument("--ngram-size", type=int, default=DEFAULT_NGRAM_SIZE)
     parser.add_argument("--max-draft-len", type=int, default=None,
                         help=f"default: {LOOKUP_DRAFT_LEN} for prompt lookup, "
+                             f"{SUFFIX_DRAFT_LEN} for the suffix drafters, "
                              f"{EAGLE_MAX_DRAFT_LEN} for EAGLE")
     parser.add_argument("--suffix-cache-requests", type=int, default=None, metavar="N",
                         help="suffix drafters: previous outputs the global cache keeps")

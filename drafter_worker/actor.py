@@ -13,7 +13,7 @@ from __future__ import annotations
 import grpc
 import ray
 
-from .registry import DEFAULT_NGRAM_SIZE, build_drafter
+from .registry import DEFAULT_DRAFTER, DEFAULT_NGRAM_SIZE, build_drafter
 from .server import start_drafter_server
 from .sessions import SessionLimits
 
@@ -31,7 +31,7 @@ class _DrafterActor:
         ValueError: from `build_drafter` (unknown name or bad sizes), at construction.
     """
 
-    def __init__(self, drafter: str = "prompt-lookup", ngram_size: int = DEFAULT_NGRAM_SIZE,
+    def __init__(self, drafter: str = DEFAULT_DRAFTER, ngram_size: int = DEFAULT_NGRAM_SIZE,
                  max_draft_len: int | None = None, model: str | None = None,
                  drafter_path: str | None = None, num_threads: int = 1,
                  suffix_cache_requests: int | None = None):

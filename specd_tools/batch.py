@@ -144,7 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="a .gguf file or a Hugging Face model directory")
     parser.add_argument("--dtype", default="auto",
                         choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--drafter", default="prompt-lookup")
+    parser.add_argument("--drafter", default=None,
+                        help="the embedded service's drafter (default: the service's, "
+                             "suffix+lookup); ignored with --server")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"))
@@ -166,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         ray_address = "auto" if os.environ.get("RAY_ADDRESS") else None
         service = Service(ServiceConfig(model=args.model, port=0, address=ray_address,
-                                        drafter=args.drafter, max_active=args.concurrency,
+                                        max_active=args.concurrency,
+                                        **({"drafter": args.drafter} if args.drafter else {}),
                                         dtype=args.dtype,
                                         target_resource=args.target_resource,
                                         drafter_resource=args.drafter_resource))

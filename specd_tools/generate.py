@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from coordinator.step_plan import DEFAULT_MAX_BATCHED_TOKENS
-from drafter_worker.registry import DEFAULT_NGRAM_SIZE
+from drafter_worker.registry import DEFAULT_DRAFTER, DEFAULT_NGRAM_SIZE
 from specd_core.sampling import SamplingParams
 
 __all__ = [
@@ -58,7 +58,7 @@ class GenerateOptions:
     stop: tuple[str, ...] = ()
     model: str | None = None
     dtype: str = "auto"
-    drafter: str = "prompt-lookup"
+    drafter: str = DEFAULT_DRAFTER
     ngram_size: int = DEFAULT_NGRAM_SIZE
     max_draft_len: int | None = None
     no_adaptive: bool = False

@@ -16,6 +16,7 @@ from coordinator.config import ServiceConfig
 from coordinator.service import Service
 from coordinator.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
+from drafter_worker.registry import DEFAULT_DRAFTER
 from specd.v1 import generation_pb2, generation_pb2_grpc
 from specd_core.request import SpeculativeOptions
 from target_worker.loader import load_model
@@ -52,7 +53,7 @@ def test_greedy_through_ray_and_grpc_equals_the_core(ray_service):
         assert tokens == expected
         assert final.speculation.accepted_tokens > 0
         status = stub.Status(generation_pb2.StatusRequest(), timeout=10)
-        assert status.used_slots == 0 and status.drafter == "prompt-lookup"
+        assert status.used_slots == 0 and status.drafter == DEFAULT_DRAFTER
         # Embedded: everything on this one loopback node, named in Status.
         assert [r.node for r in status.replicas] == ["127.0.0.1"]
         assert [d.node for d in status.drafters] == ["127.0.0.1"]

@@ -537,7 +537,7 @@ def test_module_entry_point_serves_and_stops_cleanly_on_sigterm():
                 return await client.info()
 
         info = run(ask())
-        assert (info.name, info.max_draft_len) == ("PromptLookupSpeculator", 5)
+        assert (info.name, info.max_draft_len) == ("SuffixDrafter", 5)  # the default drafter
         proc.send_signal(signal.SIGTERM)
         # The handler stops the server gracefully and returns normally: status 0 (not the
         # -15 an unhandled SIGTERM would give).

@@ -114,7 +114,7 @@ def test_module_entry_point_takes_its_secret_from_the_environment():
                                      secret=secret) as client:
                 return await client.info()
 
-        assert run(ask(SECRET)).name == "PromptLookupSpeculator"
+        assert run(ask(SECRET)).name == "SuffixDrafter"  # the default, suffix+lookup
         with pytest.raises(DrafterUnavailable, match="UNAUTHENTICATED"):
             run(ask(None))
     finally:

@@ -12,6 +12,7 @@ import torch
 from service_harness import LocalService
 
 from coordinator.config import default_target_threads
+from drafter_worker.registry import DEFAULT_DRAFTER
 from specd_tools.bench.core import BenchConfig, run_bench
 from specd_tools.bench.default_path import (
     SPECD_GENERATE,
@@ -99,7 +100,7 @@ def test_default_path_runs_the_cli_request_beside_transformers(tmp_path):
                                     workloads=_short_workloads(), start_service=start)
     assert len(started) == 1
     assert started[0] == embedded_service_config(generate_args(config))
-    assert started[0].drafter == "prompt-lookup" and started[0].adaptive
+    assert started[0].drafter == DEFAULT_DRAFTER and started[0].adaptive
     names = [s["name"] for s in report["systems"]]
     assert names == [SPECD_GENERATE, SPECD_GENERATE_PLAIN, "hf-plain", "hf-prompt-lookup-k10"]
     assert len(report["runs"]) == 2 * 3 * len(names)

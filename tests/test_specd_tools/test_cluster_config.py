@@ -33,7 +33,8 @@ def test_a_gpu_node_type_fits_a_smollm2_tp3_replica_on_one_node():
 
 
 def test_the_placement_resources_named_in_the_readme_are_offered():
-    # `specd serve --target-resource specd_target --drafter-resource specd_drafter`: every GPU
+    # `specd serve --target-resource specd_target --drafter-resource specd_drafter` (docs,
+    # cluster page): every GPU
     # node type offers one specd_target per GPU, the head the drafters' resource.
     config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
     types = config["available_node_types"]
@@ -42,4 +43,4 @@ def test_the_placement_resources_named_in_the_readme_are_offered():
         resources = node.get("resources", {})
         if name != config["head_node_type"]:
             assert resources.get("specd_target", 0) == resources.get("GPU", 1), name
-    assert "--target-resource specd_target" in (ROOT / "README.md").read_text()
+    assert "--target-resource specd_target" in (ROOT / "docs" / "cluster.md").read_text()
