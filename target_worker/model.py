@@ -121,24 +121,29 @@ class KvCache:
                 setattr(self, name, new)
 
 
+#: Fewest rows `fast_linear` computes in the ``weight @ x.T`` order: below it ``F.linear`` is
+#: faster. Measured (``python scripts/linear_paths.py``, torch 2.13.0 CPU, this 2-core
+#: machine, SmolLM2's shapes, 1 and 2 threads): at 1-6 rows ``F.linear`` took 0.3-0.6x the
+#: time (the LM head at 1 row: 8.1 ms against 20.0 ms), from 8 rows the other order 0.6-0.9x.
+FAST_LINEAR_MIN_ROWS = 8
+
+
 def fast_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [n, in]``, ``weight [out, in]``; returns ``[n, out]``
     (any other rank of ``x`` goes to ``F.linear``).
 
-    Computed as ``(weight @ x.T).T``: with MKL on this class of CPU that operand order is ~1.5-2x
-    faster than ``F.linear`` for the small n of speculative verification, and n == 1 is padded
-    to 2 rows because MKL's matrix-vector path is slower than its 2-column matrix path.
-    The result may be a non-contiguous (transposed) view. Off the CPU (a GPU shard) it is
-    plain ``F.linear``: cuBLAS needs no such help.
+    For ``FAST_LINEAR_MIN_ROWS <= n <= 64`` rows on the CPU (speculative verification's block
+    sizes) it is computed as ``(weight @ x.T).T``, which MKL runs faster than ``F.linear``
+    there; the result is then a non-contiguous (transposed) view. Fewer rows (plain decoding,
+    short blocks), prefill-sized inputs and GPU shards use ``F.linear``.
     """
     n = x.shape[0]
-    # Prefill-sized (the usual order is as fast) or batched [B, T, in] (training): F.linear.
-    if n > 64 or x.device.type != "cpu" or x.dim() != 2:
+    if not FAST_LINEAR_MIN_ROWS <= n <= 64 or x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
     x = x.contiguous()  # a row-major x makes x.T the operand layout MKL handles fast
-    y = (weight @ (torch.cat((x, x)) if n == 1 else x).T)[:, :n].T
+    y = (weight @ x.T).T
     return y if bias is None else y + bias
 
 

@@ -45,3 +45,17 @@ def test_gpu_attention_and_linear_paths_match_the_cpu_paths(monkeypatch):
         for a, b in zip(reference, forced, strict=True):
             assert a.shape == b.shape
             assert torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_fast_linear_equals_f_linear_at_every_row_count_either_side_of_both_thresholds():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 40, generator=gen)
+    bias = torch.randn(48, generator=gen)
+    rows = {1, 2, model_module.FAST_LINEAR_MIN_ROWS - 1, model_module.FAST_LINEAR_MIN_ROWS,
+            33, 64, 65}
+    for n in sorted(rows):
+        x = torch.randn(n, 40, generator=gen)
+        for b in (None, bias):
+            got = model_module.fast_linear(x, weight, b)
+            assert got.shape == (n, 48)
+            assert torch.allclose(got, F.linear(x, weight, b), atol=1e-5, rtol=0), n

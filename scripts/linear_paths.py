@@ -1,0 +1,48 @@
+"""Times ``target_worker.model.fast_linear``'s two orders against each other on this machine:
+``F.linear(x, W)`` and ``(W @ x.T).T``, for SmolLM2-135M's projection shapes (fused gate+up
+3072x576, down 576x1536, LM head 49152x576) at 1 and 2 torch threads, per row count.
+
+Prints the median of 20 calls (after 3 warm-up calls) of each and which is faster; the
+crossover sets `target_worker.model.FAST_LINEAR_MIN_ROWS`. Run it on a quiet machine:
+
+    python scripts/linear_paths.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = ((3072, 576), (576, 1536), (49152, 576))
+ROWS = (1, 2, 4, 6, 8, 16, 32, 64)
+
+
+def median_ms(fn, calls: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(calls):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return sorted(times)[calls // 2] * 1e3
+
+
+def main() -> None:
+    print("threads  weight        rows  F.linear ms  W@x.T ms  faster")
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for out_f, in_f in SHAPES:
+            w = torch.randn(out_f, in_f)
+            for n in ROWS:
+                x = torch.randn(n, in_f)
+                plain = median_ms(lambda x=x, w=w: F.linear(x, w))
+                other = median_ms(lambda x=x, w=w: (w @ x.T).T)
+                print(f"{threads:>7}  {out_f:>5}x{in_f:<5}  {n:>4}  {plain:>11.3f}  {other:>8.3f}  "
+                      f"{'F.linear' if plain <= other else 'W@x.T'}")
+
+
+if __name__ == "__main__":
+    main()
