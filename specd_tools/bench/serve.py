@@ -371,17 +371,29 @@ async def run_load(client, model: str, prompts: Sequence[BenchPrompt], cfg: Serv
     return list(outcomes), time.perf_counter() - start
 
 
+#: The warm-up requests' prompts, in turn: in no dataset, so a server that keeps state across
+#: requests (specd's suffix-decoding cache, any prefix cache) has not seen a measured prompt's
+#: answer before it is measured.
+WARMUP_PROMPTS = (
+    "Name three colours of the rainbow.",
+    "Count from one to five in words.",
+    "What is the capital of France? Answer in one sentence.",
+)
+
+
 async def warm_up(client, model: str, prompts: Sequence[BenchPrompt], cfg: ServeBenchConfig,
                   tokenizer: Any = None) -> list[RequestOutcome]:
-    """``cfg.warmup`` requests one after another (not counted), the first prompts; the
-    first also checks the endpoint works.
+    """``cfg.warmup`` requests one after another (not counted) with `WARMUP_PROMPTS` in turn,
+    none of them a measured prompt (``prompts`` is not sent); the first also checks the
+    endpoint works.
 
     Raises:
         RuntimeError: a warm-up request failed (with the server's error).
     """
     outcomes = []
     for i in range(cfg.warmup):
-        outcome = await send_request(client, model, prompts[i % len(prompts)], cfg, tokenizer)
+        warm = BenchPrompt(WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)])
+        outcome = await send_request(client, model, warm, cfg, tokenizer)
         if not outcome.success:
             raise RuntimeError(f"the warm-up request to {cfg.base_url} (model {model!r}) "
                                f"failed: {outcome.error}")

@@ -20,6 +20,7 @@ from fake_openai import MODEL_ID, make_app
 from specd_tools import cli
 from specd_tools.bench import cli as bench_cli
 from specd_tools.bench.serve import (
+    WARMUP_PROMPTS,
     RequestOutcome,
     arrival_offsets,
     category_metrics,
@@ -298,6 +299,11 @@ def test_a_run_against_a_fake_server_reports_known_counts_and_timing(tmp_path, c
     assert set(r["per_category"]) == {"a", "b"} and r["per_category"]["a"]["completed"] == 2
     # What was sent: streamed chat, usage asked for, the extra field, greedy, max_tokens.
     assert len(bodies) == 5  # the warm-up, then 4
+    # The warm-up's prompt is none of the measured ones (a server caching across requests
+    # would otherwise have that prompt's answer before it is measured).
+    sent = [b["messages"][-1]["content"] for b in bodies]
+    assert sent[0] == WARMUP_PROMPTS[0] and sent[0] not in sent[1:]
+    assert sorted(sent[1:]) == sorted(row["prompt"] for row in rows)
     for body in bodies:
         assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
         assert body["max_tokens"] == 12 and body["temperature"] == 0 and body["ignore_eos"]
@@ -343,10 +349,14 @@ def test_failed_requests_are_counted_and_a_concurrency_cap_holds(tmp_path, capsy
         assert all(b >= a for a, b in zip(ends, r["start_times"][1:], strict=False))
 
 
-def test_the_warm_up_failing_stops_the_run_with_the_servers_error(tmp_path, capsys):
+def test_the_warm_up_failing_stops_the_run_with_the_servers_error(tmp_path, capsys,
+                                                                  monkeypatch):
+    import specd_tools.bench.serve as serve
+
+    monkeypatch.setattr(serve, "WARMUP_PROMPTS", ("FAIL on the warm-up",))  # the fake's 500
     with FakeServer() as fake, pytest.raises(SystemExit) as info:
         _run(capsys, ["--base-url", fake.url, "--dataset-name", "custom",
-                      "--dataset-path", _dataset(tmp_path, [{"prompt": "FAIL"}])])
+                      "--dataset-path", _dataset(tmp_path, [{"prompt": "hello"}])])
     assert info.value.code == 1
     assert "warm-up request" in capsys.readouterr().err
 
