@@ -421,15 +421,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Prints the Status RPC's answer as tables (or JSON)."""
     import grpc
 
-    from .client import get_status, status_dict, status_table
+    from .client import get_status, no_server_message, status_dict, status_table
 
     try:
         status = get_status(args.server, args.auth_token, args.tls_ca, args.timeout)
     except grpc.RpcError as exc:
-        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise RuntimeError(
-                f"no specd service answered at {args.server} ({exc.code().name}); start one "
-                f"with 'specd serve' or give its address with --server HOST:PORT") from None
+        message = no_server_message(args.server, exc)
+        if message is None and exc.code() in (grpc.StatusCode.UNAVAILABLE,
+                                              grpc.StatusCode.DEADLINE_EXCEEDED):
+            message = (f"no specd service answered at {args.server} ({exc.code().name}); "
+                       f"start one with 'specd serve' or give its address with --server "
+                       f"HOST:PORT")
+        if message is not None:
+            raise RuntimeError(message) from None
         raise
     print(json.dumps(status_dict(status), indent=2) if args.json else status_table(status))
     return 0
@@ -626,7 +630,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         import grpc
 
         if isinstance(exc, grpc.RpcError):
-            parser.exit(1, f"specd: error: {exc.code().name}: "
+            from .client import no_server_message
+
+            server = getattr(args, "server", None)  # None: generate's embedded service
+            message = no_server_message(server, exc) if server else None
+            parser.exit(1, f"specd: error: {message}\n" if message else
+                           f"specd: error: {exc.code().name}: "
                            f"{user_flags(exc.details() or '', parser, args)}\n")
         raise
 

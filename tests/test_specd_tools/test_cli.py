@@ -79,6 +79,18 @@ def test_a_port_out_of_range_is_refused_by_the_parser(capsys, flag):
     assert f"argument {flag}: must be a port in [0, 65535], got 99999" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["generate", "hi", "--server", "127.0.0.1:1"],
+                                  ["scale", "--server", "127.0.0.1:1", "--drafters", "1"],
+                                  ["status", "--server", "127.0.0.1:1"]])
+def test_a_closed_port_is_one_clear_line(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("specd: error: no specd server at 127.0.0.1:1 "
+                           "(UNAVAILABLE: connection refused); start one"), line
+
+
 def test_in_process_threads_default_to_the_cores_less_one(monkeypatch):
     threads = torch.get_num_threads()
     try:
