@@ -592,7 +592,8 @@ def user_flags(message: str, parser: argparse.ArgumentParser,
                args: argparse.Namespace) -> str:
     """``message`` with the internal names it starts a clause with (a config field such as
     ``target_replicas:``, ``SamplingParams.top_p=``) replaced by the command's flag
-    (``--target-replicas``, ``--top-p``), so an error names what the user typed."""
+    (``--target-replicas``, ``--top-p``), so an error names what the user typed; a name
+    already written as a flag (``--seed must ...``) is left as it is."""
     sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)),
                None)
     command = sub.choices.get(args.command) if sub is not None else None
@@ -607,8 +608,9 @@ def user_flags(message: str, parser: argparse.ArgumentParser,
     def flag(m: re.Match) -> str:
         return flags.get(m.group(2), m.group(0))
 
-    return re.sub(r"(SamplingParams\.|sampling\.|\b)([a-z][a-z0-9_]*)(?=[:=]| must)", flag,
-                  message)
+    # (?<!-): a name already written as a flag ("--seed must ...") stays as it is.
+    return re.sub(r"(?<!-)(SamplingParams\.|sampling\.|\b)([a-z][a-z0-9_]*)(?=[:=]| must)",
+                  flag, message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

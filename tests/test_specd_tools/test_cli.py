@@ -62,6 +62,7 @@ def test_json_keys_say_what_they_hold(capsys):
     (["serve", "--max-batched-tokens", "-5"], "--max-batched-tokens"),
     (["serve", "--max-partial-prefills", "0"], "--max-partial-prefills"),
     (["generate", "x", "--max-batched-tokens", "-1"], "--max-batched-tokens"),
+    (["generate", "x", "--in-process", "--seed", "-1"], "--seed"),
 ])
 def test_errors_name_the_users_flag(capsys, argv, flag):
     with pytest.raises(SystemExit) as info:
@@ -69,6 +70,7 @@ def test_errors_name_the_users_flag(capsys, argv, flag):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"error: {flag}" in err and "SamplingParams" not in err, err
+    assert "---" not in err, err  # a message naming the flag itself is not rewritten
 
 
 @pytest.mark.parametrize("flag", ["--port", "--http-port", "--metrics-port"])
