@@ -73,6 +73,24 @@ def test_errors_name_the_users_flag(capsys, argv, flag):
     assert "---" not in err, err  # a message naming the flag itself is not rewritten
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["--max-prompt-bytes", "0"], "--max-prompt-bytes"),
+    (["--http-port", "50051"], "--http-port"),
+    (["--port", "7000", "--metrics-port", "7000"], "--metrics-port"),
+])
+def test_serve_refuses_bad_settings_before_ray_starts(monkeypatch, capsys, argv, flag):
+    from coordinator import service
+
+    monkeypatch.setattr(service.Service, "start",
+                        lambda *_a, **_k: pytest.fail("the service started"))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", *argv, "--model", TINY])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    want = "must differ from --" if flag.endswith("port") else "must be a positive integer"
+    assert f"specd: error: {flag} {want}" in err, err
+
+
 @pytest.mark.parametrize("flag", ["--port", "--http-port", "--metrics-port"])
 def test_a_port_out_of_range_is_refused_by_the_parser(capsys, flag):
     with pytest.raises(SystemExit) as info:
