@@ -176,12 +176,14 @@ class Service:
 
         ``progress(message, done, total)`` is called after each start-up phase (Ray up, each
         replica's model loaded, each drafter ready), ``message`` naming it with its time;
-        ``done`` / ``total`` count the workers (replicas + drafters) started so far.
+        ``done`` / ``total`` count the workers (replicas + drafters) started so far. It is
+        also called once before the start when the model's first load converts it
+        (`target_worker.loader.needs_conversion`: tens of seconds, once).
         """
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from target_worker.loader import validate_model
+        from target_worker.loader import needs_conversion, validate_model
         from target_worker.tp import validate_tp
 
         cfg = self.config
@@ -195,10 +197,13 @@ class Service:
             from target_worker.fetch import default_model_path
 
             default_model_path()
+        workers = cfg.target_replicas + (cfg.drafters if cfg.drafter != "none" else 0)
+        if progress is not None and needs_conversion(cfg.model):
+            progress("first load of this model: it is converted to specd's weights and "
+                     "tokenizer caches (once; tens of seconds)", 0, workers)
         validate_model(cfg.model)  # config, weights' shapes, tokenizer: before any actor starts
         validate_tp(cfg.model, cfg.tp)
         began = time.monotonic()
-        workers = cfg.target_replicas + (cfg.drafters if cfg.drafter != "none" else 0)
         if not ray.is_initialized():
             if cfg.address is None:
                 init_embedded_ray()

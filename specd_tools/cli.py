@@ -134,6 +134,8 @@ def _generate_in_process(args: argparse.Namespace, options: GenerateOptions) -> 
     import torch
 
     torch.set_num_threads(o.target_threads or in_process_threads())
+    print(f"[specd] loading {o.model or 'the default model (SmolLM2-135M-Instruct)'}...",
+          file=sys.stderr, flush=True)
     decoder, tokenizer = load_model(o.model, o.dtype)
     # Built after the model: an EAGLE head shares the target's embedding and LM head.
     head = drafter_spec(o.drafter).has_head

@@ -35,6 +35,28 @@ def test_ports_0_and_off_never_clash():
     ServiceConfig(http_port=None, metrics_port=None, max_prompt_bytes=1)
 
 
+def test_the_start_says_a_first_load_converts_before_ray_starts(monkeypatch):
+    import ray
+
+    from coordinator import service
+    from target_worker import loader
+
+    class RayStarting(Exception):
+        pass
+
+    def init_embedded_ray(*_args, **_kwargs):
+        raise RayStarting
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(service, "init_embedded_ray", init_embedded_ray)
+    monkeypatch.setattr(loader, "needs_conversion", lambda source: source == MODEL)
+    said = []
+    with pytest.raises(RayStarting):
+        Service(ServiceConfig(model=MODEL, port=0)).start(
+            progress=lambda message, done, total: said.append(message))
+    assert len(said) == 1 and said[0].startswith("first load of this model: it is converted")
+
+
 def test_channel_tls_is_on_for_a_cluster_and_off_embedded_by_default():
     assert not ServiceConfig().tls_channels
     assert ServiceConfig(address="auto").tls_channels

@@ -111,6 +111,12 @@ def test_a_closed_port_is_one_clear_line(capsys, argv):
                            "(UNAVAILABLE: connection refused); start one"), line
 
 
+def test_in_process_says_it_loads_the_model(capsys):
+    assert cli.main(["generate", "ab", "--model", TINY, "--in-process",
+                     "--max-new-tokens", "1"]) == 0
+    assert f"[specd] loading {TINY}...\n" in capsys.readouterr().err
+
+
 def test_in_process_threads_default_to_the_cores_less_one(monkeypatch):
     threads = torch.get_num_threads()
     try:
