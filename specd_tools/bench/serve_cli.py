@@ -229,7 +229,11 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    """``specd bench serve``: runs, prints the tables, writes ``--result-json`` and plots."""
+    """``specd bench serve``: runs, prints the tables (and `busy_warning` when the machine
+    was busy), writes ``--result-json`` and plots."""
+    from .load import busy_warning, load_average
+
+    load_before = load_average()
     cfg = config_from_args(args)
     if args.plot_dir:
         import importlib.util
@@ -258,6 +262,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         if len(records) > 1:
             print(sweep_table(records))
         payload = records[0] if len(records) == 1 else records
+    if (warning := busy_warning(load_before, load_average())) is not None:
+        print(f"warning: {warning}", flush=True)
     if args.result_json:
         path = Path(args.result_json)
         path.parent.mkdir(parents=True, exist_ok=True)
