@@ -386,6 +386,16 @@ def test_bad_flags_give_an_error_naming_the_flag(capsys, argv, flag):
     assert flag in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["--num-prompts", "0"], ["--max-concurrency", "2,0"],
+                                  ["--output-len", "x"]])
+def test_integer_flags_are_refused_as_specds_own_are(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "serve", "--base-url", "http://127.0.0.1:1/v1", *argv])
+    assert info.value.code == 2
+    got = "'x'" if argv[1] == "x" else "0"
+    assert f"argument {argv[0]}: must be an integer >= 1, got {got}" in capsys.readouterr().err
+
+
 def test_an_unreachable_server_is_named(capsys):
     with pytest.raises(SystemExit) as info:
         _run(capsys, ["--base-url", "http://127.0.0.1:1/v1"])
