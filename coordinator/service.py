@@ -311,7 +311,8 @@ class Service:
     def stop(self, grace_s: float = 1.0) -> None:
         """Stops the API (in-flight streams get up to ``grace_s`` seconds to finish, new calls
         are refused with UNAVAILABLE meanwhile), destroys replicas and drafters, kills the
-        coordinator, and shuts Ray down if this service started it."""
+        coordinator, and shuts Ray down if this service started it. A coordinator that has
+        already died is only cleaned up after (no error, no traceback)."""
         import ray
 
         if not ray.is_initialized():
@@ -319,6 +320,8 @@ class Service:
         if self.coordinator is not None:
             try:
                 ray.get(self.coordinator.stop.remote(grace_s), timeout=grace_s + 30)
+            except ray.exceptions.RayActorError:
+                log.info("the coordinator had already died: nothing to stop gracefully")
             except Exception:
                 log.exception("coordinator stop failed")
             ray.kill(self.coordinator)  # its child actors die with it

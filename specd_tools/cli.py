@@ -245,6 +245,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """``specd serve``: starts the service and serves until Ctrl-C or SIGTERM (then drains for
+    up to ``--shutdown-grace`` seconds; returns 0), or until the coordinator actor dies
+    (one error line; returns 1, so a process supervisor restarts it)."""
     import signal
     import threading
 
@@ -269,35 +272,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ))
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    from ray.exceptions import RayActorError
+
     stop = threading.Event()
+    died = False
     try:
         print("[specd] starting the service...", file=sys.stderr, flush=True)
-        with StartupReport() as report:
-            address = service.start(progress=report)
-        # Installed after Ray starts: ray.init replaces the process's SIGTERM handler.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        print(f"[specd] serving specd.v1.Generation on {address} (Ctrl-C to stop)", flush=True)
-        if args.metrics_port is not None:
-            print(f"[specd] Prometheus metrics on http://{service.metrics_address}/metrics",
+        try:
+            with StartupReport() as report:
+                address = service.start(progress=report)
+            # Installed after Ray starts: ray.init replaces the process's SIGTERM handler.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            print(f"[specd] serving specd.v1.Generation on {address} (Ctrl-C to stop)",
                   flush=True)
-        if args.http_port is not None:
-            scheme = "https" if args.tls_cert else "http"
-            print(f"[specd] serving the OpenAI API on {scheme}://{service.http_address}/v1",
-                  flush=True)
-        # The coordinator is not replicated: if it dies, exit non-zero so a process
-        # supervisor restarts the service, rather than serve a dead address forever.
-        while not stop.wait(COORDINATOR_CHECK_S):
-            if not service.coordinator_alive():
-                print("[specd] error: the coordinator actor died; the service has stopped",
-                      file=sys.stderr, flush=True)
-                return 1
+            if args.metrics_port is not None:
+                print(f"[specd] Prometheus metrics on http://{service.metrics_address}/metrics",
+                      flush=True)
+            if args.http_port is not None:
+                scheme = "https" if args.tls_cert else "http"
+                print(f"[specd] serving the OpenAI API on {scheme}://{service.http_address}/v1",
+                      flush=True)
+            # The coordinator is not replicated: if it dies, exit non-zero so a process
+            # supervisor restarts the service, rather than serve a dead address forever.
+            while not stop.wait(COORDINATOR_CHECK_S):
+                if not service.coordinator_alive():
+                    died = True
+                    break
+        except RayActorError:  # died while starting, or asked for its addresses
+            died = True
+        if died:
+            print("[specd] error: the coordinator actor died; the service has stopped",
+                  file=sys.stderr, flush=True)
+            return 1
     except KeyboardInterrupt:
         pass
     finally:
-        print(f"[specd] shutting down: in-flight streams get up to {args.shutdown_grace:g} s",
-              file=sys.stderr, flush=True)
-        service.stop(grace_s=args.shutdown_grace)
+        if not died:  # a dead coordinator has nothing in flight to wait for
+            print(f"[specd] shutting down: in-flight streams get up to "
+                  f"{args.shutdown_grace:g} s", file=sys.stderr, flush=True)
+        service.stop(grace_s=0.0 if died else args.shutdown_grace)
     return 0
 
 

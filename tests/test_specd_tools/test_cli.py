@@ -111,6 +111,80 @@ def test_a_closed_port_is_one_clear_line(capsys, argv):
                            "(UNAVAILABLE: connection refused); start one"), line
 
 
+class _DeadCoordinatorService:
+    """`coordinator.service.Service` whose coordinator dies once serving (``when``: found by
+    the liveness check, or while `serve` asks for the HTTP API's address)."""
+
+    when = "check"
+    stopped: list[float] = []
+
+    def __init__(self, config):
+        self.config = config
+
+    def start(self, progress=None) -> str:
+        return "127.0.0.1:1"
+
+    @property
+    def http_address(self) -> str:
+        from ray.exceptions import RayActorError
+
+        if self.when == "address":
+            raise RayActorError()
+        return "127.0.0.1:2"
+
+    def coordinator_alive(self) -> bool:
+        return False
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.stopped.append(grace_s)
+
+
+@pytest.mark.parametrize("when", ["check", "address"])
+def test_a_dead_coordinator_ends_serve_with_one_error_line(monkeypatch, capsys, when):
+    import signal
+
+    from coordinator import service
+
+    monkeypatch.setattr(service, "Service", _DeadCoordinatorService)
+    monkeypatch.setattr(_DeadCoordinatorService, "when", when)
+    monkeypatch.setattr(_DeadCoordinatorService, "stopped", [])
+    monkeypatch.setattr(cli, "COORDINATOR_CHECK_S", 0.01)
+    monkeypatch.setattr(signal, "signal", lambda *_args: None)  # keep pytest's handlers
+    assert cli.main(["serve", "--model", TINY, "--port", "0", "--http-port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "shutting down" not in err, err
+    assert [line for line in err.splitlines() if "error" in line] == [
+        "[specd] error: the coordinator actor died; the service has stopped"]
+    assert _DeadCoordinatorService.stopped == [0.0]  # cleaned up, nothing to drain
+
+
+def test_a_dead_coordinators_stop_logs_no_traceback(monkeypatch, caplog):
+    import ray
+
+    from coordinator.config import ServiceConfig
+    from coordinator.service import Service
+
+    class DeadActor:
+        class stop:  # an actor method handle
+            @staticmethod
+            def remote(_grace_s):
+                return "ref"
+
+    def get(_ref, timeout=None):
+        raise ray.exceptions.RayActorError()
+
+    killed = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", killed.append)
+    svc = Service(ServiceConfig(model=TINY))
+    svc.coordinator = actor = DeadActor()
+    with caplog.at_level("INFO", logger="coordinator.service"):
+        svc.stop()
+    assert killed == [actor] and svc.coordinator is None
+    assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"]
+
+
 def test_in_process_says_it_loads_the_model(capsys):
     assert cli.main(["generate", "ab", "--model", TINY, "--in-process",
                      "--max-new-tokens", "1"]) == 0
