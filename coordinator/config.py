@@ -96,7 +96,8 @@ class ServiceConfig:
 
     Raises:
         ValueError: an invalid setting, named (unknown drafter, TLS half configured, bad
-            counts, threads, timeout, dtype, prefill budget or resource name).
+            counts, threads, timeout, dtype, prefill budget, prompt cap or resource name, or
+            two of ``port``, ``http_port`` and ``metrics_port`` the same fixed port).
     """
 
     model: str | None = None
@@ -165,6 +166,16 @@ class ServiceConfig:
                                       or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         ChunkPolicy(self.max_batched_tokens, self.max_partial_prefills)  # names a bad one
+        value = self.max_prompt_bytes
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"max_prompt_bytes must be a positive integer, got {value!r}")
+        # Every API listens on `host`: two on one port would fail only once Ray is up.
+        for name, other in (("http_port", "port"), ("metrics_port", "port"),
+                            ("metrics_port", "http_port")):
+            value = getattr(self, name)
+            if value and value == getattr(self, other):  # 0 and None: none fixed
+                raise ValueError(f"{name} must differ from {other}={value}")
 
     @property
     def chunking(self) -> ChunkPolicy:

@@ -177,7 +177,12 @@ class Router(Supervision):
 
     def status(self) -> dict:
         """The `Scheduler.status` fields summed over replicas, plus ``replicas`` (one dict
-        per replica, see `replica_status`) and ``drafters`` (`DrafterPool.status`)."""
+        per replica, see `replica_status`) and ``drafters`` (`DrafterPool.status`).
+
+        The counters are the replica rows' sums (``tokens_generated``: the rows'
+        ``tokens_emitted``, cancelled and failed requests' tokens included) plus what removed
+        replicas and the earlier lives of re-created ones counted (a re-created replica's row
+        starts again at 0), so a total never goes backwards."""
         replicas = [self.replica_status(r) for r in self.replicas.values()]
         total = {key: sum(r[key] for r in replicas) for key in (*_GAUGES, *_COUNTERS)}
         for key, value in self._retired.items():  # counters never go back on a scale-down

@@ -174,6 +174,7 @@ class ServiceRequest:
 @dataclass
 class SchedulerStats:
     steps: int = 0
+    #: Tokens streamed to clients, as they stream: cancelled and failed requests' included.
     tokens_generated: int = 0
     forward_calls: int = 0
     drafter_failures: int = 0
@@ -657,7 +658,6 @@ class Scheduler(DraftingPolicy):
             self._unsent.append(req)  # streamed once the next target call is sent
             return
         self._push(req)
-        self.stats.tokens_generated += len(req.decode.generated)
         req.events.put_nowait(req.decode.result)
         await self._release(req)
 
@@ -671,6 +671,7 @@ class Scheduler(DraftingPolicy):
             else:
                 self.latency.itl.observe(now - req.last_token_at)
             req.last_token_at = now
+        self.stats.tokens_generated += n
         self._emitted(n)
 
     def _emitted(self, n: int) -> None:

@@ -176,12 +176,14 @@ class Service:
 
         ``progress(message, done, total)`` is called after each start-up phase (Ray up, each
         replica's model loaded, each drafter ready), ``message`` naming it with its time;
-        ``done`` / ``total`` count the workers (replicas + drafters) started so far.
+        ``done`` / ``total`` count the workers (replicas + drafters) started so far. It is
+        also called once before the start when the model's first load converts it
+        (`target_worker.loader.needs_conversion`: tens of seconds, once).
         """
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from target_worker.loader import validate_model
+        from target_worker.loader import needs_conversion, validate_model
         from target_worker.tp import validate_tp
 
         cfg = self.config
@@ -195,10 +197,13 @@ class Service:
             from target_worker.fetch import default_model_path
 
             default_model_path()
+        workers = cfg.target_replicas + (cfg.drafters if cfg.drafter != "none" else 0)
+        if progress is not None and needs_conversion(cfg.model):
+            progress("first load of this model: it is converted to specd's weights and "
+                     "tokenizer caches (once; tens of seconds)", 0, workers)
         validate_model(cfg.model)  # config, weights' shapes, tokenizer: before any actor starts
         validate_tp(cfg.model, cfg.tp)
         began = time.monotonic()
-        workers = cfg.target_replicas + (cfg.drafters if cfg.drafter != "none" else 0)
         if not ray.is_initialized():
             if cfg.address is None:
                 init_embedded_ray()
@@ -306,7 +311,8 @@ class Service:
     def stop(self, grace_s: float = 1.0) -> None:
         """Stops the API (in-flight streams get up to ``grace_s`` seconds to finish, new calls
         are refused with UNAVAILABLE meanwhile), destroys replicas and drafters, kills the
-        coordinator, and shuts Ray down if this service started it."""
+        coordinator, and shuts Ray down if this service started it. A coordinator that has
+        already died is only cleaned up after (no error, no traceback)."""
         import ray
 
         if not ray.is_initialized():
@@ -314,6 +320,8 @@ class Service:
         if self.coordinator is not None:
             try:
                 ray.get(self.coordinator.stop.remote(grace_s), timeout=grace_s + 30)
+            except ray.exceptions.RayActorError:
+                log.info("the coordinator had already died: nothing to stop gracefully")
             except Exception:
                 log.exception("coordinator stop failed")
             ray.kill(self.coordinator)  # its child actors die with it

@@ -134,6 +134,8 @@ def _generate_in_process(args: argparse.Namespace, options: GenerateOptions) -> 
     import torch
 
     torch.set_num_threads(o.target_threads or in_process_threads())
+    print(f"[specd] loading {o.model or 'the default model (SmolLM2-135M-Instruct)'}...",
+          file=sys.stderr, flush=True)
     decoder, tokenizer = load_model(o.model, o.dtype)
     # Built after the model: an EAGLE head shares the target's embedding and LM head.
     head = drafter_spec(o.drafter).has_head
@@ -243,6 +245,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """``specd serve``: starts the service and serves until Ctrl-C or SIGTERM (then drains for
+    up to ``--shutdown-grace`` seconds; returns 0), or until the coordinator actor dies
+    (one error line; returns 1, so a process supervisor restarts it)."""
     import signal
     import threading
 
@@ -267,35 +272,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ))
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    from ray.exceptions import RayActorError
+
     stop = threading.Event()
+    died = False
     try:
         print("[specd] starting the service...", file=sys.stderr, flush=True)
-        with StartupReport() as report:
-            address = service.start(progress=report)
-        # Installed after Ray starts: ray.init replaces the process's SIGTERM handler.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        print(f"[specd] serving specd.v1.Generation on {address} (Ctrl-C to stop)", flush=True)
-        if args.metrics_port is not None:
-            print(f"[specd] Prometheus metrics on http://{service.metrics_address}/metrics",
+        try:
+            with StartupReport() as report:
+                address = service.start(progress=report)
+            # Installed after Ray starts: ray.init replaces the process's SIGTERM handler.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            print(f"[specd] serving specd.v1.Generation on {address} (Ctrl-C to stop)",
                   flush=True)
-        if args.http_port is not None:
-            scheme = "https" if args.tls_cert else "http"
-            print(f"[specd] serving the OpenAI API on {scheme}://{service.http_address}/v1",
-                  flush=True)
-        # The coordinator is not replicated: if it dies, exit non-zero so a process
-        # supervisor restarts the service, rather than serve a dead address forever.
-        while not stop.wait(COORDINATOR_CHECK_S):
-            if not service.coordinator_alive():
-                print("[specd] error: the coordinator actor died; the service has stopped",
-                      file=sys.stderr, flush=True)
-                return 1
+            if args.metrics_port is not None:
+                print(f"[specd] Prometheus metrics on http://{service.metrics_address}/metrics",
+                      flush=True)
+            if args.http_port is not None:
+                scheme = "https" if args.tls_cert else "http"
+                print(f"[specd] serving the OpenAI API on {scheme}://{service.http_address}/v1",
+                      flush=True)
+            # The coordinator is not replicated: if it dies, exit non-zero so a process
+            # supervisor restarts the service, rather than serve a dead address forever.
+            while not stop.wait(COORDINATOR_CHECK_S):
+                if not service.coordinator_alive():
+                    died = True
+                    break
+        except RayActorError:  # died while starting, or asked for its addresses
+            died = True
+        if died:
+            print("[specd] error: the coordinator actor died; the service has stopped",
+                  file=sys.stderr, flush=True)
+            return 1
     except KeyboardInterrupt:
         pass
     finally:
-        print(f"[specd] shutting down: in-flight streams get up to {args.shutdown_grace:g} s",
-              file=sys.stderr, flush=True)
-        service.stop(grace_s=args.shutdown_grace)
+        if not died:  # a dead coordinator has nothing in flight to wait for
+            print(f"[specd] shutting down: in-flight streams get up to "
+                  f"{args.shutdown_grace:g} s", file=sys.stderr, flush=True)
+        service.stop(grace_s=0.0 if died else args.shutdown_grace)
     return 0
 
 
@@ -421,15 +437,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Prints the Status RPC's answer as tables (or JSON)."""
     import grpc
 
-    from .client import get_status, status_dict, status_table
+    from .client import get_status, no_server_message, status_dict, status_table
 
     try:
         status = get_status(args.server, args.auth_token, args.tls_ca, args.timeout)
     except grpc.RpcError as exc:
-        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise RuntimeError(
-                f"no specd service answered at {args.server} ({exc.code().name}); start one "
-                f"with 'specd serve' or give its address with --server HOST:PORT") from None
+        message = no_server_message(args.server, exc)
+        if message is None and exc.code() in (grpc.StatusCode.UNAVAILABLE,
+                                              grpc.StatusCode.DEADLINE_EXCEEDED):
+            message = (f"no specd service answered at {args.server} ({exc.code().name}); "
+                       f"start one with 'specd serve' or give its address with --server "
+                       f"HOST:PORT")
+        if message is not None:
+            raise RuntimeError(message) from None
         raise
     print(json.dumps(status_dict(status), indent=2) if args.json else status_table(status))
     return 0
@@ -588,7 +608,8 @@ def user_flags(message: str, parser: argparse.ArgumentParser,
                args: argparse.Namespace) -> str:
     """``message`` with the internal names it starts a clause with (a config field such as
     ``target_replicas:``, ``SamplingParams.top_p=``) replaced by the command's flag
-    (``--target-replicas``, ``--top-p``), so an error names what the user typed."""
+    (``--target-replicas``, ``--top-p``), so an error names what the user typed; a name
+    already written as a flag (``--seed must ...``) is left as it is."""
     sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)),
                None)
     command = sub.choices.get(args.command) if sub is not None else None
@@ -603,8 +624,9 @@ def user_flags(message: str, parser: argparse.ArgumentParser,
     def flag(m: re.Match) -> str:
         return flags.get(m.group(2), m.group(0))
 
-    return re.sub(r"(SamplingParams\.|sampling\.|\b)([a-z][a-z0-9_]*)(?=[:=]| must)", flag,
-                  message)
+    # (?<!-): a name already written as a flag ("--seed must ...") stays as it is.
+    return re.sub(r"(?<!-)(SamplingParams\.|sampling\.|\b)([a-z][a-z0-9_]*)(?=[:=]| must)",
+                  flag, message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -626,7 +648,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         import grpc
 
         if isinstance(exc, grpc.RpcError):
-            parser.exit(1, f"specd: error: {exc.code().name}: "
+            from .client import no_server_message
+
+            server = getattr(args, "server", None)  # None: generate's embedded service
+            message = no_server_message(server, exc) if server else None
+            parser.exit(1, f"specd: error: {message}\n" if message else
+                           f"specd: error: {exc.code().name}: "
                            f"{user_flags(exc.details() or '', parser, args)}\n")
         raise
 

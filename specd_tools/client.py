@@ -69,6 +69,36 @@ def get_status(address: str, auth_token: str | None = None, tls_ca: str | None =
             generation_pb2.StatusRequest(), metadata=metadata, timeout=timeout_s)
 
 
+#: Fragments of gRPC's own UNAVAILABLE text when a call reached no server, and what each
+#: means to a user (checked in order).
+_NO_SERVER = (("connection refused", "connection refused"),
+              ("dns resolution failed", "host not found"),
+              ("handshake", "TLS handshake failed"),
+              ("failed to connect", "unreachable"))
+
+
+def no_server_reason(exc: grpc.RpcError) -> str | None:
+    """Why a call reached no server, read from gRPC's own UNAVAILABLE text: ``"connection
+    refused"``, ``"host not found"``, ``"TLS handshake failed"`` or ``"unreachable"``; None
+    when a server answered (its status stands, a draining server's UNAVAILABLE included)."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    details = (exc.details() or "").lower()
+    return next((reason for fragment, reason in _NO_SERVER if fragment in details), None)
+
+
+def no_server_message(address: str, exc: grpc.RpcError) -> str | None:
+    """One line for a call that reached no server at ``address``, e.g. ``no specd server at
+    127.0.0.1:1 (UNAVAILABLE: connection refused); start one with 'specd serve' or give its
+    address with --server HOST:PORT``; None when a server answered (`no_server_reason`)."""
+    reason = no_server_reason(exc)
+    if reason is None:
+        return None
+    hint = ("is it serving TLS, and does --tls-ca name its CA?" if reason.startswith("TLS")
+            else "start one with 'specd serve' or give its address with --server HOST:PORT")
+    return f"no specd server at {address} ({exc.code().name}: {reason}); {hint}"
+
+
 def status_dict(status: generation_pb2.StatusResponse) -> dict:
     """``status`` as plain JSON types, every field present (proto field names)."""
     from google.protobuf.json_format import MessageToDict

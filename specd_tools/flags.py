@@ -44,7 +44,12 @@ def port(text: str) -> int:
 
 
 def positive_int(text: str) -> int:
-    """An integer >= 1."""
+    """An integer >= 1: the argparse ``type`` of every such flag of ``specd`` and ``specd
+    bench`` (``serve`` included, alone or in a comma-separated list).
+
+    Raises:
+        argparse.ArgumentTypeError: ``must be an integer >= 1, got ...``.
+    """
     try:
         value = int(text)
     except ValueError:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -111,6 +112,8 @@ def ensure_weights_cache(path: str | os.PathLike) -> Path:
     with open(cached.with_name(cached.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not cached.is_file():
+            print(f"[specd] converting {path.name} to float32 weights in {cached.parent} "
+                  f"(first load only)...", file=sys.stderr, flush=True)
             config, state = read_gguf(path)
             save_weights(cached, config, state)
             del state

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ __all__ = [
     "load_tokenizer",
     "model_config",
     "model_path",
+    "needs_conversion",
     "resolve_dtype",
     "validate_model",
 ]
@@ -59,6 +61,11 @@ def _decoder_from_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> 
     return model.eval()
 
 
+def _say(message: str) -> None:
+    """One line on stderr before a wait of several seconds (in an actor: its log)."""
+    print(f"[specd] {message}", file=sys.stderr, flush=True)
+
+
 def load_gguf_decoder(path: str | os.PathLike, use_cache: bool = True) -> Decoder:
     """Decoder with the weights of a GGUF file, dequantized to float32.
 
@@ -78,6 +85,8 @@ def load_gguf_decoder(path: str | os.PathLike, use_cache: bool = True) -> Decode
     cached = weights_cache_path(path)
     if use_cache and cached.is_file():
         return _decoder_from_state(safetensors_config(cached), load_file(cached))
+    _say(f"converting {path.name} to float32 weights" +
+         (f" in {cached.parent} (first load only)" if use_cache else "") + "...")
     config, state = read_gguf(path)
     model = _decoder_from_state(config, state)
     if use_cache:
@@ -132,6 +141,8 @@ def load_tokenizer(path: str | os.PathLike, use_cache: bool = True) -> PreTraine
     cached = tokenizer_cache_path(path)
     if use_cache and (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(cached)
+    _say(f"reading {path.name}'s tokenizer" + (" (first load only)" if use_cache else "")
+         + "...")
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if use_cache:
         tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp")
@@ -249,6 +260,24 @@ def load_decoder(
     if path.is_dir():
         return load_hf_decoder(path, dtype)
     return _cast(load_gguf_decoder(path), resolve_dtype(dtype))
+
+
+def needs_conversion(source: str | os.PathLike | None) -> bool:
+    """Whether loading ``source`` first converts it: a GGUF file whose weights cache or
+    tokenizer cache (`target_worker.disk_cache`) is missing, which costs tens of seconds once
+    (SmolLM2 on 2 cores: ~5 s of weights, ~16 s of tokenizer). The default model is fetched
+    first if needed.
+
+    Raises:
+        As `model_path`.
+    """
+    if is_tiny_random_spec(source):
+        return False
+    path = model_path(source)
+    if not path.is_file():
+        return False  # a directory is read in place; a missing file fails elsewhere, named
+    return not (weights_cache_path(path).is_file()
+                and (tokenizer_cache_path(path) / "tokenizer_config.json").is_file())
 
 
 def validate_model(source: str | os.PathLike | None) -> ModelConfig:

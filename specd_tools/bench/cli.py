@@ -85,7 +85,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     Raises:
         ValueError: a bad flag (names it), or matplotlib missing without ``--no-plots``.
     """
+    from .load import busy_warning, load_average
     from .report import markdown, service_markdown, write_report
+
+    load_before = load_average()
 
     def progress(line: str) -> None:
         print(f"[bench] {line}", file=sys.stderr, flush=True)
@@ -141,5 +144,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             text = markdown(report)
     paths = write_report(report, args.out, plots=not args.no_plots)
     print(text)
+    if (warning := busy_warning(load_before, load_average())) is not None:
+        print(f"warning: {warning}", flush=True)
     progress("wrote " + ", ".join(str(p) for p in paths))
     return 0

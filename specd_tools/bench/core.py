@@ -195,6 +195,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] = print) -> d
 
     cost_model = None
     if config.adaptive:
+        progress("calibrating the forward cost model (the adaptive systems' draft lengths)")
         cost_model = calibrate_for(decoder, cache_len=300, repeats=3)
         progress("forward cost (ms) by tokens fed: " + ", ".join(
             f"{n}: {s * 1e3:.1f}" for n, s in cost_model.points().items()))

@@ -226,10 +226,9 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
     threads_rows = None
     if config.thread_check:
         progress("timing specd's forward at 1 and 2 threads, quiet and beside a busy process")
-        threads_rows = thread_timing(decoder)
-        for row in threads_rows:
-            progress(f"busy={row['busy']} k={row['k']} threads={row['threads']}: "
-                     f"{row['median_ms']:.1f} ms (max {row['max_ms']:.0f})")
+        threads_rows = thread_timing(decoder, on_row=lambda row: progress(
+            f"busy={row['busy']} k={row['k']} threads={row['threads']}: "
+            f"{row['median_ms']:.1f} ms (max {row['max_ms']:.0f})"))
     del decoder  # the service loads its own
 
     options = generate_args(config)

@@ -34,7 +34,7 @@ def check_forward_sizes(ks: Sequence[int], cache_lens: Sequence[int]) -> None:
 
 def forward_timing(decoder, hf_model, ks: Sequence[int] = FORWARD_KS,
                    cache_lens: Sequence[int] = FORWARD_CACHE_LENS, repeats: int = 15,
-                   seed: int = 0) -> list[dict]:
+                   seed: int = 0, on_row: Callable[[dict], None] | None = None) -> list[dict]:
     """One forward of ``k`` new tokens over ``L`` cached ones: specd (``bare-forward``:
     ``Decoder.forward_batch``, logits for all k rows) against the transformers model
     (``hf-plain``: its forward with a ``DynamicCache``, ``logits_to_keep=0`` so all k rows
@@ -43,7 +43,8 @@ def forward_timing(decoder, hf_model, ks: Sequence[int] = FORWARD_KS,
     Both caches are filled once with the same ``L`` random tokens (``seed``); each timed
     call feeds ``k`` random tokens at positions ``[L, L + k)`` and is rolled back after
     (specd ``truncate``, transformers ``crop``). A (k, L) that does not fit the model's
-    context is skipped.
+    context is skipped. ``on_row(row)`` is called with each row as soon as it is measured
+    (a long timing then reports as it goes).
 
     Returns:
         One row per (L, k): ``cache_len``, ``k``, ``bare_forward_ms`` and ``hf_plain_ms``
@@ -102,6 +103,8 @@ def forward_timing(decoder, hf_model, ks: Sequence[int] = FORWARD_KS,
                     x / y for x, y in zip(times[BARE], times[HF_PLAIN], strict=True)),
                 "max_logit_diff": diff,
             })
+            if on_row is not None:
+                on_row(rows[-1])
     return rows
 
 
@@ -109,26 +112,31 @@ def reported_forward_timing(decoder, hf_model, config, progress: Callable[[str],
                             ) -> list[dict]:
     """`forward_timing` with ``config``'s ``forward_ks``, ``forward_cache_lens`` and
     ``forward_repeats`` (a `BenchConfig` or a service bench config), each row also reported
-    as a line through ``progress``."""
-    progress("timing one forward per k, specd against transformers, interleaved")
-    rows = forward_timing(decoder, hf_model, config.forward_ks, config.forward_cache_lens,
-                          config.forward_repeats)
-    for row in rows:
+    as a line through ``progress`` once measured."""
+    sizes = len(config.forward_ks) * len(config.forward_cache_lens)
+    progress(f"timing one forward per k, specd against transformers, interleaved ({sizes} "
+             f"sizes x {config.forward_repeats} calls each, a line per size)")
+
+    def report(row: dict) -> None:
         progress(f"forward L={row['cache_len']} k={row['k']}: bare-forward "
                  f"{row['bare_forward_ms']:.1f} ms, hf-plain {row['hf_plain_ms']:.1f} ms, "
                  f"ratio {row['ratio']:.2f}")
-    return rows
+
+    return forward_timing(decoder, hf_model, config.forward_ks, config.forward_cache_lens,
+                          config.forward_repeats, on_row=report)
 
 
 def thread_timing(decoder, threads: Sequence[int] = (1, 2), ks: Sequence[int] = (1, 8),
-                  cache_len: int = 300, repeats: int = 12, seed: int = 0) -> list[dict]:
+                  cache_len: int = 300, repeats: int = 12, seed: int = 0,
+                  on_row: Callable[[dict], None] | None = None) -> list[dict]:
     """specd's forward at each torch thread count, on a quiet machine and beside one busy
     process: the evidence for the default thread budget (`default_target_threads`).
 
     For each condition (``busy`` False, then True: a ``python -c 'while True: pass'``
     child started here and killed by its PID after), each k: ``repeats`` forwards of ``k``
     tokens over ``cache_len`` cached ones per thread count, alternating thread counts call by
-    call. The torch thread count is restored after.
+    call. The torch thread count is restored after. ``on_row(row)`` is called with each row
+    as soon as its condition and k are measured.
 
     Returns:
         One row per (busy, k, threads): ``median_ms`` and ``max_ms``.
@@ -158,9 +166,12 @@ def thread_timing(decoder, threads: Sequence[int] = (1, 2), ks: Sequence[int] = 
                             if r:  # the first round warms each thread count up
                                 times[t].append(time.perf_counter() - start)
                             cache.truncate(length)
-                    rows += [{"busy": busy, "k": k, "threads": t,
-                              "median_ms": 1e3 * statistics.median(v), "max_ms": 1e3 * max(v)}
-                             for t, v in times.items()]
+                    for t, v in times.items():
+                        rows.append({"busy": busy, "k": k, "threads": t,
+                                     "median_ms": 1e3 * statistics.median(v),
+                                     "max_ms": 1e3 * max(v)})
+                        if on_row is not None:
+                            on_row(rows[-1])
             finally:
                 if child is not None:
                     child.kill()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..flags import positive_int
 from .serve import GOODPUT_KEYS, RANDOM_NUM_PROMPTS, ServeBenchConfig, bench_endpoint
 from .serve_compare import DEFAULT_PEER_CMD, DEFAULT_SPECD_CMD
 from .serve_data import DATASETS
@@ -85,18 +86,8 @@ def parse_concurrencies(text: str) -> tuple[int, ...]:
     Raises:
         argparse.ArgumentTypeError: anything else.
     """
-    values = tuple(_positive_int(p.strip()) for p in text.split(","))
+    values = tuple(positive_int(p.strip()) for p in text.split(","))
     return values
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def _positive_float(text: str) -> float:
@@ -133,11 +124,11 @@ def add_serve_parser(modes) -> argparse.ArgumentParser:
     p.add_argument("--dataset-path", default=None, metavar="FILE",
                    help='--dataset-name custom: JSONL, {"prompt": str, "category": str '
                         "(optional)} per line")
-    p.add_argument("--num-prompts", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--num-prompts", type=positive_int, default=None, metavar="N",
                    help="requests per run, drawn with --seed (cycling when N exceeds the "
                         f"dataset) (default: every prompt once; random, structured: "
                         f"{RANDOM_NUM_PROMPTS})")
-    p.add_argument("--input-len", type=_positive_int, default=128, metavar="TOKENS",
+    p.add_argument("--input-len", type=positive_int, default=128, metavar="TOKENS",
                    help="--dataset-name random: prompt tokens (before the chat template) by "
                         "--tokenizer; without a tokenizer that many common words")
     p.add_argument("--tokenizer", default=None, metavar="DIR|FILE.gguf|tiny-random",
@@ -156,7 +147,7 @@ def add_serve_parser(modes) -> argparse.ArgumentParser:
                    metavar="C[,C...]",
                    help="at most C requests in flight; a list runs each in turn, every "
                         "--request-rate at each (default: no cap)")
-    p.add_argument("--output-len", type=_positive_int, default=128, metavar="N",
+    p.add_argument("--output-len", type=positive_int, default=128, metavar="N",
                    help="max_tokens of each request")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--ignore-eos", action="store_true",
@@ -183,7 +174,7 @@ def add_serve_parser(modes) -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     c.add_argument("--specd-cmd", default=DEFAULT_SPECD_CMD, metavar="CMD",
                    help="specd's command, as --peer-cmd (default: %(default)s)")
-    c.add_argument("--rounds", type=_positive_int, default=2,
+    c.add_argument("--rounds", type=positive_int, default=2,
                    help="rounds; each starts both servers in turn, alternating which first")
     c.add_argument("--server-timeout", type=_positive_float, default=600.0, metavar="S",
                    help="seconds a server may take to list its model at /v1/models")
@@ -229,7 +220,11 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    """``specd bench serve``: runs, prints the tables, writes ``--result-json`` and plots."""
+    """``specd bench serve``: runs, prints the tables (and `busy_warning` when the machine
+    was busy), writes ``--result-json`` and plots."""
+    from .load import busy_warning, load_average
+
+    load_before = load_average()
     cfg = config_from_args(args)
     if args.plot_dir:
         import importlib.util
@@ -258,6 +253,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         if len(records) > 1:
             print(sweep_table(records))
         payload = records[0] if len(records) == 1 else records
+    if (warning := busy_warning(load_before, load_average())) is not None:
+        print(f"warning: {warning}", flush=True)
     if args.result_json:
         path = Path(args.result_json)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Placement and channel-TLS settings are checked before anything starts."""
+"""Placement, channel-TLS, prompt-cap and port settings are checked before anything starts."""
 
 from __future__ import annotations
 
@@ -16,6 +16,45 @@ MODEL = "tiny-random:vocab=64,seed=0,layers=2"
 def test_bad_placement_or_tls_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         Service(ServiceConfig(model=MODEL, **{field: value}))
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"max_prompt_bytes": 0}, "max_prompt_bytes"),
+    ({"max_prompt_bytes": True}, "max_prompt_bytes"),
+    ({"http_port": 50051}, "http_port"),
+    ({"port": 7000, "metrics_port": 7000}, "metrics_port"),
+    ({"http_port": 7001, "metrics_port": 7001}, "metrics_port"),
+])
+def test_a_bad_prompt_cap_or_a_shared_port_is_refused(fields, field):
+    with pytest.raises(ValueError, match=f"^{field} must"):
+        ServiceConfig(model=MODEL, **fields)
+
+
+def test_ports_0_and_off_never_clash():
+    ServiceConfig(port=0, http_port=0, metrics_port=0)
+    ServiceConfig(http_port=None, metrics_port=None, max_prompt_bytes=1)
+
+
+def test_the_start_says_a_first_load_converts_before_ray_starts(monkeypatch):
+    import ray
+
+    from coordinator import service
+    from target_worker import loader
+
+    class RayStarting(Exception):
+        pass
+
+    def init_embedded_ray(*_args, **_kwargs):
+        raise RayStarting
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(service, "init_embedded_ray", init_embedded_ray)
+    monkeypatch.setattr(loader, "needs_conversion", lambda source: source == MODEL)
+    said = []
+    with pytest.raises(RayStarting):
+        Service(ServiceConfig(model=MODEL, port=0)).start(
+            progress=lambda message, done, total: said.append(message))
+    assert len(said) == 1 and said[0].startswith("first load of this model: it is converted")
 
 
 def test_channel_tls_is_on_for_a_cluster_and_off_embedded_by_default():

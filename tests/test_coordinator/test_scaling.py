@@ -8,6 +8,7 @@ import asyncio
 
 import grpc
 import pytest
+from polling import wait_until
 from service_harness import MODEL, LocalService, run_in_thread
 from test_service import REPEATING, request, solo, stream_tokens
 
@@ -204,6 +205,40 @@ def test_draining_a_replica_finishes_its_requests_before_removing_it():
         # A request after the scale runs on the remaining replica.
         tokens, _ = stream_tokens(svc, request(REPEATING, max_new=12))
         assert tokens == greedy_solo(svc, REPEATING, 12)
+    finally:
+        svc.stop()
+
+
+def test_status_totals_are_the_replica_rows_cancelled_requests_included():
+    """The totals' tokens are the replica rows' summed, whether their requests finished or
+    were cancelled mid-stream (they read 0 while the rows showed 40 and 42)."""
+    svc = LocalService(replicas=2, drafters=1).start()
+    try:
+        gates = gate_all(svc)
+        router = svc.router
+
+        async def submit():
+            return [router.submit(p, options(40)) for p in PROMPTS[:2]]
+
+        reqs = svc.call(submit())
+        # Prefilled: each has streamed its first token and waits at its replica's gate.
+        wait_until(lambda: all(r.emitted > 0 for r in reqs), what="first tokens streamed")
+
+        async def cancel_all():
+            for r in reqs:
+                router.cancel(r)
+            for gate in gates:
+                gate.open.set()
+            for r in reqs:
+                with pytest.raises(asyncio.CancelledError):
+                    await collect(r)
+            return router.status()
+
+        status = svc.call(cancel_all())
+        rows = [r["tokens_emitted"] for r in status["replicas"]]
+        assert len(rows) == 2 and all(n > 0 for n in rows), rows
+        assert status["cancelled"] == 2
+        assert status["tokens_generated"] == sum(rows)
     finally:
         svc.stop()
 

@@ -114,6 +114,31 @@ def test_bench_cli_writes_the_report(tmp_path, capsys):
     assert "| chat | specd-plain |" in capsys.readouterr().out
 
 
+def test_a_busy_machine_is_named_beside_the_numbers(tmp_path, capsys, monkeypatch):
+    from specd_tools.bench import load
+
+    argv = ["bench", "--model", TINY, "--no-hf", "--workloads", "chat", "--max-new-tokens",
+            "2", "--repeats", "1", "--threads", "1", "--no-plots"]
+    monkeypatch.setattr(load, "load_average", lambda: 0.0)
+    assert main([*argv, "--out", str(tmp_path / "quiet")]) == 0
+    assert "machine busy" not in capsys.readouterr().out
+    monkeypatch.setattr(load, "load_average", lambda: 99.0)
+    assert main([*argv, "--out", str(tmp_path / "busy")]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1] == (
+        f"warning: machine busy: load 99.0 on {load.usable_cpus()} cores; read ratios, not "
+        f"absolute numbers")
+
+
+def test_busy_warning_only_over_the_usable_cores():
+    from specd_tools.bench.load import busy_warning
+
+    assert busy_warning(1.9, 2.0, cpus=2) is None
+    assert busy_warning(None, None, cpus=2) is None
+    assert busy_warning(0.5, None, 2.5, cpus=2) == (
+        "machine busy: load 2.5 on 2 cores; read ratios, not absolute numbers")
+
+
 def test_bench_config_rejects_bad_sizes():
     for bad in ({"max_new_tokens": 0}, {"repeats": 0}, {"draft_len": 0}, {"threads": 0},
                 {"drafters": ()}):

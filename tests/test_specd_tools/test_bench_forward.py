@@ -52,7 +52,10 @@ def test_hf_twin_holds_the_decoders_weights():
 def test_forward_timing_rows_per_k_and_cache_length():
     decoder, _ = load_model(DENSE)
     hf = hf_twin(decoder)
-    rows = forward_timing(decoder, hf, ks=(1, 2, 8), cache_lens=(20, 250), repeats=3)
+    reported = []
+    rows = forward_timing(decoder, hf, ks=(1, 2, 8), cache_lens=(20, 250), repeats=3,
+                          on_row=reported.append)
+    assert reported == rows  # each row reported as it is measured, not silent to the end
     # Context 256: over 250 cached tokens only k <= 6 fits.
     assert [(r["cache_len"], r["k"]) for r in rows] == [(20, 1), (20, 2), (20, 8), (250, 1),
                                                          (250, 2)]
@@ -131,7 +134,10 @@ def test_default_path_runs_the_cli_request_beside_transformers(tmp_path):
 def test_thread_timing_covers_each_condition_and_restores_threads():
     decoder, _ = load_model(DENSE)
     torch.set_num_threads(1)
-    rows = thread_timing(decoder, threads=(1, 2), ks=(1, 3), cache_len=20, repeats=2)
+    reported = []
+    rows = thread_timing(decoder, threads=(1, 2), ks=(1, 3), cache_len=20, repeats=2,
+                         on_row=reported.append)
+    assert reported == rows  # each row reported as it is measured, not silent to the end
     assert [(r["busy"], r["k"], r["threads"]) for r in rows] == [
         (busy, k, t) for busy in (False, True) for k in (1, 3) for t in (1, 2)]
     assert all(0 < r["median_ms"] <= r["max_ms"] for r in rows)

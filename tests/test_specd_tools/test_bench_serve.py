@@ -312,6 +312,20 @@ def test_a_run_against_a_fake_server_reports_known_counts_and_timing(tmp_path, c
     assert "per category" in out
 
 
+def test_a_busy_machine_is_named_beside_the_numbers(tmp_path, capsys, monkeypatch):
+    from specd_tools.bench import load
+
+    monkeypatch.setattr(load, "load_average", lambda: 99.0)
+    with FakeServer() as fake:
+        code, out, _err = _run(capsys, [
+            "--base-url", fake.url, "--dataset-name", "custom",
+            "--dataset-path", _dataset(tmp_path, [{"prompt": "a b"}]), "--output-len", "4"])
+    assert code == 0 and "Successful requests:" in out
+    assert out.rstrip().splitlines()[-1] == (
+        f"warning: machine busy: load 99.0 on {load.usable_cpus()} cores; read ratios, not "
+        f"absolute numbers")
+
+
 def test_without_usage_tokens_are_counted_by_the_tokenizer_or_by_chunks(tmp_path, capsys):
     rows = [{"prompt": "abc def"}, {"prompt": "ghi"}]
     data = _dataset(tmp_path, rows)
@@ -380,6 +394,16 @@ def test_bad_flags_give_an_error_naming_the_flag(capsys, argv, flag):
         cli.main(["bench", "serve", *argv])
     assert info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--num-prompts", "0"], ["--max-concurrency", "2,0"],
+                                  ["--output-len", "x"]])
+def test_integer_flags_are_refused_as_specds_own_are(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "serve", "--base-url", "http://127.0.0.1:1/v1", *argv])
+    assert info.value.code == 2
+    got = "'x'" if argv[1] == "x" else "0"
+    assert f"argument {argv[0]}: must be an integer >= 1, got {got}" in capsys.readouterr().err
 
 
 def test_an_unreachable_server_is_named(capsys):

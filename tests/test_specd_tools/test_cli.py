@@ -62,6 +62,7 @@ def test_json_keys_say_what_they_hold(capsys):
     (["serve", "--max-batched-tokens", "-5"], "--max-batched-tokens"),
     (["serve", "--max-partial-prefills", "0"], "--max-partial-prefills"),
     (["generate", "x", "--max-batched-tokens", "-1"], "--max-batched-tokens"),
+    (["generate", "x", "--in-process", "--seed", "-1"], "--seed"),
 ])
 def test_errors_name_the_users_flag(capsys, argv, flag):
     with pytest.raises(SystemExit) as info:
@@ -69,6 +70,25 @@ def test_errors_name_the_users_flag(capsys, argv, flag):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"error: {flag}" in err and "SamplingParams" not in err, err
+    assert "---" not in err, err  # a message naming the flag itself is not rewritten
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--max-prompt-bytes", "0"], "--max-prompt-bytes"),
+    (["--http-port", "50051"], "--http-port"),
+    (["--port", "7000", "--metrics-port", "7000"], "--metrics-port"),
+])
+def test_serve_refuses_bad_settings_before_ray_starts(monkeypatch, capsys, argv, flag):
+    from coordinator import service
+
+    monkeypatch.setattr(service.Service, "start",
+                        lambda *_a, **_k: pytest.fail("the service started"))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", *argv, "--model", TINY])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    want = "must differ from --" if flag.endswith("port") else "must be a positive integer"
+    assert f"specd: error: {flag} {want}" in err, err
 
 
 @pytest.mark.parametrize("flag", ["--port", "--http-port", "--metrics-port"])
@@ -77,6 +97,98 @@ def test_a_port_out_of_range_is_refused_by_the_parser(capsys, flag):
         cli.main(["serve", flag, "99999", "--model", TINY])
     assert info.value.code == 2
     assert f"argument {flag}: must be a port in [0, 65535], got 99999" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi", "--server", "127.0.0.1:1"],
+                                  ["scale", "--server", "127.0.0.1:1", "--drafters", "1"],
+                                  ["status", "--server", "127.0.0.1:1"]])
+def test_a_closed_port_is_one_clear_line(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("specd: error: no specd server at 127.0.0.1:1 "
+                           "(UNAVAILABLE: connection refused); start one"), line
+
+
+class _DeadCoordinatorService:
+    """`coordinator.service.Service` whose coordinator dies once serving (``when``: found by
+    the liveness check, or while `serve` asks for the HTTP API's address)."""
+
+    when = "check"
+    stopped: list[float] = []
+
+    def __init__(self, config):
+        self.config = config
+
+    def start(self, progress=None) -> str:
+        return "127.0.0.1:1"
+
+    @property
+    def http_address(self) -> str:
+        from ray.exceptions import RayActorError
+
+        if self.when == "address":
+            raise RayActorError()
+        return "127.0.0.1:2"
+
+    def coordinator_alive(self) -> bool:
+        return False
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.stopped.append(grace_s)
+
+
+@pytest.mark.parametrize("when", ["check", "address"])
+def test_a_dead_coordinator_ends_serve_with_one_error_line(monkeypatch, capsys, when):
+    import signal
+
+    from coordinator import service
+
+    monkeypatch.setattr(service, "Service", _DeadCoordinatorService)
+    monkeypatch.setattr(_DeadCoordinatorService, "when", when)
+    monkeypatch.setattr(_DeadCoordinatorService, "stopped", [])
+    monkeypatch.setattr(cli, "COORDINATOR_CHECK_S", 0.01)
+    monkeypatch.setattr(signal, "signal", lambda *_args: None)  # keep pytest's handlers
+    assert cli.main(["serve", "--model", TINY, "--port", "0", "--http-port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "shutting down" not in err, err
+    assert [line for line in err.splitlines() if "error" in line] == [
+        "[specd] error: the coordinator actor died; the service has stopped"]
+    assert _DeadCoordinatorService.stopped == [0.0]  # cleaned up, nothing to drain
+
+
+def test_a_dead_coordinators_stop_logs_no_traceback(monkeypatch, caplog):
+    import ray
+
+    from coordinator.config import ServiceConfig
+    from coordinator.service import Service
+
+    class DeadActor:
+        class stop:  # an actor method handle
+            @staticmethod
+            def remote(_grace_s):
+                return "ref"
+
+    def get(_ref, timeout=None):
+        raise ray.exceptions.RayActorError()
+
+    killed = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", killed.append)
+    svc = Service(ServiceConfig(model=TINY))
+    svc.coordinator = actor = DeadActor()
+    with caplog.at_level("INFO", logger="coordinator.service"):
+        svc.stop()
+    assert killed == [actor] and svc.coordinator is None
+    assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"]
+
+
+def test_in_process_says_it_loads_the_model(capsys):
+    assert cli.main(["generate", "ab", "--model", TINY, "--in-process",
+                     "--max-new-tokens", "1"]) == 0
+    assert f"[specd] loading {TINY}...\n" in capsys.readouterr().err
 
 
 def test_in_process_threads_default_to_the_cores_less_one(monkeypatch):

@@ -15,7 +15,7 @@ import torch
 from target_worker import disk_cache, fetch
 from target_worker import gguf as gguf_mod
 from target_worker.config import ModelConfig
-from target_worker.loader import load_gguf_decoder, load_model
+from target_worker.loader import load_gguf_decoder, load_model, needs_conversion
 from target_worker.model import Decoder
 
 VOCAB = 11
@@ -155,6 +155,21 @@ def test_cache_invalidated_when_file_changes(tmp_path):
     write_gguf(ref2, path)
     assert torch.equal(logits_of(load_gguf_decoder(path), TOKENS), logits_of(ref2, TOKENS))
     assert not torch.equal(first, logits_of(ref2, TOKENS))
+
+
+def test_a_first_load_says_it_converts(tmp_path, capsys):
+    path = write_gguf(Decoder.random(tiny_dense(), seed=1), tmp_path / "tiny.gguf")
+    assert needs_conversion(path)
+    load_gguf_decoder(path)
+    assert "[specd] converting tiny.gguf to float32 weights in " in capsys.readouterr().err
+    load_gguf_decoder(path)  # cached: quick and quiet
+    assert "converting" not in capsys.readouterr().err
+    assert needs_conversion(path)  # the tokenizer cache is still missing
+    tokenizer = disk_cache.tokenizer_cache_path(path)
+    tokenizer.mkdir(parents=True)
+    (tokenizer / "tokenizer_config.json").write_text("{}")
+    assert not needs_conversion(path)
+    assert not needs_conversion("tiny-random:vocab=64,seed=0,layers=1")
 
 
 def test_unsupported_architecture_refused(tmp_path):
