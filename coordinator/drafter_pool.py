@@ -30,7 +30,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from drafter_worker.client import DrafterInfo, DrafterUnavailable, ProposeJob
+from drafter_worker.client import DrafterInfo, DrafterStats, DrafterUnavailable, ProposeJob
 from specd_core.draft import DraftBlock
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,10 @@ class PoolMember:
     restarts: int = 0
     #: ``calls``, ``errors``, ``latency_s`` of the workers this member had before (replaced).
     retired: dict = field(default_factory=lambda: {"calls": 0, "errors": 0, "latency_s": 0.0})
+    #: Its worker's last `DrafterStats` (`DrafterPool.refresh`), None before the first.
+    reported: DrafterStats | None = None
+    #: ``proposals``, ``global_hits`` last reported by the workers it had before (replaced).
+    retired_drafts: dict = field(default_factory=lambda: {"proposals": 0, "global_hits": 0})
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -70,9 +74,14 @@ class PoolMember:
         """``name, address, state, calls, errors, latency_s`` (summed seconds),
         ``mean_latency_s, assigned_requests, in_flight, restarts, node`` (the IP of the Ray
         node its worker runs on, "" when unknown); the counters include
-        the workers it replaced."""
+        the workers it replaced. From its worker's last `DrafterStats` (`DrafterPool.refresh`;
+        zeros before one): ``has_cache``, ``cache_outputs``, ``cache_tokens``,
+        ``cache_nodes``, ``cache_bytes`` (approximate), ``cache_evicted`` (its current
+        worker's cache), ``proposals`` and ``global_hits`` (with the replaced workers' last
+        reported counts)."""
         s = self.stats()
         calls = int(s["calls"])
+        r = self.reported or DrafterStats()
         return {
             "name": self.name,
             "address": str(getattr(self.client, "address", "")),
@@ -85,6 +94,14 @@ class PoolMember:
             "in_flight": self.in_flight,
             "restarts": self.restarts,
             "node": str(getattr(self.client, "node", "")),
+            "has_cache": r.has_cache,
+            "cache_outputs": r.cache_outputs,
+            "cache_tokens": r.cache_tokens,
+            "cache_nodes": r.cache_nodes,
+            "cache_bytes": r.cache_bytes,
+            "cache_evicted": r.cache_evicted,
+            "proposals": r.proposals + self.retired_drafts["proposals"],
+            "global_hits": r.global_hits + self.retired_drafts["global_hits"],
         }
 
     def stats(self) -> dict:
@@ -182,6 +199,10 @@ class DrafterPool:
         for key, value in member.client.stats.items():
             if key in member.retired:
                 member.retired[key] += value
+        if member.reported is not None:  # the new worker's cache starts empty
+            member.retired_drafts["proposals"] += member.reported.proposals
+            member.retired_drafts["global_hits"] += member.reported.global_hits
+            member.reported = None
         member.client, member.stop = client, stop
         member.consecutive_errors = 0
         member.restarts += 1
@@ -221,6 +242,25 @@ class DrafterPool:
         """`PoolMember.status` of every member, in the order they joined."""
         return [m.status() for m in sorted(self.members.values(),
                                            key=lambda m: self._rank[m.name])]
+
+    async def refresh(self, timeout_s: float = 2.0) -> None:
+        """Asks every serving member's worker for its `DrafterStats` (cache size, proposal
+        counters) for `status`. A worker that does not answer within ``timeout_s`` seconds
+        (or its client's deadline), fails, or has no ``drafter_stats`` keeps its previous
+        report; never raises. The workers answer off their drafting thread, so a busy one
+        answers at once."""
+        async def one(member: PoolMember) -> None:
+            client = member.client
+            try:
+                stats = await asyncio.wait_for(client.drafter_stats(), timeout_s)
+            except Exception as exc:  # never fail Status over metrics; the numbers go stale
+                log.debug("drafter %s: stats not refreshed: %r", member.name, exc)
+                return
+            if member.client is client:  # not replaced meanwhile
+                member.reported = stats
+
+        await asyncio.gather(*(one(m) for m in self.serving()
+                               if callable(getattr(m.client, "drafter_stats", None))))
 
     async def propose(self, jobs: Sequence[ProposeJob]) -> list[DraftBlock]:
         """One block per job, in order. Jobs are grouped by their request's drafter and the

@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from drafter_worker.server import CredentialInterceptor
+from drafter_worker.sessions import DRAFTER_STATS
 from specd.v1 import generation_pb2, generation_pb2_grpc
 from specd_core.logprobs import TokenLogprob
 from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
@@ -248,7 +249,9 @@ def _drafter_proto(d: dict) -> generation_pb2.DrafterStatus:
         name=d["name"], address=d["address"], state=d["state"], calls=d["calls"],
         errors=d["errors"], mean_latency_seconds=d["mean_latency_s"],
         assigned_requests=d["assigned_requests"], in_flight=d["in_flight"],
-        restarts=d.get("restarts", 0), node=d.get("node", ""))
+        restarts=d.get("restarts", 0), node=d.get("node", ""),
+        has_cache=d.get("has_cache", False),
+        **{key: d.get(key, 0) for key in DRAFTER_STATS})
 
 
 class BearerTokenInterceptor(CredentialInterceptor):

@@ -60,6 +60,18 @@ DRAFTER_METRICS = (
     ("assigned_requests", "assigned_requests", "Requests drafted by this worker.", "gauge"),
     ("in_flight", "in_flight", "Propose calls outstanding.", "gauge"),
     ("restarts", "restarts", "Times the worker was replaced after failing.", "counter"),
+    # The worker's cross-request cache (suffix decoding; 0 without one), as last reported.
+    ("cache_outputs", "cache_outputs", "Previous requests' outputs in the worker's cache.",
+     "gauge"),
+    ("cache_tokens", "cache_tokens", "Tokens of the outputs in the worker's cache.", "gauge"),
+    ("cache_nodes", "cache_nodes", "Suffix-tree nodes of the worker's cache.", "gauge"),
+    ("cache_bytes", "cache_bytes", "Approximate memory of the worker's cache, bytes.", "gauge"),
+    ("cache_evicted", "cache_evicted", "Outputs evicted from the worker's cache (FIFO).",
+     "counter"),
+    ("proposals", "proposals", "Proposals the drafter made (one per request step drafted).",
+     "counter"),
+    ("global_hits", "global_hits",
+     "Proposals drafted from previous requests' outputs (the cache's draft won).", "counter"),
 )
 
 

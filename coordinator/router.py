@@ -14,7 +14,7 @@ actors are destroyed. A drafter leaves at once; its requests continue on another
 Metrics (`Router.status`): per replica, requests, tokens/s (last 10 s), mean wall time of a
 verify call as the coordinator sees it, the replica's own forward time per call, and the
 payload bytes of verify inputs and outputs per step (`payload_bytes`); per drafter, calls,
-errors, latency.
+errors, latency, and its worker's cross-request cache size and proposals (`DrafterPool.refresh`).
 """
 
 from __future__ import annotations
@@ -242,10 +242,12 @@ class Router(Supervision):
         }
 
     async def refresh(self, timeout_s: float = 2.0) -> None:
-        """Fetches each replica's own ``status()`` (forward time) for `status`; a replica
-        that does not answer in time keeps its previous report (a busy replica answers after
-        its forward); one whose process is gone is taken out of service (`probe`)."""
-        await self.probe(timeout_s)
+        """Fetches each replica's own ``status()`` (forward time) and each drafter worker's
+        `DrafterStats` (`DrafterPool.refresh`: cache size, proposals) for `status`,
+        concurrently; one that does not answer in time keeps its previous report (a busy
+        replica answers after its forward); a replica whose process is gone is taken out of
+        service (`probe`)."""
+        await asyncio.gather(self.probe(timeout_s), self.pool.refresh(timeout_s))
 
     # ---- scaling ----
 

@@ -118,6 +118,29 @@ class DrafterInfo:
     remembers_outputs: bool = False
 
 
+@dataclass(frozen=True)
+class DrafterStats:
+    """A worker's own counters since it started (the ``Stats`` RPC). The ``cache_*`` fields
+    describe its cross-request cache (suffix decoding's global tree), when ``has_cache``:
+    outputs and tokens held, tree nodes, approximate bytes, outputs evicted. ``proposals``:
+    proposals made (one per request step drafted); ``global_hits``: those drafted from
+    previous requests' outputs. All 0 for a drafter without a cache or counters."""
+
+    has_cache: bool = False
+    cache_outputs: int = 0
+    cache_tokens: int = 0
+    cache_nodes: int = 0
+    cache_bytes: int = 0
+    cache_evicted: int = 0
+    proposals: int = 0
+    global_hits: int = 0
+
+    @property
+    def global_hit_rate(self) -> float:
+        """Global hits per proposal (0 before any proposal)."""
+        return self.global_hits / self.proposals if self.proposals else 0.0
+
+
 class DrafterUnavailable(Exception):
     """The drafter worker did not answer (connection failure, deadline, server error) or
     answered malformed data."""
@@ -217,6 +240,23 @@ class DrafterClient:
             raise DrafterUnavailable(f"drafter {self.address}: Info failed: {_describe(e)}") from e
         return DrafterInfo(reply.name, reply.wants_hidden, reply.max_draft_len,
                            reply.remembers_outputs)
+
+    async def drafter_stats(self) -> DrafterStats:
+        """The worker's `DrafterStats` (its drafter's counters and cache size).
+
+        Raises:
+            DrafterUnavailable: the RPC failed or timed out (UNIMPLEMENTED from a worker
+                older than the ``Stats`` RPC).
+        """
+        try:
+            reply = await self._get_stub().Stats(drafter_pb2.StatsRequest(),
+                                                 timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise DrafterUnavailable(f"drafter {self.address}: Stats failed: {_describe(e)}"
+                                     ) from e
+        return DrafterStats(reply.has_cache, reply.cache_outputs, reply.cache_tokens,
+                            reply.cache_nodes, reply.cache_bytes, reply.cache_evicted,
+                            reply.proposals, reply.global_hits)
 
     def _item(self, job: ProposeJob) -> drafter_pb2.ProposeItem:
         known, append, rows = job.delta(self._known.get(job.request_id, 0))

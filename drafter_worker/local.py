@@ -1,9 +1,10 @@
 """An in-process drafter behind the scheduler's drafter interface.
 
 `LocalDrafter` serves a plain `Drafter` object the way a drafter worker does (the same
-per-request `DrafterSessions`), minus gRPC: `propose(jobs)`, `release(ids)` and `info()`, as
-`drafter_worker.client.DrafterClient` offers them. The in-process decode path
-(`coordinator.speculative.speculative_decode_with`) drives the service's scheduler through it.
+per-request `DrafterSessions`), minus gRPC: `propose(jobs)`, `release(ids)`, `info()` and
+`drafter_stats()`, as `drafter_worker.client.DrafterClient` offers them. The in-process
+decode path (`coordinator.speculative.speculative_decode_with`) drives the service's
+scheduler through it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 from specd_core.draft import DraftBlock, Drafter
 from specd_core.sampling import draft_sampling
 
-from .client import DrafterInfo, ProposeJob, check_jobs
+from .client import DrafterInfo, DrafterStats, ProposeJob, check_jobs
 from .sessions import DrafterSessions, SessionLimits
 
 
@@ -37,6 +38,10 @@ class LocalDrafter:
         caps = self.capabilities
         return DrafterInfo(type(self.sessions.drafter).__name__, caps.wants_hidden,
                            caps.max_draft_len or 0, caps.remembers)
+
+    async def drafter_stats(self) -> DrafterStats:
+        """The drafter's counters and cache size (`DrafterSessions.stats`)."""
+        return DrafterStats(**self.sessions.stats())
 
     async def propose(self, jobs: Sequence[ProposeJob]) -> list[DraftBlock]:
         """One block per job, in order, each at most ``job.max_len`` long.

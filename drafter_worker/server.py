@@ -199,6 +199,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             remembers_outputs=caps.remembers,
         )
 
+    async def Stats(self, request, context):  # noqa: N802
+        # Off the drafter thread: Status must not wait behind a proposal (see `stats`).
+        return await asyncio.to_thread(self.stats)
+
     async def _run(self, fn: Callable, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
@@ -248,6 +252,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return self.sessions.propose(item.request_id, item.known, item.append, item.max_len,
                                      load_hidden, sampling, seed, item.assumed,
                                      item.ahead)
+
+    def stats(self) -> drafter_pb2.StatsResponse:
+        """The drafter's counters (`DrafterSessions.stats`) as a ``StatsResponse``. Called
+        on a thread other than the drafter's, so a drafter's ``stats()`` must be safe to call
+        concurrently with its other methods (`SuffixDrafter`'s takes the cache's lock and
+        reads plain ints)."""
+        return drafter_pb2.StatsResponse(**self.sessions.stats())
 
     def expire_idle(self) -> list[str]:
         """Forgets every id whose last Propose is more than ``limits.idle_timeout_s`` ago;

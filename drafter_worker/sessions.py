@@ -62,6 +62,12 @@ class SessionLimits:
             raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s!r}")
 
 
+#: The counters `DrafterSessions.stats` reports (the drafter proto's ``StatsResponse``
+#: fields but ``has_cache``).
+DRAFTER_STATS = ("cache_outputs", "cache_tokens", "cache_nodes", "cache_bytes",
+                 "cache_evicted", "proposals", "global_hits")
+
+
 def _no_hidden() -> None:
     return None
 
@@ -230,6 +236,33 @@ class DrafterSessions:
                           type(self.drafter).__name__, len(outputs))
             return 0
         return len(outputs)
+
+    def stats(self) -> dict:
+        """The drafter's counters as the ``StatsResponse`` fields (`DRAFTER_STATS`):
+        ``has_cache`` (a cross-request cache, `DrafterCapabilities.remembers`), the cache's
+        ``cache_outputs``, ``cache_tokens``, ``cache_nodes``, ``cache_bytes`` (approximate)
+        and ``cache_evicted``, and ``proposals`` / ``global_hits`` (proposals made, of which
+        drafted from previous outputs), read from ``drafter.stats()`` in
+        `drafter_worker.suffix.SuffixDrafter.stats`'s shape. A drafter without ``stats()``
+        (or whose call fails, logged) reports zeros."""
+        out = dict.fromkeys(DRAFTER_STATS, 0)
+        out["has_cache"] = bool(self.capabilities.remembers)
+        read = getattr(self.drafter, "stats", None)
+        if not callable(read):
+            return out
+        try:
+            s = read()
+            cache = s.get("cache", {})
+            out.update(cache_outputs=int(cache.get("outputs", 0)),
+                       cache_tokens=int(cache.get("tokens", 0)),
+                       cache_nodes=int(cache.get("nodes", 0)),
+                       cache_bytes=int(cache.get("approx_bytes", 0)),
+                       cache_evicted=int(cache.get("evicted", 0)),
+                       proposals=int(s.get("proposals", 0)),
+                       global_hits=int(s.get("global_wins", 0)))
+        except Exception:
+            log.exception("drafter %s: stats() failed", type(self.drafter).__name__)
+        return out
 
     def history(self, request_id: str) -> list[int] | None:
         """A copy of the drafter's view of ``request_id``, or None if it holds none."""

@@ -118,7 +118,8 @@ def _table(headers: list[str], rows: list[list]) -> list[str]:
 def status_table(status: generation_pb2.StatusResponse) -> str:
     """A readable summary: the service line, then a replica table and a drafter table.
     ``tok/step`` is tokens emitted per verification step: the mean acceptance length with
-    the bonus token (1.0 without drafts)."""
+    the bonus token (1.0 without drafts). Drafters with a cross-request cache (suffix
+    decoding) add its outputs, approximate MB and global hit rate (`_cache_cells`)."""
     s = status
     per_step = s.tokens_generated / s.steps if s.steps else 0.0
     lines = [
@@ -143,15 +144,26 @@ def status_table(status: generation_pb2.StatusResponse) -> str:
          for r in s.replicas]) or ["(no replicas)"]
     lines.append("")
     if s.drafters:
-        lines += _table(
-            ["drafter", "node", "state", "calls", "errors", "mean ms", "requests", "in flight",
-             "restarts"],
-            [[d.name, d.node or "-", d.state, d.calls, d.errors,
-              f"{d.mean_latency_seconds * 1e3:.1f}",
-              d.assigned_requests, d.in_flight, d.restarts] for d in s.drafters])
+        headers = ["drafter", "node", "state", "calls", "errors", "mean ms", "requests",
+                   "in flight", "restarts"]
+        rows = [[d.name, d.node or "-", d.state, d.calls, d.errors,
+                 f"{d.mean_latency_seconds * 1e3:.1f}",
+                 d.assigned_requests, d.in_flight, d.restarts] for d in s.drafters]
+        if any(d.has_cache for d in s.drafters):
+            headers += ["cache outputs", "cache MB", "global hit rate"]
+            for row, d in zip(rows, s.drafters, strict=True):
+                row += _cache_cells(d) if d.has_cache else ["-"] * 3
+        lines += _table(headers, rows)
     else:
         lines.append("(no drafter workers)")
     return "\n".join(lines)
+
+
+def _cache_cells(d: generation_pb2.DrafterStatus) -> list[str]:
+    """A drafter's cross-request cache: outputs held, approximate MB (10^6 bytes), and its
+    global hit rate (proposals drafted from previous outputs per proposal)."""
+    rate = f"{100 * d.global_hits / d.proposals:.1f}%" if d.proposals else "-"
+    return [str(d.cache_outputs), f"{d.cache_bytes / 1e6:.1f}", rate]
 
 
 def result_from_final(final: generation_pb2.GenerateResponse | None,

@@ -117,3 +117,27 @@ class InfoResponse(_message.Message):
     max_draft_len: int
     remembers_outputs: bool
     def __init__(self, name: _Optional[str] = ..., wants_hidden: _Optional[bool] = ..., max_draft_len: _Optional[int] = ..., remembers_outputs: _Optional[bool] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("has_cache", "cache_outputs", "cache_tokens", "cache_nodes", "cache_bytes", "cache_evicted", "proposals", "global_hits")
+    HAS_CACHE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NODES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_HITS_FIELD_NUMBER: _ClassVar[int]
+    has_cache: bool
+    cache_outputs: int
+    cache_tokens: int
+    cache_nodes: int
+    cache_bytes: int
+    cache_evicted: int
+    proposals: int
+    global_hits: int
+    def __init__(self, has_cache: _Optional[bool] = ..., cache_outputs: _Optional[int] = ..., cache_tokens: _Optional[int] = ..., cache_nodes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_evicted: _Optional[int] = ..., proposals: _Optional[int] = ..., global_hits: _Optional[int] = ...) -> None: ...

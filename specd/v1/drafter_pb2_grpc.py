@@ -54,6 +54,11 @@ class DrafterStub:
                 request_serializer=specd_dot_v1_dot_drafter__pb2.InfoRequest.SerializeToString,
                 response_deserializer=specd_dot_v1_dot_drafter__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/specd.v1.Drafter/Stats',
+                request_serializer=specd_dot_v1_dot_drafter__pb2.StatsRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_drafter__pb2.StatsResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -86,6 +91,14 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stats(self, request, context):
+        """Counters for the coordinator's Status and metrics: cheap, answered while a proposal
+        computes (not queued behind it). A worker older than this RPC answers UNIMPLEMENTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +121,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=specd_dot_v1_dot_drafter__pb2.InfoRequest.FromString,
                     response_serializer=specd_dot_v1_dot_drafter__pb2.InfoResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=specd_dot_v1_dot_drafter__pb2.StatsRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_drafter__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +236,33 @@ class Drafter:
             '/specd.v1.Drafter/Info',
             specd_dot_v1_dot_drafter__pb2.InfoRequest.SerializeToString,
             specd_dot_v1_dot_drafter__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.Drafter/Stats',
+            specd_dot_v1_dot_drafter__pb2.StatsRequest.SerializeToString,
+            specd_dot_v1_dot_drafter__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,6 @@
 """The command line a user sees: defaults in every --help, no markup, --json keys that say
-what they hold, errors naming the user's flag, --threads, and printed text that never ends
-inside a UTF-8 character."""
+what they hold, errors naming the user's flag, --threads, printed text that never ends
+inside a UTF-8 character, and `specd status`'s drafter table."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import torch
 from service_harness import SplitCharTokenizer
 
 from coordinator.config import default_target_threads
+from specd.v1 import generation_pb2
 from specd_tools import cli
+from specd_tools.client import status_table
 from target_worker.testing import load_tiny_random
 
 TINY = "tiny-random:vocab=64,seed=0,layers=2"
@@ -226,3 +228,22 @@ def test_printed_text_never_ends_inside_a_character(monkeypatch, capsys):
         assert not printed.rstrip("\n").endswith("\ufffd")
         assert not out["text"].endswith("\ufffd") and printed.rstrip("\n") == out["text"]
     assert cut, "no output ended inside a character: the case was not exercised"
+
+
+def test_the_status_table_shows_cache_size_and_hit_rate_for_drafters_with_a_cache():
+    s = generation_pb2.StatusResponse(drafters=[
+        generation_pb2.DrafterStatus(name="drafter-0", state="serving", has_cache=True,
+                                     cache_outputs=1234, cache_bytes=2_500_000,
+                                     proposals=200, global_hits=50),
+        generation_pb2.DrafterStatus(name="drafter-1", state="serving")])
+    lines = status_table(s).splitlines()
+    header = next(line for line in lines if line.startswith("drafter "))
+    assert header.split()[-7:] == ["cache", "outputs", "cache", "MB", "global", "hit", "rate"]
+    row0 = next(line for line in lines if line.startswith("drafter-0"))
+    row1 = next(line for line in lines if line.startswith("drafter-1"))
+    assert row0.split()[-3:] == ["1234", "2.5", "25.0%"]
+    assert row1.split()[-3:] == ["-", "-", "-"]
+    # Without a cache anywhere, no cache columns.
+    plain = status_table(generation_pb2.StatusResponse(drafters=[
+        generation_pb2.DrafterStatus(name="drafter-0", state="serving")]))
+    assert "cache" not in plain and "global hit" not in plain
