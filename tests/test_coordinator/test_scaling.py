@@ -94,18 +94,21 @@ def test_two_replicas_two_drafters_twelve_concurrent_requests_equal_their_solo_r
         for i, ((tokens, final), want) in enumerate(zip(results, expected, strict=True)):
             assert tokens == want, f"request {i} changed on the replicated service"
             assert final.speculation.drafter_failures == 0
-        # Once they are done, a repeat finds its prompt warm on the replica that served it.
-        again, _ = stream_tokens(svc, reqs[0])
-        assert again == expected[0]
+        # Once they are done, the first prompt sent twice more is warm at least once:
+        # placement is by load, not by prefix, so the first repeat may land on the replica
+        # that did not serve it (which then keeps it warm too); the second finds it warm on
+        # either.
+        again = [stream_tokens(svc, reqs[0])[0] for _ in range(2)]
+        assert again == [expected[0]] * 2
         channel, stub = svc.stub()
         with channel:
             status = stub.Status(generation_pb2.StatusRequest(), timeout=10)
         placed = {r.name: r.requests_placed for r in status.replicas}
         assert set(placed) == {"replica-0", "replica-1"}
-        assert sum(placed.values()) == 13 and min(placed.values()) > 0, placed
+        assert sum(placed.values()) == 14 and min(placed.values()) > 0, placed
         # Every emitted token is counted on the replica that produced it.
         assert sum(r.tokens_emitted for r in status.replicas) == sum(
-            len(t) for t, _ in results) + len(again)
+            len(t) for t, _ in results) + sum(len(t) for t in again)
         for r in status.replicas:
             assert r.state == "serving" and r.steps > 0 and r.active_requests == 0
             assert r.step_seconds > 0 and r.forward_seconds_per_call > 0
@@ -114,7 +117,7 @@ def test_two_replicas_two_drafters_twelve_concurrent_requests_equal_their_solo_r
             assert 0 < r.itl_p50_seconds <= r.itl_p90_seconds and r.prefill_p50_seconds > 0
             assert r.prefilling_requests == 0
         assert sum(r.prefix_hits for r in status.replicas) >= 1
-        assert sum(r.prefix_queries for r in status.replicas) == 13
+        assert sum(r.prefix_queries for r in status.replicas) == 14
         assert sum(r.prefix_hit_tokens for r in status.replicas) >= len(reqs[0].token_ids.ids) - 1
         assert [d.name for d in status.drafters] == ["drafter-0", "drafter-1"]
         for d in status.drafters:
