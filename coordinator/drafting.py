@@ -32,9 +32,9 @@ if TYPE_CHECKING:
 #: Prompt tokens sent before each finished output to a drafter's cross-request cache
 #: (`remembered_tokens`), so the cache knows how earlier prompts ended and can draft an
 #: answer's first tokens, not only its middle. 16: the repeated-structure workload's greedy
-#: outputs replayed through `SuffixDrafter` (benchmarks/suffix_workload.py, README "Suffix
-#: decoding") drafted 1.53 tokens per forward with no prompt tokens, 1.90 with 8, 2.4-2.6 with
-#: 16 and no more with 23 (the trees' depth bounds what a match can use).
+#: outputs replayed through `SuffixDrafter` with the paper's settings
+#: (`scripts/suffix_replay.py`) drafted 1.53 tokens per forward with no prompt tokens, 1.90
+#: with 8, 2.4 with 16 and no more with 23 (the trees' depth bounds what a match can use).
 REMEMBER_PROMPT_TAIL = 16
 
 

@@ -50,12 +50,13 @@ DEFAULT_CACHE_MIN_TOKEN_PROB = 0.9
 #: Default shortest context match a draft from previous outputs needs (a few shared tokens
 #: say little about an unrelated request).
 DEFAULT_CACHE_MIN_MATCH = 4
-# These five defaults (with `coordinator.drafting.REMEMBER_PROMPT_TAIL`) were chosen by
-# replaying greedy SmolLM2 outputs through the drafter with the adaptive draft length and
-# this machine's forward costs (README, "Suffix decoding": the repeated-structure workload,
-# the shipped workloads and MT-Bench); the paper's 1.0 / 0.1 with no minimum match drafted
-# 1.37x plain decoding's estimated speed on the repeated-structure set, these 2.07x, while
-# no shipped workload or MT-Bench category fell more than 0.05x below prompt lookup.
+# These four defaults (with `coordinator.drafting.REMEMBER_PROMPT_TAIL`) were chosen by
+# replaying greedy SmolLM2 outputs through the drafters with the adaptive draft length and
+# this machine's forward costs (`scripts/suffix_replay.py`, docs/drafters.md): on the
+# repeated-structure workload the paper's settings drafted 1.34x plain decoding's estimated
+# speed and these 2.06x; on the shipped workloads and MT-Bench suffix+lookup stayed within
+# 0.16x of prompt lookup (code_edit 3.61x against 3.77x) and through the service it measured
+# ahead of it on every shipped workload (docs/benchmarks.md).
 #: Default most prompt tokens a request's own tree indexes (the last ones): with the depth
 #: this bounds a request's tree to ``depth x (this + its output)`` nodes (~8 MB for 4,096
 #: prompt tokens); prompt lookup (``suffix+lookup``) still copies from the whole context.
@@ -296,15 +297,13 @@ class SuffixTree:
         """The best-scoring draft after ``context`` (an empty `Draft` when nothing matches).
 
         For each ``m = min_match .. depth - 1`` whose last-``m`` tokens of ``context`` occur:
-        follow
-        the most frequent child while the running product of ``child.count / node.count``
-        stays ``>= min_token_prob``, for at most ``min(max_tokens, floor(max_spec_factor *
-        m), depth - m)`` tokens. Score: the sum of the products. The best score wins; ties
-        go to the longer match. ``open_stream``: this tree's open stream is still growing
-        (a request's own tree): the occurrence of each of its suffixes at its end has no
-        continuation yet and does not count in the ratios' denominators (which then equal
-        the sum of the children's counts).
-        """
+        follow the most frequent child while the running product of ``child.count /
+        node.count`` stays ``>= min_token_prob``, for at most ``min(max_tokens,
+        floor(max_spec_factor * m), depth - m)`` tokens. Score: the sum of the products. The
+        best score wins; ties go to the longer match. ``open_stream``: this tree's open
+        stream is still growing (a request's own tree): the occurrence of each of its
+        suffixes at its end has no continuation yet and does not count in the ratios'
+        denominators (which then equal the sum of the children's counts)."""
         best = Draft(source=source)
         if max_tokens <= 0 or not context:
             return best
