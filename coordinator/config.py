@@ -136,6 +136,9 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key must be given together")
+        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{flag}: {path} is not a file")
         if self.channel_tls not in ("auto", "on", "off"):
             raise ValueError(f"channel_tls must be auto, on or off, got {self.channel_tls!r}")
         for name in ("target_resource", "drafter_resource"):

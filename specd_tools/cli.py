@@ -238,6 +238,9 @@ def _generate_via_service(args: argparse.Namespace, options: GenerateOptions) ->
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.in_process and args.server is not None:
+        raise ValueError("--in-process and --server exclude each other: --in-process runs the "
+                         "model in this process, --server asks a running service")
     options = GenerateOptions.from_args(args)
     if args.in_process:
         return _generate_in_process(args, options)
@@ -276,11 +279,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     died = False
+    serving = False  # "shutting down: in-flight streams" only once something was served
     try:
         print("[specd] starting the service...", file=sys.stderr, flush=True)
         try:
             with StartupReport() as report:
                 address = service.start(progress=report)
+            serving = True
             # Installed after Ray starts: ray.init replaces the process's SIGTERM handler.
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
@@ -308,7 +313,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        if not died:  # a dead coordinator has nothing in flight to wait for
+        if serving and not died:  # a dead coordinator has nothing in flight to wait for
             print(f"[specd] shutting down: in-flight streams get up to "
                   f"{args.shutdown_grace:g} s", file=sys.stderr, flush=True)
         service.stop(grace_s=0.0 if died else args.shutdown_grace)

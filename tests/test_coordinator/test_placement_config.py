@@ -70,3 +70,12 @@ def test_serve_takes_the_placement_flags():
                                       "--channel-tls", "off"])
     assert (args.target_resource, args.drafter_resource, args.channel_tls) == (
         "specd_target", "specd_drafter", "off")
+
+
+def test_a_missing_tls_file_is_refused_before_anything_starts(tmp_path):
+    cert = tmp_path / "cert.pem"
+    cert.write_text("not checked here: only that the file exists")
+    with pytest.raises(ValueError, match="^--tls-key: .*key.pem is not a file"):
+        ServiceConfig(model=MODEL, tls_cert=str(cert), tls_key=str(tmp_path / "key.pem"))
+    with pytest.raises(ValueError, match="^--tls-cert: "):
+        ServiceConfig(model=MODEL, tls_cert=str(tmp_path), tls_key=str(cert))  # a directory

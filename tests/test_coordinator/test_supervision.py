@@ -146,6 +146,10 @@ def test_target_that_dies_mid_stream_fails_fast_then_is_restarted_with_the_same_
         streams = [run_in_thread(stream_tokens, svc, request(p, max_new=30))
                    for p in (prompt, PROMPTS[1])]
         wait_until(dying.reached.is_set, what="a verify in flight")
+        # Both placed before the death (a request sent after it is refused at once, never
+        # counted as failed): the first run's request and these two.
+        scheduler = svc.router.replicas["replica-0"].scheduler
+        wait_until(lambda: scheduler.placed == 3, what="both streams placed")
         on_loop(svc, dying.release.set)  # the replica dies under both streams
         for f in streams:
             with pytest.raises(grpc.RpcError) as err:

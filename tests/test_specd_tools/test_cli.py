@@ -247,3 +247,31 @@ def test_the_status_table_shows_cache_size_and_hit_rate_for_drafters_with_a_cach
     plain = status_table(generation_pb2.StatusResponse(drafters=[
         generation_pb2.DrafterStatus(name="drafter-0", state="serving")]))
     assert "cache" not in plain and "global hit" not in plain
+
+
+class _FailingStartService(_DeadCoordinatorService):
+    """A `Service` whose start fails as a missing model's does: nothing was ever served."""
+
+    def start(self, progress=None) -> str:
+        raise OSError("model file /nonexistent.gguf not found")
+
+
+def test_a_failed_start_says_no_shutting_down_of_streams_that_never_were(monkeypatch, capsys):
+    from coordinator import service
+
+    monkeypatch.setattr(service, "Service", _FailingStartService)
+    monkeypatch.setattr(_FailingStartService, "stopped", [])
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--model", TINY, "--port", "0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "shutting down" not in err, err
+    assert "specd: error: model file /nonexistent.gguf not found" in err
+    assert len(_FailingStartService.stopped) == 1  # still cleaned up
+
+
+def test_in_process_and_server_together_are_refused(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["generate", "hi", "--in-process", "--server", "127.0.0.1:1"])
+    assert info.value.code == 2
+    assert "--in-process and --server exclude each other" in capsys.readouterr().err

@@ -154,9 +154,11 @@ def test_smollm2_tp3_replica_decodes_like_tp1(ray_local):
 def test_smollm2_tp3_logits_match_tp1_within_float32_noise(tmp_path):
     """TP=3 shards vs the unsharded decoder, both float32, on raw packed-forward logits
     (|logit| up to ~35 here) and through the engine script. The sharded sums (row-parallel
-    projections, all-reduce) round differently: measured max |diff| 3.2e-4 here, while the
-    float32 model itself is up to 4.7e-3 away from a float64 run of the same weights. So the
-    bound is 1e-4 relative to the logits' scale, and TP=3 must be as close to float64 as the
+    projections, all-reduce) round differently. Each float32 run is up to ~1.4e-4 of the
+    logits' scale away from a float64 run of the same weights (measured: 2.6e-3 and 2.4e-3 at
+    scale 34.6 on the 6-row forward, which `F.linear` computes), so two float32 runs may
+    differ by twice that: the bound is 3e-4 relative to the scale (measured 5.0e-3 there,
+    1.4e-4 relative; 5e-4 or less on the others). And TP=3 must be as close to float64 as the
     unsharded float32 model is (within 2x, over all four forwards)."""
     from target_worker.disk_cache import ensure_weights_cache
     from target_worker.loader import load_decoder, model_path
@@ -171,7 +173,7 @@ def test_smollm2_tp3_logits_match_tp1_within_float32_noise(tmp_path):
     err_plain = err_tp = 0.0
     for a, b, e in zip(ref["logits"], got["logits"], exact["logits"], strict=True):
         scale = e.abs().max().item()
-        assert (a - b).abs().max().item() <= 1e-4 * scale
+        assert (a - b).abs().max().item() <= 3e-4 * scale
         err_plain = max(err_plain, (a.double() - e).abs().max().item())
         err_tp = max(err_tp, (b.double() - e).abs().max().item())
     assert err_tp <= 2 * err_plain
