@@ -47,13 +47,14 @@ class GenerateOptions:
     prompt: str
     raw: bool = False
     max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # The sampling fields' defaults are `SamplingParams`' own (one source for both).
+    temperature: float = SamplingParams.temperature
+    top_k: int = SamplingParams.top_k
+    top_p: float = SamplingParams.top_p
+    min_p: float = SamplingParams.min_p
+    repetition_penalty: float = SamplingParams.repetition_penalty
+    presence_penalty: float = SamplingParams.presence_penalty
+    frequency_penalty: float = SamplingParams.frequency_penalty
     seed: int | None = None
     stop: tuple[str, ...] = ()
     model: str | None = None
