@@ -11,7 +11,7 @@ from pathlib import Path
 
 from target_worker.engine import DEFAULT_PREFIX_CACHE_TOKENS
 
-from .config import ServiceConfig, default_target_threads
+from .config import ServiceConfig, default_target_threads, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,15 @@ class CoordinatorActor:
         self._replica_handles: dict[str, object] = {}
         #: Start-up phases done, in order: (message, seconds it took), for `startup_events`.
         self._events: list[tuple[str, float]] = []
-        self._threads = config.target_threads or default_target_threads(
-            config.target_replicas, config.tp)
+        ranks = max(1, config.target_replicas * config.tp)
+        self._threads = config.target_threads or max(1, usable_cpus() // ranks)
+        #: Unless --threads fixed the count, a step falls back to the cores less one where
+        #: that measures cheaper (`TargetEngine`'s `ThreadChooser`): on 2 cores 2 threads
+        #: served 1.2-1.3x faster than 1 on a quiet machine, but collapse beside a busy
+        #: process (docs/benchmarks.md, "Target threads").
+        fallback = default_target_threads(config.target_replicas, config.tp)
+        self._fallback_threads = (None if config.target_threads or fallback >= self._threads
+                                  else fallback)
 
     async def _start_replica(self, name: str):
         import asyncio
@@ -61,6 +68,7 @@ class CoordinatorActor:
         # May block (placement groups): off the event loop, which keeps serving.
         creating = loop.run_in_executor(None, lambda: create_target_replica(
             cfg.model, tp=cfg.tp, max_slots=cfg.max_active, num_threads=self._threads,
+            fallback_threads=self._fallback_threads,
             dtype=cfg.dtype,
             prefix_cache_tokens=DEFAULT_PREFIX_CACHE_TOKENS if cfg.prefix_caching else 0,
             resource=cfg.target_resource))

@@ -55,9 +55,11 @@ class ServiceConfig:
         tp: ranks (tensor-parallel degree) of each target replica.
         target_replicas: target replicas (data parallel) at start, >= 1.
         drafters: drafter workers at start, >= 0 (ignored with ``drafter="none"``).
-        target_threads: torch threads per target rank; None divides this machine's cores
-            less one among all ranks (`default_target_threads`). Prompt chunks run on them
-            too: the coordinator and drafters run beside every step.
+        target_threads: torch threads per target rank, every step; None: this machine's
+            cores divided among all ranks, each step falling back to the cores less one so
+            divided (`default_target_threads`) where that measures cheaper
+            (`target_worker.engine.TargetEngine`'s ``fallback_threads``): the coordinator and
+            drafters run beside every step, and more threads than free cores collapse.
         drafter_timeout_s: deadline of one Propose call; a miss decodes the step undrafted.
         target_timeout_s: the most one target call (allocate, prefill, verify, free) may
             take, seconds; a replica that misses its call's deadline is treated as stalled:

@@ -43,7 +43,7 @@ def speculative_decode_with(
     on_tokens: Callable[[list[int]], None] | None = None,
     adaptive: AdaptiveDraftLength | None = None,
     pipeline: bool = False,
-    prefill_threads: int | None = None,
+    fallback_threads: int | None = None,
 ) -> SpeculativeDecodeResult:
     """Generates up to ``options.max_new_tokens`` tokens with speculative decoding.
 
@@ -70,8 +70,8 @@ def speculative_decode_with(
         pipeline: run the service's pipelined drafting schedule (`coordinator.scheduler`)
             in process; the drafter runs on this thread, so nothing overlaps, but the
             tokens are the same: this is how the losslessness tests reach that code.
-        prefill_threads: torch threads for the prompt's forward (None: the caller's; the
-            decode steps always run on the caller's: `TargetEngine`).
+        fallback_threads: torch threads a forward runs on instead of the caller's where they
+            measure cheaper (None: always the caller's; `TargetEngine`).
 
     Raises:
         ValueError: empty prompt, ``start_pos != cache.seq_len``, or prompt +
@@ -92,7 +92,7 @@ def speculative_decode_with(
     local = None if drafter is None else LocalDrafter(drafter)
     caps = None if local is None else local.capabilities
     scheduler = Scheduler(
-        CacheTarget(TargetEngine(decoder, max_slots=1, prefill_threads=prefill_threads), cache),
+        CacheTarget(TargetEngine(decoder, max_slots=1, fallback_threads=fallback_threads), cache),
         local, max_active=1,
         wants_hidden=caps is not None and caps.wants_hidden,
         adaptive=adaptive is not None,

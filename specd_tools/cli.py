@@ -35,7 +35,7 @@ from .generate import (
     GenerateOptions,
     embedded_service_config,
     generate_request,
-    in_process_prefill_threads,
+    in_process_fallback_threads,
     in_process_threads,
     prefill_config,
 )
@@ -170,8 +170,8 @@ def _generate_in_process(args: argparse.Namespace, options: GenerateOptions) -> 
     start = time.perf_counter()
     result = speculative_decode_with(decoder, prompt, decoder.new_cache(), drafter, options,
                                      on_tokens=on_tokens, adaptive=adaptive,
-                                     prefill_threads=o.target_threads
-                                     or in_process_prefill_threads())
+                                     fallback_threads=None if o.target_threads
+                                     else in_process_fallback_threads())
     seconds = time.perf_counter() - start
     tail = stream.flush()  # never ends inside a UTF-8 character
     if not args.json:

@@ -19,7 +19,7 @@ __all__ = [
     "GenerateOptions",
     "embedded_service_config",
     "generate_request",
-    "in_process_prefill_threads",
+    "in_process_fallback_threads",
     "in_process_threads",
     "prefill_config",
 ]
@@ -161,22 +161,20 @@ def prefill_config(options) -> dict:
 
 
 def in_process_threads() -> int:
-    """``generate --in-process``'s torch threads when --threads is not given: the cores less
-    one (at least 1), as for the service's target (`default_target_threads`): two threads on 2
-    cores beside one busy process fell from 53 to ~N tok/s (README, "Threads")."""
-    from coordinator.config import default_target_threads
-
-    return default_target_threads(1)
-
-
-def in_process_prefill_threads() -> int:
-    """``generate --in-process``'s most torch threads for the prompt's forward when --threads
-    is not given: every usable core, nothing else of specd running beside it;
-    `target_worker.engine.ThreadChooser` keeps them only while they measure cheaper. Measured
-    here (2 cores, SmolLM2): a 512-token prefill 415 tok/s on 1 thread, 920 on 2 on a quiet
-    machine, but 2 threads 2x slower than 1 beside one busy process; the service keeps its
-    target threads for prompt chunks (beside its own coordinator and drafter two threads
-    collapsed)."""
+    """``generate --in-process``'s torch threads when --threads is not given: every usable
+    core (`coordinator.config.usable_cpus`), as for the service's target."""
     from coordinator.config import usable_cpus
 
     return usable_cpus()
+
+
+def in_process_fallback_threads() -> int | None:
+    """``generate --in-process``'s fewer torch threads a forward falls back to where they
+    measure cheaper (`target_worker.engine.ThreadChooser`), when --threads is not given: the
+    cores less one (`coordinator.config.default_target_threads`); None on one core. Measured
+    here (2 cores, SmolLM2): a 512-token prefill 415 tok/s on 1 thread, 920 on 2 on a quiet
+    machine, but 2 threads 2x slower than 1 beside one busy process."""
+    from coordinator.config import default_target_threads
+
+    fallback = default_target_threads(1)
+    return fallback if fallback < in_process_threads() else None

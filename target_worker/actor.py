@@ -8,7 +8,11 @@ ints, sampling rows sparse when that is smaller, hidden rows only when an item a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 
@@ -17,7 +21,43 @@ from specd_core.step import PrefillItem, StepOutput, VerifyItem
 from .engine import DEFAULT_PREFIX_CACHE_TOKENS, TargetEngine
 from .loader import load_decoder
 
-__all__ = ["TargetActor"]
+__all__ = ["ComputeThread", "TargetActor", "on_compute_thread"]
+
+T = TypeVar("T")
+
+
+class ComputeThread:
+    """The one thread that runs every torch call of a target actor: its model load, weight
+    packing and every step, whichever thread asks (Ray runs ``__init__`` and its methods on
+    the actor's main thread, `target_worker.channel` runs steps on a connection thread).
+
+    Why: torch's OpenMP runtime (libgomp) ran a forward ~1.4x slower on a thread other than
+    the one that had first run parallel work in the process, even with the thread count set
+    there (SmolLM2-135M, 2 threads, one new token after 300: 75 ms against 54 ms on the
+    loading thread; ``python scripts/forward_thread.py``). One thread for all of it keeps
+    every forward at the loading thread's speed; a hand-over costs ~0.1 ms.
+    """
+
+    def __init__(self, name: str = "target-compute") -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._ident = self._executor.submit(threading.get_ident).result()
+
+    def run(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on the compute thread (directly when called from it); its result,
+        or its exception raised here."""
+        if threading.get_ident() == self._ident:
+            return fn(*args)
+        return self._executor.submit(fn, *args).result()
+
+
+def on_compute_thread(method: Callable[..., T]) -> Callable[..., T]:
+    """Runs a `TargetActor` method on the actor's `ComputeThread` (``self._compute``)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args):
+        return self._compute.run(method, self, *args)
+
+    return wrapper
 
 
 class TargetActor:
@@ -32,7 +72,8 @@ class TargetActor:
             ``OMP_NUM_THREADS=1``, which would otherwise leave torch on one thread).
         prefix_cache_tokens: positions freed slots keep warm for prefix reuse (0: none;
             `TargetEngine`).
-        prefill_threads: torch threads for prompt-chunk-sized steps (`TargetEngine`).
+        fallback_threads: torch threads a step runs on instead of ``num_threads`` where
+            they measure cheaper (`TargetEngine`; None: always ``num_threads``).
 
     Raises:
         ValueError: a bad ``model`` source, ``max_slots`` or ``num_threads``.
@@ -43,15 +84,20 @@ class TargetActor:
 
     def __init__(self, model: str | None = None, max_slots: int = 64, num_threads: int = 2,
                  prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
-                 prefill_threads: int | None = None):
+                 fallback_threads: int | None = None):
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
-        torch.set_num_threads(num_threads)
-        decoder = load_decoder(model)
+        self._compute = ComputeThread()
         self.model = model
-        self.engine = TargetEngine(decoder, max_slots=max_slots,
+        self._compute.run(self._load, model, max_slots, num_threads, prefix_cache_tokens,
+                          fallback_threads)
+
+    def _load(self, model, max_slots, num_threads, prefix_cache_tokens, fallback_threads
+              ) -> None:
+        torch.set_num_threads(num_threads)
+        self.engine = TargetEngine(load_decoder(model), max_slots=max_slots,
                                    prefix_cache_tokens=prefix_cache_tokens,
-                                   prefill_threads=prefill_threads)
+                                   fallback_threads=fallback_threads)
 
     def open_channel(self, host: str = "127.0.0.1", secret: str = "", tls: bool = False
                      ) -> str:
@@ -100,26 +146,32 @@ class TargetActor:
 
         return ray.util.get_node_ip_address()
 
+    @on_compute_thread
     def allocate(self) -> int:
         """A free slot id. Raises RuntimeError when every slot is in use."""
         return self.engine.allocate()
 
+    @on_compute_thread
     def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
         """``(slot, reused positions)``; see `TargetEngine.allocate_prefix`."""
         return self.engine.allocate_prefix(tokens)
 
+    @on_compute_thread
     def free(self, slot: int) -> None:
         """Releases ``slot``. Raises ValueError for an unknown slot."""
         self.engine.free(slot)
 
+    @on_compute_thread
     def prefill(self, items: Sequence[PrefillItem]) -> list[StepOutput]:
         """See `TargetEngine.prefill`."""
         return self.engine.prefill(items)
 
+    @on_compute_thread
     def verify(self, items: Sequence[VerifyItem]) -> list[StepOutput]:
         """See `TargetEngine.verify`."""
         return self.engine.verify(items)
 
+    @on_compute_thread
     def rollback(self, slot: int, length: int) -> None:
         """See `TargetEngine.rollback`."""
         self.engine.rollback(slot, length)

@@ -15,6 +15,7 @@ active or prefilling. Pure torch: the Ray actor
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from specd_core.rule import compact_rows, target_rows
 from specd_core.step import PrefillItem, StepOutput, VerifyItem
 
 from .config import ModelConfig
-from .model import Decoder, KvCache
+from .model import Decoder, KvCache, pack_weights
 
 __all__ = ["SlotsExhausted", "TargetEngine"]
 
@@ -40,14 +41,27 @@ class SlotsExhausted(RuntimeError):
 #: 46 KB of float32 keys and values per position, so ~1.5 GB).
 DEFAULT_PREFIX_CACHE_TOKENS = 32768
 
-#: A step feeding at least this many tokens may run with the engine's ``prefill_threads``:
-#: big matmuls scale with threads (SmolLM2 here: a 512-token prefill 415 tok/s on 1 thread,
-#: 920 on 2), where a decode step's small ops mostly wait on each other.
-PREFILL_THREADS_MIN_TOKENS = 128
+#: Steps feeding at least this many tokens are prompt-sized: `TargetEngine` chooses their
+#: threads apart from smaller steps' and compares their costs per token (big matmuls scale
+#: with threads: SmolLM2 here, a 512-token prefill 415 tok/s on 1 thread, 920 on 2).
+#: Smaller steps (decode, verify blocks) are compared per step: with packed weights their
+#: cost grows little with their rows (1 row 57 ms, 8 rows 87 ms; see
+#: `target_worker.model.PACKED_MAX_ROWS`), so a mix of sizes barely skews the comparison,
+#: where a short prompt's prefill among them would.
+PREFILL_THREADS_MIN_TOKENS = 64
+
+#: How much cheaper a `TargetEngine`'s ``fallback_threads`` must measure than the process's
+#: threads before steps use them (`ThreadChooser`'s ``margin``).
+THREAD_CHOICE_MARGIN = 0.15
+
+#: How much more than its least the process's thread count must come to cost before a
+#: `TargetEngine` tries its ``fallback_threads`` again (`ThreadChooser`'s ``retry_above``).
+THREAD_RETRY_ABOVE = 0.3
 
 
 class ThreadChooser:
-    """Chooses torch threads for prompt-sized steps from their measured seconds per token.
+    """Chooses torch threads for one kind of step from their measured seconds per token (or
+    per step: `record`'s ``tokens``).
 
     More threads pay only while every thread has a core: OpenMP threads spin-wait for each
     other, so beside one busy process 2 threads on 2 cores ran SmolLM2 prompt chunks 2x
@@ -57,39 +71,70 @@ class ThreadChooser:
     ``explore_every``-th step trying another so a machine that got busier or quieter is
     followed.
 
+    An option's first ``warmup`` steps are not booked: a step shape's first calls pay
+    one-off costs (MKL's kernel set-up, waking threads), which measured up to 2x a warm
+    step's time and, booked, kept a step size on its slower option for a whole run. The
+    first option is preferred: another replaces it only while measured ``margin`` cheaper,
+    and once each option is measured, the others are tried again only while the first
+    costs ``retry_above`` more than the least it has cost (the machine may have got busy)
+    or while another is in use (it may have got quiet). Without that, step-to-step noise
+    (~10%) and exploring put 28% of a served run's decode steps on one thread where two
+    were 1.27x faster; a collapse beside a busy process is 2-100x.
+
     Args:
-        options: the thread counts to choose among (distinct, each >= 1).
+        options: the thread counts to choose among (distinct, each >= 1), preferred first.
         explore_every: one step in this many tries an option other than the best.
         alpha: the EMA weight of a new measurement.
+        warmup: steps per option run before its times count.
+        margin: how much cheaper (a fraction) another option must measure than the first.
+        retry_above: the first option's cost over its least (a fraction) above which the
+            others are explored again; None: always explore.
     """
 
     def __init__(self, options: Sequence[int], explore_every: int = 12,
-                 alpha: float = 0.3) -> None:
+                 alpha: float = 0.3, warmup: int = 1, margin: float = 0.0,
+                 retry_above: float | None = None) -> None:
         self.options = tuple(dict.fromkeys(options))
         self.explore_every = explore_every
         self.alpha = alpha
+        self.warmup = warmup
+        self.margin = margin
+        self.retry_above = retry_above
+        #: The least EMA cost the first option has had.
+        self._floor: float | None = None
         #: Seconds per token by thread count (EMA), for the options measured so far.
         self.cost: dict[int, float] = {}
         self._steps = 0
+        self._unbooked = dict.fromkeys(self.options, warmup)
 
     def pick(self) -> int:
-        """Threads for the next prompt-sized step: an unmeasured option first, else the
-        cheapest, else (every ``explore_every``-th step) the next other option in turn."""
+        """Threads for the next step: an unmeasured option first (until its warm-up steps are
+        done and one time is booked), else the cheapest, else (every ``explore_every``-th
+        step) the next other option in turn."""
         self._steps += 1
         for option in self.options:
             if option not in self.cost:
                 return option
-        best = min(self.options, key=self.cost.__getitem__)
-        if len(self.options) > 1 and self._steps % self.explore_every == 0:
+        first = self.options[0]
+        best = min(self.options, key=lambda o: self.cost[o] / (
+            1.0 if o == first else 1.0 - self.margin))
+        settled = (self.retry_above is not None and best == first
+                   and self.cost[first] <= self._floor * (1.0 + self.retry_above))
+        if len(self.options) > 1 and not settled and self._steps % self.explore_every == 0:
             others = [o for o in self.options if o != best]
             return others[(self._steps // self.explore_every) % len(others)]
         return best
 
     def record(self, threads: int, seconds: float, tokens: int) -> None:
         """Books a step of ``tokens`` tokens that took ``seconds`` on ``threads`` threads."""
+        if self._unbooked.get(threads, 0) > 0:
+            self._unbooked[threads] -= 1
+            return
         rate = seconds / max(tokens, 1)
         old = self.cost.get(threads)
         self.cost[threads] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
+        if threads == self.options[0]:
+            self._floor = min(self.cost[threads], self._floor or math.inf)
 
 
 class _Slot:
@@ -145,10 +190,11 @@ class TargetEngine:
         decoder: the target model.
         max_slots: the most requests held at once.
         prefix_cache_tokens: positions warm slots may keep (0: prefix reuse off).
-        prefill_threads: the most torch threads a step feeding at least
-            `PREFILL_THREADS_MIN_TOKENS` tokens (a prompt chunk) may use; such steps run on
-            the process's threads or on these, whichever `ThreadChooser` measures cheaper
-            (the machine may be busy). None: always the process's.
+        fallback_threads: torch threads a step may run on instead of the process's: each
+            step runs on the process's threads unless `ThreadChooser` measures these
+            `THREAD_CHOICE_MARGIN` cheaper for steps of its kind (prompt-sized or not:
+            `PREFILL_THREADS_MIN_TOKENS`); more threads pay on a quiet machine and collapse
+            beside a busy process. None: always the process's.
         stats: counters for metrics: ``forward_calls``, ``prefill_calls`` and
             ``verify_calls`` (calls carrying a prefill chunk / a verify block),
             ``tokens_fed`` (all segments' tokens), ``prefill_tokens``, ``forward_seconds``
@@ -160,23 +206,28 @@ class TargetEngine:
 
     def __init__(self, decoder: Decoder, max_slots: int = 64,
                  prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
-                 prefill_threads: int | None = None) -> None:
+                 fallback_threads: int | None = None) -> None:
         if isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"max_slots must be a positive int, got {max_slots!r}")
         if (isinstance(prefix_cache_tokens, bool) or not isinstance(prefix_cache_tokens, int)
                 or prefix_cache_tokens < 0):
             raise ValueError(
                 f"prefix_cache_tokens must be an int >= 0, got {prefix_cache_tokens!r}")
-        if prefill_threads is not None and (
-                isinstance(prefill_threads, bool) or not isinstance(prefill_threads, int)
-                or prefill_threads < 1):
-            raise ValueError(f"prefill_threads must be a positive int, got {prefill_threads!r}")
+        if fallback_threads is not None and (
+                isinstance(fallback_threads, bool) or not isinstance(fallback_threads, int)
+                or fallback_threads < 1):
+            raise ValueError(f"fallback_threads must be a positive int, got {fallback_threads!r}")
         self.decoder = decoder
+        # Verify blocks and batched decode steps multiply 2-128 rows: packed weights make
+        # them cost little more than one row (`target_worker.model.PACKED_MAX_ROWS`).
+        head = getattr(decoder, "head_weight", None)
+        pack_weights(decoder, extra=[head()] if callable(head) else ())
         self.max_slots = max_slots
         self.prefix_cache_tokens = prefix_cache_tokens
-        self.prefill_threads = prefill_threads
-        #: Made at the first prompt-sized step (the process's threads are known then).
-        self.thread_chooser: ThreadChooser | None = None
+        self.fallback_threads = fallback_threads
+        #: Prompt-sized (True) or not -> its chooser, made at the first such step (the
+        #: process's threads are known then).
+        self.thread_choosers: dict[bool, ThreadChooser] = {}
         self._slots: dict[int, _Slot] = {}
         #: Freed slots kept for prefix reuse, least recently freed first.
         self._warm: OrderedDict[int, _Slot] = OrderedDict()
@@ -450,15 +501,19 @@ class TargetEngine:
         fed = sum(len(tokens) for tokens, _, _ in segments)
         threads = use = torch.get_num_threads()
         chooser = None
-        if (self.prefill_threads is not None and fed >= PREFILL_THREADS_MIN_TOKENS
-                and self.prefill_threads != threads):
-            if self.thread_chooser is None:
-                self.thread_chooser = ThreadChooser((self.prefill_threads, threads))
-            chooser = self.thread_chooser
+        prompt_sized = fed >= PREFILL_THREADS_MIN_TOKENS
+        if self.fallback_threads is not None and self.fallback_threads != threads:
+            chooser = self.thread_choosers.get(prompt_sized)
+            if chooser is None:
+                chooser = self.thread_choosers[prompt_sized] = ThreadChooser(
+                    (threads, self.fallback_threads), margin=THREAD_CHOICE_MARGIN,
+                    retry_above=THREAD_RETRY_ABOVE)
             use = chooser.pick()
         t0 = time.perf_counter()
-        if use != threads:
-            torch.set_num_threads(use)  # ~0.2 us: the pool is kept
+        # Always set, even to the same count: OpenMP's thread count is per calling thread,
+        # and a Ray actor runs its methods on another thread than the one that set it in
+        # __init__; that thread would run every op on OMP_NUM_THREADS (Ray sets 1).
+        torch.set_num_threads(use)  # ~0.2 us: the pool is kept
         try:
             results = self.decoder.forward_packed(segments, last_only)
         finally:
@@ -466,7 +521,7 @@ class TargetEngine:
                 torch.set_num_threads(threads)
         seconds = time.perf_counter() - t0
         if chooser is not None:
-            chooser.record(use, seconds, fed)
+            chooser.record(use, seconds, fed if prompt_sized else 1)
         self.stats["forward_seconds"] += seconds
         self.stats["forward_calls"] += 1
         self.stats["tokens_fed"] += fed

@@ -18,10 +18,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import ModelConfig, RopeScaling
 
-__all__ = ["Decoder", "KvCache"]
+__all__ = ["Decoder", "KvCache", "pack_weights"]
 
 DEFAULT_CACHE_CAPACITY = 1024
 
@@ -127,6 +128,62 @@ class KvCache:
 #: time (the LM head at 1 row: 8.1 ms against 20.0 ms), from 8 rows the other order 0.6-0.9x.
 FAST_LINEAR_MIN_ROWS = 8
 
+#: Most rows `fast_linear` multiplies against a weight's packed copy (`pack_weights`), and
+#: the batch size the copies are packed for. Verify blocks and batched decode steps (2-128
+#: rows) are where MKL's plain GEMM is slow: it re-packs the whole weight on every call, so
+#: a forward over 8 rows cost 2x one over 1 row although both read the same 536 MB of
+#: SmolLM2 weights. Measured (``python scripts/linear_paths.py --forward``, SmolLM2-135M, 300
+#: cached positions, 2 threads): 8 rows 66 ms packed against 105 ms, 32 rows 101 against
+#: 121, 100 rows 172 against 201; 1 row is unchanged (it stays on ``F.linear``'s GEMV).
+PACKED_MAX_ROWS = 128
+
+#: weight -> (its MKL-packed copy, ``weight._version`` when packed): `pack_weights`' copies,
+#: by identity (a weight shared by two modules, e.g. a tied LM head, is packed once). A
+#: weight changed in place since (its version moved on) is multiplied unpacked.
+_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def mkl_packing_available() -> bool:
+    """Whether this torch has MKL's packed SGEMM (x86 CPU builds with MKL)."""
+    return (torch.backends.mkl.is_available()
+            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+            and hasattr(torch.ops.mkl, "_mkl_linear"))
+
+
+def pack_weights(module: nn.Module, extra: Sequence[torch.Tensor] = ()) -> int:
+    """Keeps an MKL-packed copy of every float32 CPU weight `fast_linear` multiplies in
+    ``module`` (each ``nn.Linear``'s weight, plus ``extra``, e.g. a tied LM head used through
+    ``fast_linear`` directly), so steps of 2 to `PACKED_MAX_ROWS` rows run MKL's packed GEMM
+    (oneMKL ``cblas_sgemm_pack``/``cblas_sgemm_compute``, the kernel PyTorch Inductor's CPU
+    weight freezing uses: ``torch.ops.mkl._mkl_linear``) instead of re-packing the weight on
+    every call.
+
+    The copies cost about the weights' own resident memory again (SmolLM2-135M: ~0.5 GB);
+    results agree with ``F.linear`` to float32 rounding (a different summation order). Safe
+    to call again: weights already packed and unchanged are skipped. Does nothing without
+    MKL (`mkl_packing_available`), and skips weights on other devices or dtypes and weights
+    that require grad (training multiplies them unpacked).
+
+    Returns:
+        how many weights were newly packed.
+    """
+    if not mkl_packing_available():
+        return 0
+    weights = [m.weight for m in module.modules() if isinstance(m, nn.Linear)]
+    packed = 0
+    for weight in [*weights, *extra]:
+        if (weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32
+                or weight.dim() != 2 or weight.requires_grad):
+            continue
+        entry = _PACKED.get(weight)
+        if entry is not None and entry[1] == weight._version:
+            continue
+        with torch.no_grad():
+            copy = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACKED_MAX_ROWS)
+        _PACKED[weight] = (copy, weight._version)
+        packed += 1
+    return packed
+
 
 def fast_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -134,12 +191,17 @@ def fast_linear(
     """``x @ weight.T + bias`` for ``x [n, in]``, ``weight [out, in]``; returns ``[n, out]``
     (any other rank of ``x`` goes to ``F.linear``).
 
-    For ``FAST_LINEAR_MIN_ROWS <= n <= 64`` rows on the CPU (speculative verification's block
-    sizes) it is computed as ``(weight @ x.T).T``, which MKL runs faster than ``F.linear``
+    For 2 to `PACKED_MAX_ROWS` rows of a weight `pack_weights` packed (and not changed
+    since), MKL's packed GEMM. Otherwise, for ``FAST_LINEAR_MIN_ROWS <= n <= 64`` rows on the
+    CPU it is computed as ``(weight @ x.T).T``, which MKL runs faster than ``F.linear``
     there; the result is then a non-contiguous (transposed) view. Fewer rows (plain decoding,
     short blocks), prefill-sized inputs and GPU shards use ``F.linear``.
     """
     n = x.shape[0]
+    if 2 <= n <= PACKED_MAX_ROWS and x.dim() == 2:
+        entry = _PACKED.get(weight)
+        if entry is not None and entry[1] == weight._version:
+            return torch.ops.mkl._mkl_linear(x.contiguous(), entry[0], weight, bias, n)
     if not FAST_LINEAR_MIN_ROWS <= n <= 64 or x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
     x = x.contiguous()  # a row-major x makes x.T the operand layout MKL handles fast
@@ -458,6 +520,10 @@ class Decoder(nn.Module):
         self.requires_grad_(False)
         self._cos = torch.empty(0, config.head_dim)
         self._sin = torch.empty(0, config.head_dim)
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight ``[vocab_size, hidden_size]`` (the embedding when tied)."""
+        return self.lm_head.weight
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0) -> Decoder:

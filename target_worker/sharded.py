@@ -334,13 +334,15 @@ class ShardedDecoder(Decoder):
     def comm_bytes(self) -> int:
         return self._reduce.bytes
 
-    def _head_weight(self) -> torch.Tensor | None:
+    def head_weight(self) -> torch.Tensor | None:
+        """This rank's LM head weight rows: the embedding shard when tied, else its head's
+        weight, None where an untied rank holds no head."""
         if self.config.tie_embeddings:
             return self.embed_tokens.weight
         return None if self.lm_head is None else self.lm_head.weight
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        weight = self._head_weight()
+        weight = self.head_weight()
         if not self.vocab_parallel:
             if self.rank != 0:
                 return None

@@ -34,7 +34,7 @@ import torch
 
 from specd_core.step import PrefillItem, StepOutput, VerifyItem, payload_bytes
 
-from .actor import TargetActor
+from .actor import ComputeThread, TargetActor, on_compute_thread
 from .disk_cache import ensure_weights_cache, safetensors_config
 from .engine import DEFAULT_PREFIX_CACHE_TOKENS, TargetEngine
 from .hf import HFSource, read_hf_config
@@ -147,21 +147,28 @@ class TPRank(TargetActor):
         dtype: str | None = None,
         vocab_parallel: bool = True,
         prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
-        prefill_threads: int | None = None,
+        fallback_threads: int | None = None,
     ):
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} or None, got {dtype!r}")
         dtype = None if dtype == "auto" else dtype
-        torch.set_num_threads(num_threads)
         self.model, self.rank, self.tp, self.use_gpu = model, rank, tp, use_gpu
         self.placement_group = placement_group
         self.followers: list = []
         self._store = None
+        self._compute = ComputeThread()
+        self._compute.run(self._load_rank, max_slots, num_threads, placement_group, dtype,
+                          vocab_parallel, prefix_cache_tokens, fallback_threads)
+
+    def _load_rank(self, max_slots, num_threads, placement_group, dtype, vocab_parallel,
+                   prefix_cache_tokens, fallback_threads) -> None:
+        model, rank, tp, use_gpu = self.model, self.rank, self.tp, self.use_gpu
+        torch.set_num_threads(num_threads)
         if rank == 0 and tp > 1:
             self._start_followers(model, max_slots, num_threads, placement_group, use_gpu,
-                                  dtype, vocab_parallel, prefix_cache_tokens, prefill_threads)
+                                  dtype, vocab_parallel, prefix_cache_tokens, fallback_threads)
         if tp == 1 and not use_gpu:
             decoder = load_decoder(model, dtype)  # exactly the single-process target
         else:
@@ -171,7 +178,7 @@ class TPRank(TargetActor):
         # Every rank keeps the same warm slots: each makes the same reuse choices.
         self.engine = TargetEngine(decoder, max_slots=max_slots,
                                    prefix_cache_tokens=prefix_cache_tokens,
-                                   prefill_threads=prefill_threads)
+                                   fallback_threads=fallback_threads)
         self._step = dict.fromkeys(_STEP_KEYS, 0)
         self._step["steps"] = 0
         self._last_step: dict = {}
@@ -181,7 +188,7 @@ class TPRank(TargetActor):
     # --- set-up -----------------------------------------------------------------------------
 
     def _start_followers(self, model, max_slots, num_threads, pg, use_gpu, dtype, vp,
-                         prefix_cache_tokens, prefill_threads) -> None:
+                         prefix_cache_tokens, fallback_threads) -> None:
         import ray
         import torch.distributed as dist
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -195,7 +202,7 @@ class TPRank(TargetActor):
                 num_cpus=CPU_PER_RANK, num_gpus=1 if use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r),
             ).remote(model, max_slots, num_threads, r, self.tp, None, use_gpu, dtype, vp,
-                     prefix_cache_tokens, prefill_threads))
+                     prefix_cache_tokens, fallback_threads))
 
     def _rendezvous(self) -> None:
         import ray
@@ -207,6 +214,7 @@ class TPRank(TargetActor):
         self.join(self._store.port)
         ray.get(joins)
 
+    @on_compute_thread
     def join(self, port: int) -> None:
         """Joins the replica's process group (rank 0 hosts the store on ``port``)."""
         import torch.distributed as dist
@@ -230,6 +238,7 @@ class TPRank(TargetActor):
         """Handles of ranks ``1..tp-1`` (rank 0 only; empty elsewhere)."""
         return list(self.followers)
 
+    @on_compute_thread
     def follow(self, method: str, *args):
         """Runs an engine call as a rank other than 0: an allocated slot id, else None."""
         result = getattr(self.engine, method)(*args)
@@ -286,27 +295,33 @@ class TPRank(TargetActor):
         self._step["steps"] += 1
         return outputs
 
+    @on_compute_thread
     def allocate(self) -> int:
         """A free slot id (the same on every rank). Raises RuntimeError when all are in use."""
         return self._all("allocate")
 
+    @on_compute_thread
     def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
         """``(slot, reused positions)``, the same on every rank
         (`TargetEngine.allocate_prefix`)."""
         return self._all("allocate_prefix", tokens)
 
+    @on_compute_thread
     def free(self, slot: int) -> None:
         """Releases ``slot`` on every rank. Raises ValueError for an unknown slot."""
         self._all("free", slot)
 
+    @on_compute_thread
     def prefill(self, items: Sequence[PrefillItem]) -> list[StepOutput]:
         """See `TargetEngine.prefill` (rank 0's outputs)."""
         return self._step_call("prefill", items)
 
+    @on_compute_thread
     def verify(self, items: Sequence[VerifyItem]) -> list[StepOutput]:
         """See `TargetEngine.verify` (rank 0's outputs)."""
         return self._step_call("verify", items)
 
+    @on_compute_thread
     def rollback(self, slot: int, length: int) -> None:
         """See `TargetEngine.rollback` (every rank)."""
         self._all("rollback", slot, length)
@@ -351,7 +366,7 @@ def create_target_replica(
     vocab_parallel: bool = True,
     placement_timeout_s: float = 600.0,
     prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
-    prefill_threads: int | None = None,
+    fallback_threads: int | None = None,
     resource: str | None = None,
 ):
     """Starts a target replica of ``tp`` ranks; returns its Ray actor handle (rank 0).
@@ -373,8 +388,8 @@ def create_target_replica(
         placement_timeout_s: how long to wait for the placement group.
         prefix_cache_tokens: positions freed slots keep warm for prefix reuse on every rank
             (0: none; `target_worker.engine.TargetEngine`).
-        prefill_threads: torch threads per rank for prompt-chunk-sized steps (None: the
-            rank's ``num_threads``).
+        fallback_threads: torch threads a rank's step runs on instead of ``num_threads`` where
+            they measure cheaper (`TargetEngine`; None: always ``num_threads``).
         resource: a Ray custom resource every rank needs 1 of (``ray start --resources
             '{"NAME": N}'`` on the nodes meant for targets), or None: ranks go where the
             GPU/CPU accounting puts them. With ``tp > 1`` each bundle asks for it, so one
@@ -423,7 +438,7 @@ def create_target_replica(
         options.pop("resources", None)  # the bundle holds it
     handle = ray.remote(TPRank).options(**options).remote(
         model, max_slots, num_threads, 0, tp, pg, use_gpu, dtype, vocab_parallel,
-        prefix_cache_tokens, prefill_threads)
+        prefix_cache_tokens, fallback_threads)
     if pg is not None:
         _PLACEMENT_GROUPS[handle._actor_id.hex()] = pg
     return handle

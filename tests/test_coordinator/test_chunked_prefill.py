@@ -246,7 +246,7 @@ def test_engine_keeps_warm_slots_within_its_bound_and_never_a_callers_cache():
     assert off.allocate_prefix([1, 2, 3])[1] == 0 and off.warm_positions == 0
 
 
-def test_prompt_sized_steps_try_the_prefill_threads_and_restore_the_callers():
+def test_prompt_and_smaller_steps_each_measure_both_thread_counts_and_restore_the_callers():
     from target_worker.engine import PREFILL_THREADS_MIN_TOKENS
 
     decoder = load_model(MODELS[1])[0]
@@ -261,25 +261,33 @@ def test_prompt_sized_steps_try_the_prefill_threads_and_restore_the_callers():
     try:
         before = torch.get_num_threads()
         assert before == 1  # the suite's setting (conftest)
-        engine = TargetEngine(decoder, max_slots=2, prefill_threads=2)
-        a, b = engine.allocate(), engine.allocate()
+        engine = TargetEngine(decoder, max_slots=5, fallback_threads=2)
+        a = engine.allocate()
         n = PREFILL_THREADS_MIN_TOKENS
-        engine.step([PrefillItem(a, [3] * 10, SamplingParams(), last=False)])
-        engine.step([PrefillItem(a, [3] * n, SamplingParams(), offset=10)])
-        engine.step([PrefillItem(b, [4] * n, SamplingParams())])
-        # A small step keeps the caller's thread; prompt-sized ones measure both options.
-        assert seen == [1, 2, 1] and torch.get_num_threads() == before
-        assert set(engine.thread_chooser.cost) == {1, 2}
+        for offset in range(0, 40, 10):
+            engine.step([PrefillItem(a, [3] * 10, SamplingParams(), offset=offset, last=False)])
+        for _ in range(4):  # prompts of n tokens (the tiny model's context is 256)
+            engine.step([PrefillItem(engine.allocate(), [4] * n, SamplingParams())])
+        # Each kind's first steps try each option in turn, the process's first (a warm-up
+        # step, then a booked one), whatever the other kind measured; the caller's count is
+        # back after each.
+        assert seen == [1, 1, 2, 2] * 2 and torch.get_num_threads() == before
+        assert sorted(engine.thread_choosers) == [False, True]
+        assert all(set(c.cost) == {1, 2} for c in engine.thread_choosers.values())
     finally:
         del decoder.forward_packed
-    with pytest.raises(ValueError, match="prefill_threads"):
-        TargetEngine(decoder, prefill_threads=0)
+    with pytest.raises(ValueError, match="fallback_threads"):
+        TargetEngine(decoder, fallback_threads=0)
+    # Without fallback_threads every step keeps the caller's count and nothing is measured.
+    plain = TargetEngine(decoder, max_slots=1)
+    plain.step([PrefillItem(plain.allocate(), [3] * n, SamplingParams())])
+    assert plain.thread_choosers == {} and torch.get_num_threads() == before
 
 
 def test_the_thread_chooser_follows_the_cheaper_option_and_keeps_checking_the_other():
     from target_worker.engine import ThreadChooser
 
-    chooser = ThreadChooser((2, 1), explore_every=4, alpha=1.0)
+    chooser = ThreadChooser((2, 1), explore_every=4, alpha=1.0, warmup=0)
     cost = {2: 1.0, 1: 2.0}  # seconds per token: a quiet machine, 2 threads cheaper
 
     def run(steps):
@@ -296,3 +304,22 @@ def test_the_thread_chooser_follows_the_cheaper_option_and_keeps_checking_the_ot
     # Once 2's new cost is measured (steps 11 and 12, an exploring step), 1 is kept but for
     # every 4th step.
     assert run(8) == [2, 2, 1, 1, 1, 2, 1, 1]
+
+
+def test_the_thread_chooser_does_not_book_an_options_first_slow_steps():
+    from target_worker.engine import ThreadChooser
+
+    chooser = ThreadChooser((2, 1), explore_every=100, alpha=0.3, warmup=1)
+    first = {2: True, 1: True}
+    picks = []
+    for _ in range(8):
+        t = chooser.pick()
+        picks.append(t)
+        # Warm, 2 threads cost 1.0 s per token and 1 thread 1.5; a first call costs 4x.
+        seconds = (1.0 if t == 2 else 1.5) * (4 if first[t] else 1)
+        first[t] = False
+        chooser.record(t, seconds, 1)
+    # Each option runs its warm-up step unbooked and then one booked step; from then on
+    # the cheaper one. Booking the first steps would have kept 1 thread (4.0 > 1.5).
+    assert picks == [2, 2, 1, 1, 2, 2, 2, 2]
+    assert chooser.cost == {2: 1.0, 1: 1.5}
