@@ -11,7 +11,7 @@ from pathlib import Path
 
 from target_worker.engine import DEFAULT_PREFIX_CACHE_TOKENS
 
-from .config import ServiceConfig, default_target_threads, usable_cpus
+from .config import ServiceConfig, target_thread_counts
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +46,13 @@ class CoordinatorActor:
         self._replica_handles: dict[str, object] = {}
         #: Start-up phases done, in order: (message, seconds it took), for `startup_events`.
         self._events: list[tuple[str, float]] = []
-        ranks = max(1, config.target_replicas * config.tp)
-        self._threads = config.target_threads or max(1, usable_cpus() // ranks)
         #: Unless --threads fixed the count, a step falls back to the cores less one where
         #: that measures cheaper (`TargetEngine`'s `ThreadChooser`): on 2 cores 2 threads
         #: served 1.2-1.3x faster than 1 on a quiet machine, but collapse beside a busy
         #: process (docs/benchmarks.md, "Target threads").
-        fallback = default_target_threads(config.target_replicas, config.tp)
-        self._fallback_threads = (None if config.target_threads or fallback >= self._threads
-                                  else fallback)
+        self._threads, self._fallback_threads = (
+            (config.target_threads, None) if config.target_threads
+            else target_thread_counts(config.target_replicas, config.tp))
 
     async def _start_replica(self, name: str):
         import asyncio

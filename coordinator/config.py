@@ -215,6 +215,23 @@ def default_target_threads(replicas: int, tp: int = 1, cpus: int | None = None) 
     return max(1, (cpus - 1) // max(1, replicas * tp))
 
 
+def target_thread_counts(replicas: int, tp: int = 1, cpus: int | None = None
+                         ) -> tuple[int, int | None]:
+    """``(threads, fallback)`` per target rank when --threads is not given: this process's
+    usable cores divided among the ``replicas * tp`` ranks (at least 1), and the fewer
+    threads a step falls back to where they measure cheaper (`default_target_threads`: the
+    cores less one so divided), None when that is no fewer.
+
+    On 2 cores, 1 replica: ``(2, 1)``; 2 replicas: ``(1, None)``; 16 cores, 1 replica:
+    ``(16, 15)``. Measured why: docs/benchmarks.md, "Target threads".
+    """
+    if cpus is None:
+        cpus = usable_cpus()
+    threads = max(1, cpus // max(1, replicas * tp))
+    fallback = default_target_threads(replicas, tp, cpus)
+    return threads, (fallback if fallback < threads else None)
+
+
 def usable_cpus() -> int:
     """Cores this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``)."""
     try:
@@ -224,4 +241,5 @@ def usable_cpus() -> int:
 
 
 
-__all__ = ["MAX_COUNT", "ServiceConfig", "check_count", "default_target_threads", "usable_cpus"]
+__all__ = ["MAX_COUNT", "ServiceConfig", "check_count", "default_target_threads",
+           "target_thread_counts", "usable_cpus"]

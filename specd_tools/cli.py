@@ -343,9 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
     gen.add_argument("--threads", "--target-threads", dest="target_threads",
                      type=positive_int, default=None, metavar="N",
-                     help="torch threads of the target model (default: this machine's cores "
-                          "less one, at least 1, which stays fast beside a busy process; "
-                          "ignored with --server)")
+                     help="torch threads of the target model, every step (default: this "
+                          "machine's cores, falling back to one fewer where that measures "
+                          "cheaper, as beside a busy process; ignored with --server)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.set_defaults(func=cmd_generate)
@@ -363,8 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests decoding at once, per target replica")
     serve.add_argument("--threads", "--target-threads", dest="target_threads",
                        type=positive_int, default=None, metavar="N",
-                       help="torch threads per target rank (default: this machine's cores "
-                            "less one, divided among all replicas x tp ranks, at least 1)")
+                       help="torch threads per target rank, every step (default: this "
+                            "machine's cores divided among all replicas x tp ranks, falling "
+                            "back to one core fewer so divided where that measures cheaper)")
     _add_scale_flags(serve)
     serve.add_argument("--target-resource", default=None, metavar="NAME",
                        help="place every target rank on Ray nodes offering the custom "

@@ -162,19 +162,18 @@ def prefill_config(options) -> dict:
 
 def in_process_threads() -> int:
     """``generate --in-process``'s torch threads when --threads is not given: every usable
-    core (`coordinator.config.usable_cpus`), as for the service's target."""
-    from coordinator.config import usable_cpus
+    core, as for the service's target (`coordinator.config.target_thread_counts`)."""
+    from coordinator.config import target_thread_counts
 
-    return usable_cpus()
+    return target_thread_counts(1)[0]
 
 
 def in_process_fallback_threads() -> int | None:
     """``generate --in-process``'s fewer torch threads a forward falls back to where they
     measure cheaper (`target_worker.engine.ThreadChooser`), when --threads is not given: the
-    cores less one (`coordinator.config.default_target_threads`); None on one core. Measured
+    cores less one (`coordinator.config.target_thread_counts`); None on one core. Measured
     here (2 cores, SmolLM2): a 512-token prefill 415 tok/s on 1 thread, 920 on 2 on a quiet
     machine, but 2 threads 2x slower than 1 beside one busy process."""
-    from coordinator.config import default_target_threads
+    from coordinator.config import target_thread_counts
 
-    fallback = default_target_threads(1)
-    return fallback if fallback < in_process_threads() else None
+    return target_thread_counts(1)[1]

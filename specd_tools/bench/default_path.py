@@ -200,7 +200,7 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
     """
     from dataclasses import asdict as as_dict
 
-    from coordinator.config import default_target_threads
+    from coordinator.config import target_thread_counts
     from target_worker.loader import load_model
 
     from ..generate import embedded_service_config
@@ -233,8 +233,8 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
 
     options = generate_args(config)
     service_config = embedded_service_config(options)
-    threads = service_config.target_threads or default_target_threads(
-        service_config.target_replicas, service_config.tp)
+    threads = service_config.target_threads or target_thread_counts(
+        service_config.target_replicas, service_config.tp)[0]
     progress(f"starting the embedded service `specd generate` starts (target threads "
              f"{threads})")
     address, stop = (start_service or _start_embedded)(service_config)

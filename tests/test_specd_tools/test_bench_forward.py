@@ -11,7 +11,7 @@ import pytest
 import torch
 from service_harness import LocalService
 
-from coordinator.config import default_target_threads
+from coordinator.config import default_target_threads, target_thread_counts
 from drafter_worker.registry import DEFAULT_DRAFTER
 from specd_tools.bench.core import BenchConfig, run_bench
 from specd_tools.bench.default_path import (
@@ -149,6 +149,15 @@ def test_default_path_config_rejects_bad_sizes():
                 {"target_threads": 0}, {"forward_ks": (0,)}, {"forward_cache_lens": ()}):
         with pytest.raises(ValueError):
             DefaultPathConfig(**bad)
+
+
+def test_target_thread_counts_take_every_core_and_fall_back_to_one_fewer():
+    assert target_thread_counts(1, cpus=2) == (2, 1)
+    assert target_thread_counts(1, cpus=1) == (1, None)
+    assert target_thread_counts(2, cpus=2) == (1, None)
+    assert target_thread_counts(1, cpus=16) == (16, 15)
+    assert target_thread_counts(1, tp=2, cpus=16) == (8, 7)
+    assert target_thread_counts(2, cpus=4) == (2, 1)
 
 
 def test_default_target_threads_leave_a_core_to_the_rest_of_the_service():

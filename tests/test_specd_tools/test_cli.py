@@ -11,7 +11,7 @@ import pytest
 import torch
 from service_harness import SplitCharTokenizer
 
-from coordinator.config import default_target_threads
+from coordinator.config import target_thread_counts
 from specd.v1 import generation_pb2
 from specd_tools import cli
 from specd_tools.client import status_table
@@ -193,7 +193,8 @@ def test_in_process_says_it_loads_the_model(capsys):
     assert f"[specd] loading {TINY}...\n" in capsys.readouterr().err
 
 
-def test_in_process_threads_default_to_the_cores_less_one(monkeypatch):
+def test_in_process_threads_default_to_every_core_with_a_fallback_and_threads_fixes_them(
+        monkeypatch):
     threads = torch.get_num_threads()
     try:
         seen = []
@@ -201,9 +202,13 @@ def test_in_process_threads_default_to_the_cores_less_one(monkeypatch):
         monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n)))
         assert cli.main(["generate", "ab", "--model", TINY, "--in-process",
                          "--max-new-tokens", "2"]) == 0
+        full, fallback = target_thread_counts(1)
+        # The process's count first; each forward then runs on it or on the fallback.
+        assert seen[0] == full and set(seen) <= {full, fallback}
+        seen.clear()
         assert cli.main(["generate", "ab", "--model", TINY, "--in-process",
                          "--max-new-tokens", "2", "--threads", "3"]) == 0
-        assert seen == [default_target_threads(1), 3]
+        assert seen[0] == 3 and set(seen) == {3}  # fixed: no fallback measured
     finally:
         torch.set_num_threads(threads)
 
