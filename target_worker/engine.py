@@ -511,8 +511,8 @@ class TargetEngine:
             use = chooser.pick()
         t0 = time.perf_counter()
         # Always set, even to the same count: OpenMP's thread count is per calling thread,
-        # and a Ray actor runs its methods on another thread than the one that set it in
-        # __init__; that thread would run every op on OMP_NUM_THREADS (Ray sets 1).
+        # and a caller on a thread that never set it would run every op on OMP_NUM_THREADS
+        # (Ray sets 1). Target actors run all steps on one `ComputeThread` besides.
         torch.set_num_threads(use)  # ~0.2 us: the pool is kept
         try:
             results = self.decoder.forward_packed(segments, last_only)

@@ -137,10 +137,15 @@ FAST_LINEAR_MIN_ROWS = 8
 #: 121, 100 rows 172 against 201; 1 row is unchanged (it stays on ``F.linear``'s GEMV).
 PACKED_MAX_ROWS = 128
 
-#: weight -> (its MKL-packed copy, ``weight._version`` when packed): `pack_weights`' copies,
-#: by identity (a weight shared by two modules, e.g. a tied LM head, is packed once). A
-#: weight changed in place since (its version moved on) is multiplied unpacked.
+#: weight -> (its MKL-packed copy, ``(weight._version, weight.data_ptr())`` when packed):
+#: `pack_weights`' copies, by identity (a weight shared by two modules, e.g. a tied LM head,
+#: is packed once). A weight changed since, in place (its version moved on) or given new
+#: data (``Module.to`` sets ``.data``), is multiplied unpacked.
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _packed_key(weight: torch.Tensor) -> tuple[int, int]:
+    return weight._version, weight.data_ptr()
 
 
 def mkl_packing_available() -> bool:
@@ -176,11 +181,11 @@ def pack_weights(module: nn.Module, extra: Sequence[torch.Tensor] = ()) -> int:
                 or weight.dim() != 2 or weight.requires_grad):
             continue
         entry = _PACKED.get(weight)
-        if entry is not None and entry[1] == weight._version:
+        if entry is not None and entry[1] == _packed_key(weight):
             continue
         with torch.no_grad():
             copy = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACKED_MAX_ROWS)
-        _PACKED[weight] = (copy, weight._version)
+        _PACKED[weight] = (copy, _packed_key(weight))
         packed += 1
     return packed
 
@@ -200,7 +205,7 @@ def fast_linear(
     n = x.shape[0]
     if 2 <= n <= PACKED_MAX_ROWS and x.dim() == 2:
         entry = _PACKED.get(weight)
-        if entry is not None and entry[1] == weight._version:
+        if entry is not None and entry[1] == _packed_key(weight):
             return torch.ops.mkl._mkl_linear(x.contiguous(), entry[0], weight, bias, n)
     if not FAST_LINEAR_MIN_ROWS <= n <= 64 or x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)

@@ -127,6 +127,16 @@ def test_a_weight_changed_in_place_after_packing_is_multiplied_as_it_is_now():
 
 
 @needs_mkl
+def test_a_weight_given_new_data_after_packing_is_multiplied_unpacked():
+    layer = _linear_module(bias=False)
+    model_module.pack_weights(layer)
+    x = torch.randn(4, 40, generator=torch.Generator().manual_seed(4))
+    layer.weight.data = layer.weight.data * 3.0  # what Module.to does to a parameter
+    assert torch.allclose(model_module.fast_linear(x, layer.weight), F.linear(x, layer.weight),
+                          atol=1e-4, rtol=0)
+
+
+@needs_mkl
 def test_pack_weights_skips_trainable_and_non_float32_weights_and_packs_a_shared_weight_once():
     trainable = torch.nn.Linear(40, 48)
     assert model_module.pack_weights(trainable) == 0
@@ -147,4 +157,4 @@ def test_a_target_engine_packs_its_decoders_weights_and_tied_head():
     linear_weights = [m.weight for m in decoder.modules() if isinstance(m, torch.nn.Linear)]
     for weight in [*linear_weights, decoder.head_weight()]:
         entry = model_module._PACKED.get(weight)
-        assert entry is not None and entry[1] == weight._version
+        assert entry is not None and entry[1] == (weight._version, weight.data_ptr())
