@@ -193,6 +193,22 @@ def test_in_process_says_it_loads_the_model(capsys):
     assert f"[specd] loading {TINY}...\n" in capsys.readouterr().err
 
 
+def test_more_threads_than_cores_are_warned_about_and_still_run(monkeypatch, capsys):
+    import coordinator.config
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(coordinator.config, "usable_cpus", lambda: 1)
+    try:
+        assert cli.main(["generate", "ab", "--model", TINY, "--in-process",
+                         "--max-new-tokens", "1", "--threads", "2"]) == 0
+        assert "--threads 2 is more than this machine's 1 usable cores" in capsys.readouterr().err
+        assert cli.main(["generate", "ab", "--model", TINY, "--in-process",
+                         "--max-new-tokens", "1", "--threads", "1"]) == 0
+        assert "warning" not in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_in_process_threads_default_to_every_core_with_a_fallback_and_threads_fixes_them(
         monkeypatch):
     threads = torch.get_num_threads()
