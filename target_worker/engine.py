@@ -79,7 +79,10 @@ class ThreadChooser:
     costs ``retry_above`` more than the least it has cost (the machine may have got busy)
     or while another is in use (it may have got quiet). Without that, step-to-step noise
     (~10%) and exploring put 28% of a served run's decode steps on one thread where two
-    were 1.27x faster; a collapse beside a busy process is 2-100x.
+    were 1.27x faster; a collapse beside a busy process is 2-100x. Each exploration that
+    leaves the best option as it was doubles the steps to the next one, up to
+    ``max_explore_every``: beside a busy process, where the full count costs 10x, trying it
+    every 12th step would cost 1.75x on average.
 
     Args:
         options: the thread counts to choose among (distinct, each >= 1), preferred first.
@@ -89,17 +92,24 @@ class ThreadChooser:
         margin: how much cheaper (a fraction) another option must measure than the first.
         retry_above: the first option's cost over its least (a fraction) above which the
             others are explored again; None: always explore.
+        max_explore_every: the most steps between explorations once they keep confirming
+            the best (None: ``explore_every``, no back-off).
     """
 
     def __init__(self, options: Sequence[int], explore_every: int = 12,
                  alpha: float = 0.3, warmup: int = 1, margin: float = 0.0,
-                 retry_above: float | None = None) -> None:
+                 retry_above: float | None = None,
+                 max_explore_every: int | None = None) -> None:
         self.options = tuple(dict.fromkeys(options))
         self.explore_every = explore_every
         self.alpha = alpha
         self.warmup = warmup
         self.margin = margin
         self.retry_above = retry_above
+        self.max_explore_every = max(explore_every, max_explore_every or explore_every)
+        self._interval = explore_every
+        self._next_explore = explore_every
+        self._best: int | None = None
         #: The least EMA cost the first option has had.
         self._floor: float | None = None
         #: Seconds per token by thread count (EMA), for the options measured so far.
@@ -118,10 +128,15 @@ class ThreadChooser:
         first = self.options[0]
         best = min(self.options, key=lambda o: self.cost[o] / (
             1.0 if o == first else 1.0 - self.margin))
+        if best != self._best:  # a new best: explore at the base rate again
+            self._best, self._interval = best, self.explore_every
+            self._next_explore = self._steps + self.explore_every
         settled = (self.retry_above is not None and best == first
                    and self.cost[first] <= self._floor * (1.0 + self.retry_above))
-        if len(self.options) > 1 and not settled and self._steps % self.explore_every == 0:
+        if len(self.options) > 1 and not settled and self._steps >= self._next_explore:
             others = [o for o in self.options if o != best]
+            self._next_explore = self._steps + self._interval
+            self._interval = min(2 * self._interval, self.max_explore_every)
             return others[(self._steps // self.explore_every) % len(others)]
         return best
 
@@ -507,7 +522,7 @@ class TargetEngine:
             if chooser is None:
                 chooser = self.thread_choosers[prompt_sized] = ThreadChooser(
                     (threads, self.fallback_threads), margin=THREAD_CHOICE_MARGIN,
-                    retry_above=THREAD_RETRY_ABOVE)
+                    retry_above=THREAD_RETRY_ABOVE, max_explore_every=512)
             use = chooser.pick()
         t0 = time.perf_counter()
         # Always set, even to the same count: OpenMP's thread count is per calling thread,

@@ -299,11 +299,37 @@ def test_the_thread_chooser_follows_the_cheaper_option_and_keeps_checking_the_ot
         return picks
 
     assert run(2) == [2, 1]  # each measured once
-    assert run(8) == [2, 1, 2, 2, 2, 1, 2, 2]  # the cheaper, the other every 4th step
+    # The cheaper from step 3 on, the other every 4th step after that (steps 7, 11, ...).
+    assert run(8) == [2, 2, 2, 2, 1, 2, 2, 2]
     cost.update({2: 4.0})  # the machine got busy: 2 threads now cost more
-    # Once 2's new cost is measured (steps 11 and 12, an exploring step), 1 is kept but for
-    # every 4th step.
-    assert run(8) == [2, 2, 1, 1, 1, 2, 1, 1]
+    # Step 11 explores 1, step 12 measures 2's new cost; from step 13 1 is kept, but for
+    # every 4th step after it became the best (step 17).
+    assert run(8) == [1, 2, 1, 1, 1, 1, 2, 1]
+
+
+def test_the_thread_chooser_backs_off_exploring_while_the_other_option_stays_worse():
+    from target_worker.engine import ThreadChooser
+
+    chooser = ThreadChooser((2, 1), explore_every=4, alpha=1.0, warmup=0,
+                            max_explore_every=16)
+    cost = {2: 10.0, 1: 1.0}  # a busy machine: the full count collapsed
+    picks = []
+    for _ in range(72):
+        t = chooser.pick()
+        picks.append(t)
+        chooser.record(t, cost[t], 1)
+    tried = [i for i, t in enumerate(picks) if t == 2][1:]  # after its first measurement
+    # The gaps between tries of the worse option double up to max_explore_every.
+    assert [b - a for a, b in zip(tried, tried[1:], strict=False)] == [4, 8, 16, 16, 16]
+    # Once the other option turns cheaper, it is taken at its next try and kept.
+    cost[2] = 0.5
+    later = []
+    for _ in range(24):
+        t = chooser.pick()
+        later.append(t)
+        chooser.record(t, cost[t], 1)
+    first = later.index(2)
+    assert first <= 16 and set(later[first:first + 4]) == {2}
 
 
 def test_the_thread_chooser_does_not_book_an_options_first_slow_steps():
