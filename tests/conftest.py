@@ -8,6 +8,16 @@ import torch
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """Gives each test back the thread count it started with: `specd generate --in-process`
+    sets the process's threads (every core by default), which would otherwise carry into
+    every later test of this process."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     """``(decoder, tokenizer)`` of the real default model, with two torch threads while the
