@@ -12,24 +12,13 @@ machine, with ``OMP_NUM_THREADS=1`` as Ray's actors have it.
 """
 
 import argparse
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from linear_paths import median_ms  # this folder's sibling script (run as a script)
 
 from target_worker.engine import TargetEngine
 from target_worker.loader import load_decoder
-
-
-def median_ms(fn, calls: int = 15) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(calls):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return sorted(times)[calls // 2] * 1e3
 
 
 def main() -> None:
@@ -62,7 +51,7 @@ def main() -> None:
                 decoder.forward_batch(list(range(500, 500 + rows)), 300, cache)
 
         on(prefill)
-        times.append((rows, round(median_ms(lambda step=step: on(step)), 1)))
+        times.append((rows, round(median_ms(lambda step=step: on(step), calls=15), 1)))
     print(args.mode, "ms per forward by new tokens:", times)
 
 

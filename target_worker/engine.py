@@ -103,7 +103,6 @@ class ThreadChooser:
         self.options = tuple(dict.fromkeys(options))
         self.explore_every = explore_every
         self.alpha = alpha
-        self.warmup = warmup
         self.margin = margin
         self.retry_above = retry_above
         self.max_explore_every = max(explore_every, max_explore_every or explore_every)

@@ -130,7 +130,8 @@ def thread_timing(decoder, threads: Sequence[int] = (1, 2), ks: Sequence[int] = 
                   cache_len: int = 300, repeats: int = 12, seed: int = 0,
                   on_row: Callable[[dict], None] | None = None) -> list[dict]:
     """specd's forward at each torch thread count, on a quiet machine and beside one busy
-    process: the evidence for the default thread budget (`default_target_threads`).
+    process: the evidence for the default thread budget
+    (`coordinator.config.target_thread_counts`).
 
     For each condition (``busy`` False, then True: a ``python -c 'while True: pass'``
     child started here and killed by its PID after), each k: ``repeats`` forwards of ``k``
