@@ -48,8 +48,8 @@ from target_worker.model import (
     Rows,
     Segment,
     apply_rope,
-    causal_mask,
     fast_linear,
+    query_chunks,
     rope_tables,
 )
 
@@ -352,8 +352,9 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat((features, next_embeds), -1))
         cos, sin = self._rope(start, end)
         c = self.config
-        mask = causal_mask(start, end, c.n_heads // c.n_kv_heads, x.dtype) if n > 1 else None
-        out = self.layer(x, 0, Rows(cos, sin, [Segment(0, n, start, cache, mask)]))
+        cache.zero_tail(end)
+        chunks = query_chunks(0, n, start, c.n_heads // c.n_kv_heads, None)
+        out = self.layer(x, 0, Rows(cos, sin, [Segment(0, n, start, cache, chunks)]))
         cache.advance(n)
         return out
 

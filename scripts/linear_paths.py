@@ -7,10 +7,11 @@ crossover sets `target_worker.model.FAST_LINEAR_MIN_ROWS`. Run it on a quiet mac
 
     python scripts/linear_paths.py
 
-With ``--forward [MODEL]`` it times whole target forwards instead (the default model, or a
-GGUF file / HF directory): the median ms of a forward over 1-100 new rows after 300 cached
-positions, with the weights unpacked and then packed (`target_worker.model.pack_weights`,
-which sets `target_worker.model.PACKED_MAX_ROWS`), at 1 and 2 threads.
+With ``--kernels [DTYPE]`` it times the batch-invariant linear kernels instead
+(`target_worker.invariant.LINEAR_KERNELS`, the order a planned target tries them in) over
+all of SmolLM2's layer shapes (30 layers of QKV, output, gate+up and down, and the LM head):
+ms for those matmuls by rows, and whether `target_worker.invariant.check_linear` proves
+each kernel invariant here (at its least padding), at the current thread count.
 """
 
 from __future__ import annotations
@@ -50,39 +51,50 @@ def main() -> None:
                       f"{'F.linear' if plain <= other else 'W@x.T'}")
 
 
-def forward_main(model: str | None) -> None:
-    from target_worker import model as model_mod
-    from target_worker.loader import load_decoder
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
-    decoder = load_decoder(model)
-    rows = (1, 2, 4, 8, 16, 32, 64, 100)
-    print("threads  weights   " + "".join(f"{n:>8}" for n in rows) + "  (ms per forward, by rows)")
-    for packed in (False, True):
-        if packed and not model_mod.pack_weights(decoder, extra=[decoder.head_weight()]):
-            print("no MKL packed GEMM in this torch")
-            return
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            times = []
-            for n in rows:
-                cache = decoder.new_cache(1024)
-                with torch.inference_mode():
-                    decoder.forward_batch(list(range(100, 400)), 0, cache)
 
-                    def step(n=n, cache=cache):
-                        cache.truncate(300)
-                        decoder.forward_batch(list(range(500, 500 + n)), 300, cache)
-                    times.append(median_ms(step, calls=9))
-            print(f"{threads:>7}  {'packed' if packed else 'unpacked':<8}  "
-                  + "".join(f"{t:>8.1f}" for t in times))
+def kernels_main(dtype_name: str) -> None:
+    from target_worker import invariant
+
+    dtype = getattr(torch, dtype_name)
+    threads = torch.get_num_threads()
+    weights = [[torch.randn(o, i).to(dtype) for o, i in LAYER_SHAPES] for _ in range(30)]
+    head = torch.randn(49152, 576).to(dtype)
+    rows = (1, 2, 4, 8, 16, 32, 64)
+    print(f"{dtype_name}, {threads} threads: ms for 30 layers + head, by rows")
+    print(f"{'kernel':<8}{'invariant':>12}" + "".join(f"{n:>8}" for n in rows))
+    for kernel in invariant.LINEAR_KERNELS:
+        try:
+            prepared = [[kernel.prepare(w) for w in layer] for layer in weights]
+            head_prepared = kernel.prepare(head)
+        except RuntimeError as exc:
+            print(f"{kernel.name:<8}  unavailable here: {exc}")
+            continue
+        proven = next((m for m in invariant._MIN_ROWS
+                       if invariant.check_linear(kernel, head, None, m, (threads,))
+                       == (True, True)), None)
+        times = []
+        for n in rows:
+            x = {i: torch.randn(n, i).to(dtype) for i in (576, 1536)}
+
+            def forward(x=x, kernel=kernel, prepared=prepared, head_prepared=head_prepared):
+                for layer, packs in zip(weights, prepared, strict=True):
+                    for w, p in zip(layer, packs, strict=True):
+                        kernel.run(x[w.shape[1]], p, w, None)
+                kernel.run(x[576], head_prepared, head, None)
+            times.append(median_ms(forward, calls=7))
+        label = "no" if proven is None else f"from {proven}"
+        print(f"{kernel.name:<8}{label:>12}" + "".join(f"{t:>8.1f}" for t in times))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--forward", nargs="?", const="", default=None, metavar="MODEL",
-                        help="time whole forwards, unpacked then packed")
+    parser.add_argument("--kernels", nargs="?", const="float32", default=None,
+                        metavar="DTYPE", help="time the batch-invariant linear kernels "
+                        "(float32 or bfloat16)")
     args = parser.parse_args()
-    if args.forward is None:
+    if args.kernels is None:
         main()
     else:
-        forward_main(args.forward or None)
+        kernels_main(args.kernels)

@@ -28,7 +28,8 @@ from specd_core.rule import compact_rows, target_rows
 from specd_core.step import PrefillItem, StepOutput, VerifyItem
 
 from .config import ModelConfig
-from .model import Decoder, KvCache, pack_weights
+from .invariant import one_thread
+from .model import Decoder, KvCache
 
 __all__ = ["SlotsExhausted", "TargetEngine"]
 
@@ -44,10 +45,10 @@ DEFAULT_PREFIX_CACHE_TOKENS = 32768
 #: Steps feeding at least this many tokens are prompt-sized: `TargetEngine` chooses their
 #: threads apart from smaller steps' and compares their costs per token (big matmuls scale
 #: with threads: SmolLM2 here, a 512-token prefill 415 tok/s on 1 thread, 920 on 2).
-#: Smaller steps (decode, verify blocks) are compared per step: with packed weights their
-#: cost grows little with their rows (1 row 57 ms, 8 rows 87 ms; see
-#: `target_worker.model.PACKED_MAX_ROWS`), so a mix of sizes barely skews the comparison,
-#: where a short prompt's prefill among them would.
+#: Smaller steps (decode, verify blocks) are compared per step: their cost grows little
+#: with their rows (oneDNN's packed weights: 1 row 37 ms, 8 rows 51 ms; see
+#: `scripts/verify_cost.py`), so a mix of sizes barely skews the comparison, where a short
+#: prompt's prefill among them would.
 PREFILL_THREADS_MIN_TOKENS = 64
 
 #: How much cheaper a `TargetEngine`'s ``fallback_threads`` must measure than the process's
@@ -209,6 +210,12 @@ class TargetEngine:
             `THREAD_CHOICE_MARGIN` cheaper for steps of its kind (prompt-sized or not:
             `PREFILL_THREADS_MIN_TOKENS`); more threads pay on a quiet machine and collapse
             beside a busy process. None: always the process's.
+        invariance: `Decoder.make_batch_invariant`'s report when the engine was built with
+            ``batch_invariant`` (the default): each row then has the same bits whatever
+            the step holds (verify blocks, prompt chunks, other requests, thread counts),
+            and so have the rows the rule gets (computed on one thread: a one-row sum over
+            the vocabulary would split across threads where a many-row sum does not).
+            None without.
         stats: counters for metrics: ``forward_calls``, ``prefill_calls`` and
             ``verify_calls`` (calls carrying a prefill chunk / a verify block),
             ``tokens_fed`` (all segments' tokens), ``prefill_tokens``, ``forward_seconds``
@@ -220,7 +227,7 @@ class TargetEngine:
 
     def __init__(self, decoder: Decoder, max_slots: int = 64,
                  prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
-                 fallback_threads: int | None = None) -> None:
+                 fallback_threads: int | None = None, batch_invariant: bool = True) -> None:
         if isinstance(max_slots, bool) or not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"max_slots must be a positive int, got {max_slots!r}")
         if (isinstance(prefix_cache_tokens, bool) or not isinstance(prefix_cache_tokens, int)
@@ -232,10 +239,12 @@ class TargetEngine:
                 or fallback_threads < 1):
             raise ValueError(f"fallback_threads must be a positive int, got {fallback_threads!r}")
         self.decoder = decoder
-        # Verify blocks and batched decode steps multiply 2-128 rows: packed weights make
-        # them cost little more than one row (`target_worker.model.PACKED_MAX_ROWS`).
-        head = getattr(decoder, "head_weight", None)
-        pack_weights(decoder, extra=[head()] if callable(head) else ())
+        #: `Decoder.make_batch_invariant`'s report (None: not batch invariant).
+        self.invariance: dict | None = None
+        if batch_invariant:
+            threads = torch.get_num_threads()
+            counts = (threads,) if fallback_threads is None else (threads, fallback_threads)
+            self.invariance = decoder.make_batch_invariant(counts)
         self.max_slots = max_slots
         self.prefix_cache_tokens = prefix_cache_tokens
         self.fallback_threads = fallback_threads
@@ -421,8 +430,15 @@ class TargetEngine:
             self.stats["prefill_calls"] += 1
         if any(isinstance(item, VerifyItem) for item in items):
             self.stats["verify_calls"] += 1
-        outputs = []
         t0 = time.perf_counter()
+        with one_thread():
+            outputs = self._outputs(items, slots, results)
+        self.stats["rows_seconds"] += time.perf_counter() - t0
+        return outputs
+
+    def _outputs(self, items, slots, results) -> list[StepOutput | None]:
+        """Per item, its `StepOutput` from its forward results (see `step`)."""
+        outputs = []
         for item, slot, (logits, hidden) in zip(items, slots, results, strict=True):
             tokens = [int(t) for t in item.tokens]
             if isinstance(item, PrefillItem):
@@ -455,7 +471,6 @@ class TargetEngine:
                 candidates, full = commit_candidates(rows, tokens[1:])
                 logprobs = row_logprobs(logits, item.logprobs, candidates, full)
             outputs.append(StepOutput(rows, _own(hidden, item.want_hidden), logprobs))
-        self.stats["rows_seconds"] += time.perf_counter() - t0
         return outputs
 
     def _slot(self, slot: int) -> _Slot:

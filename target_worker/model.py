@@ -11,6 +11,7 @@ softmax in float32, as transformers does, and returns float32 logits and hidden 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -18,23 +19,37 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import ModelConfig, RopeScaling
+from .invariant import (
+    CALL_ROWS,
+    InvariancePlan,
+    bmm_function,
+    invariant_linear,
+    one_thread,
+    plan_bmm,
+    plan_linear,
+    planned,
+    pointwise,
+    prepare_linear,
+)
 
-__all__ = ["Decoder", "KvCache", "pack_weights"]
+__all__ = ["Decoder", "KvCache", "KEY_BLOCK"]
 
 DEFAULT_CACHE_CAPACITY = 1024
 
 
 class KvCache:
-    """Keys and values of every layer for one sequence.
+    """Keys and values of every layer for one sequence, in blocks of `KEY_BLOCK` positions.
 
-    ``k`` and ``v`` are preallocated float32 tensors of shape
-    ``[n_layers, n_kv_heads, capacity, head_dim]``; positions ``[0, seq_len)`` are committed.
-    Rolling back is O(1): :meth:`truncate` only lowers ``seq_len`` and later writes overwrite the
-    stale entries. Capacity doubles (capped at ``max_seq_len``) when a forward needs more room.
-    Create one with :meth:`Decoder.new_cache`.
+    ``k`` and ``v`` are preallocated tensors (the decoder's dtype) of shape ``[n_layers,
+    capacity // KEY_BLOCK, n_kv_heads, KEY_BLOCK, head_dim]``: block-major, so attention
+    reads the first ``J`` blocks of every KV head as one ``[J * n_kv_heads, KEY_BLOCK,
+    head_dim]`` batch (`Attention`). Positions ``[0, seq_len)`` are committed; read them
+    with :meth:`keys` / :meth:`values`. Rolling back is O(1): :meth:`truncate` only lowers
+    ``seq_len`` and later writes overwrite the stale entries. Capacity doubles (capped at
+    ``max_seq_len``, rounded up to whole blocks) when a forward needs more room. Create one
+    with :meth:`Decoder.new_cache`.
     """
 
     def __init__(
@@ -49,8 +64,9 @@ class KvCache:
         if not 1 <= capacity <= max_seq_len:
             raise ValueError(f"capacity must be in [1, max_seq_len={max_seq_len}], got {capacity}")
         self.max_seq_len = max_seq_len
-        shape = (n_layers, n_kv_heads, capacity, head_dim)
-        # Uninitialised is fine: attention reads only positions [0, end), all written first.
+        shape = (n_layers, -(-capacity // KEY_BLOCK), n_kv_heads, KEY_BLOCK, head_dim)
+        # Uninitialised is fine: attention reads positions [0, end), all written first, and
+        # the rest of end's key block, which each forward zeroes first (`zero_tail`).
         # Allocated in inference mode so forward passes (also in inference mode) can write them.
         with torch.inference_mode():
             self.k = torch.empty(shape, dtype=dtype)
@@ -64,8 +80,45 @@ class KvCache:
 
     @property
     def capacity(self) -> int:
-        """Positions that fit before the next reallocation."""
+        """Positions that fit before the next reallocation (a multiple of `KEY_BLOCK`)."""
+        return self.k.shape[1] * KEY_BLOCK
+
+    @property
+    def n_kv_heads(self) -> int:
         return self.k.shape[2]
+
+    def keys(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """A copy of the keys at positions ``[start, end)`` (default: to ``seq_len``):
+        ``[n_layers, n_kv_heads, end - start, head_dim]``."""
+        return self._positions(self.k, start, self._seq_len if end is None else end)
+
+    def values(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Like :meth:`keys`, for the values."""
+        return self._positions(self.v, start, self._seq_len if end is None else end)
+
+    @staticmethod
+    def _positions(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        layers, blocks, heads, _, d = t.shape
+        flat = t.permute(0, 2, 1, 3, 4).reshape(layers, heads, blocks * KEY_BLOCK, d)
+        return flat[:, :, start:end].clone()
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores ``k``, ``v`` ``[m, n_kv_heads, head_dim]`` at positions ``[start, start +
+        m)`` of ``layer`` (within the capacity; `reserve` first)."""
+        end = start + k.shape[0]
+        for block in range(start // KEY_BLOCK, (end - 1) // KEY_BLOCK + 1):
+            lo, hi = max(start, block * KEY_BLOCK), min(end, (block + 1) * KEY_BLOCK)
+            at = slice(lo - block * KEY_BLOCK, hi - block * KEY_BLOCK)
+            self.k[layer, block, :, at] = k[lo - start : hi - start].transpose(0, 1)
+            self.v[layer, block, :, at] = v[lo - start : hi - start].transpose(0, 1)
+
+    def zero_tail(self, end: int) -> None:
+        """Zeroes every layer's entries after position ``end`` in its block: attention reads
+        whole blocks, masking keys after a row, but the values must be finite (0 * NaN)."""
+        if end % KEY_BLOCK:
+            block = end // KEY_BLOCK
+            self.k[:, block, :, end % KEY_BLOCK :] = 0
+            self.v[:, block, :, end % KEY_BLOCK :] = 0
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions (O(1)).
@@ -112,13 +165,14 @@ class KvCache:
         new_cap = self.capacity
         while new_cap < needed:
             new_cap *= 2
-        new_cap = min(new_cap, self.max_seq_len)
+        blocks = -(-min(new_cap, self.max_seq_len) // KEY_BLOCK)
+        used = -(-self._seq_len // KEY_BLOCK)
         with torch.inference_mode():
             for name in ("k", "v"):
                 old = getattr(self, name)
-                shape = (*old.shape[:2], new_cap, old.shape[3])
-                new = torch.empty(shape, dtype=old.dtype)
-                new[:, :, : self._seq_len] = old[:, :, : self._seq_len]
+                new = torch.empty((old.shape[0], blocks, *old.shape[2:]), dtype=old.dtype,
+                                  device=old.device)
+                new[:, :used] = old[:, :used]
                 setattr(self, name, new)
 
 
@@ -128,67 +182,6 @@ class KvCache:
 #: time (the LM head at 1 row: 8.1 ms against 20.0 ms), from 8 rows the other order 0.6-0.9x.
 FAST_LINEAR_MIN_ROWS = 8
 
-#: Most rows `fast_linear` multiplies against a weight's packed copy (`pack_weights`), and
-#: the batch size the copies are packed for. Verify blocks and batched decode steps (2-128
-#: rows) are where MKL's plain GEMM is slow: it re-packs the whole weight on every call, so
-#: a forward over 8 rows cost 2x one over 1 row although both read the same 536 MB of
-#: SmolLM2 weights. Measured (``python scripts/linear_paths.py --forward``, SmolLM2-135M, 300
-#: cached positions, 2 threads): 8 rows 66 ms packed against 105 ms, 32 rows 101 against
-#: 121, 100 rows 172 against 201; 1 row is unchanged (it stays on ``F.linear``'s GEMV).
-PACKED_MAX_ROWS = 128
-
-#: weight -> (its MKL-packed copy, ``(weight._version, weight.data_ptr())`` when packed):
-#: `pack_weights`' copies, by identity (a weight shared by two modules, e.g. a tied LM head,
-#: is packed once). A weight changed since, in place (its version moved on) or given new
-#: data (``Module.to`` sets ``.data``), is multiplied unpacked.
-_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _packed_key(weight: torch.Tensor) -> tuple[int, int]:
-    return weight._version, weight.data_ptr()
-
-
-def mkl_packing_available() -> bool:
-    """Whether this torch has MKL's packed SGEMM (x86 CPU builds with MKL)."""
-    return (torch.backends.mkl.is_available()
-            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-            and hasattr(torch.ops.mkl, "_mkl_linear"))
-
-
-def pack_weights(module: nn.Module, extra: Sequence[torch.Tensor] = ()) -> int:
-    """Keeps an MKL-packed copy of every float32 CPU weight `fast_linear` multiplies in
-    ``module`` (each ``nn.Linear``'s weight, plus ``extra``, e.g. a tied LM head used through
-    ``fast_linear`` directly), so steps of 2 to `PACKED_MAX_ROWS` rows run MKL's packed GEMM
-    (oneMKL ``cblas_sgemm_pack``/``cblas_sgemm_compute``, the kernel PyTorch Inductor's CPU
-    weight freezing uses: ``torch.ops.mkl._mkl_linear``) instead of re-packing the weight on
-    every call.
-
-    The copies cost about the weights' own resident memory again (SmolLM2-135M: ~0.5 GB);
-    results agree with ``F.linear`` to float32 rounding (a different summation order). Safe
-    to call again: weights already packed and unchanged are skipped. Does nothing without
-    MKL (`mkl_packing_available`), and skips weights on other devices or dtypes and weights
-    that require grad (training multiplies them unpacked).
-
-    Returns:
-        how many weights were newly packed.
-    """
-    if not mkl_packing_available():
-        return 0
-    weights = [m.weight for m in module.modules() if isinstance(m, nn.Linear)]
-    packed = 0
-    for weight in [*weights, *extra]:
-        if (weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32
-                or weight.dim() != 2 or weight.requires_grad):
-            continue
-        entry = _PACKED.get(weight)
-        if entry is not None and entry[1] == _packed_key(weight):
-            continue
-        with torch.no_grad():
-            copy = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACKED_MAX_ROWS)
-        _PACKED[weight] = (copy, _packed_key(weight))
-        packed += 1
-    return packed
-
 
 def fast_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -196,17 +189,17 @@ def fast_linear(
     """``x @ weight.T + bias`` for ``x [n, in]``, ``weight [out, in]``; returns ``[n, out]``
     (any other rank of ``x`` goes to ``F.linear``).
 
-    For 2 to `PACKED_MAX_ROWS` rows of a weight `pack_weights` packed (and not changed
-    since), MKL's packed GEMM. Otherwise, for ``FAST_LINEAR_MIN_ROWS <= n <= 64`` rows on the
-    CPU it is computed as ``(weight @ x.T).T``, which MKL runs faster than ``F.linear``
-    there; the result is then a non-contiguous (transposed) view. Fewer rows (plain decoding,
-    short blocks), prefill-sized inputs and GPU shards use ``F.linear``.
+    A weight a batch-invariant decoder planned (`Decoder.make_batch_invariant`) is
+    multiplied by its plan (`target_worker.invariant.invariant_linear`): each row's result is
+    bitwise the same whatever the other rows. Any other weight (drafters, training) takes
+    the fastest order: for ``FAST_LINEAR_MIN_ROWS <= n <= 64`` rows on the CPU
+    ``(weight @ x.T).T``, which MKL runs faster than ``F.linear`` there (the result is then a
+    non-contiguous view), else ``F.linear``.
     """
+    y = invariant_linear(x, weight, bias)
+    if y is not None:
+        return y
     n = x.shape[0]
-    if 2 <= n <= PACKED_MAX_ROWS and x.dim() == 2:
-        entry = _PACKED.get(weight)
-        if entry is not None and entry[1] == _packed_key(weight):
-            return torch.ops.mkl._mkl_linear(x.contiguous(), entry[0], weight, bias, n)
     if not FAST_LINEAR_MIN_ROWS <= n <= 64 or x.device.type != "cpu" or x.dim() != 2:
         return F.linear(x, weight, bias)
     x = x.contiguous()  # a row-major x makes x.T the operand layout MKL handles fast
@@ -250,7 +243,7 @@ def swiglu(
     ``w_gate_up [2*ffn, hidden]`` (gate rows first), ``w_down [hidden, ffn]``: the dense FFN,
     each MoE expert and the EAGLE head's FFN."""
     gate, up = fast_linear(x, w_gate_up).split(ffn, dim=-1)
-    return fast_linear(F.silu(gate).mul_(up), w_down)
+    return fast_linear(pointwise(F.silu, gate).mul_(up), w_down)
 
 
 class SwiGLU(nn.Module):
@@ -296,6 +289,17 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(n_local, hidden, m.expert_ffn_dim))
         shared = m.n_shared_experts * m.expert_ffn_dim // tp
         self.shared = SwiGLU(hidden, shared) if m.n_shared_experts else None
+        self._views: tuple[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    def expert_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per local expert, its ``(w_gate_up [2*F, hidden], w_down [hidden, F])``: views kept
+        from call to call (made again only when the parameters get new storage), so the
+        batch-invariant plan made for each (`Decoder.make_batch_invariant`) is found again."""
+        key = (self.w_gate_up.data_ptr(), self.w_down.data_ptr())
+        if self._views is None or self._views[0] != key:
+            self._views = (key, [(self.w_gate_up[e], self.w_down[e])
+                                 for e in range(self.w_gate_up.shape[0])])
+        return self._views[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
@@ -305,14 +309,16 @@ class MoE(nn.Module):
         experts = experts.flatten()
         token_of = torch.arange(n).repeat_interleave(self.top_k)
         out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
-        # Loop over the experts actually hit (at most n*k), each on its tokens only.
+        views = self.expert_weights()
+        # Loop over the experts actually hit (at most n*k), each on its tokens only, in
+        # increasing expert id: a token's sum has the same order whatever its batch mates.
         for e in experts.unique().tolist():
             local = e - self.first
-            if not 0 <= local < self.w_gate_up.shape[0]:
+            if not 0 <= local < len(views):
                 continue  # another rank's expert
             slots = (experts == e).nonzero().squeeze(1)
             tokens = token_of[slots]
-            y = swiglu(x[tokens], self.w_gate_up[local], self.w_down[local], self.ffn)
+            y = swiglu(x[tokens], views[local][0], views[local][1], self.ffn)
             out.index_add_(0, tokens, y * weights[slots, None])
         return out
 
@@ -359,61 +365,117 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def causal_mask(start: int, end: int, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask (0 / -inf, ``dtype``) ``[group * (end - start), end]``: query i (absolute
-    position start + i) sees keys at positions <= start + i, tiled ``group`` times for the
-    query heads that :class:`Attention` folds into the query axis."""
-    allowed = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-    return mask.repeat(group, 1)
+#: Keys are reduced in blocks of this many positions, aligned at position 0: a query row's
+#: attention is the same sum of the same per-block partial sums whether it is decoded
+#: alone, verified in a block or prefilled in a chunk (`Attention`). A multiple of 64, so
+#: a block of float32 or bfloat16 scores has no scalar tail in a vectorised loop. Measured
+#: (SmolLM2, float32, 2 threads, 2026-12-02; ms per forward, 300 / 3000 cached positions,
+#: and a 6,000-token prompt in 128-token chunks): 64: 1 token 129 / 180, 64 tokens 407 /
+#: 1257, prompt 80.9 s; 128: 123 / 152, 333 / 549, 62.0 s; 256: 114-124 / 180-184,
+#: 335-368 / 534-574, 51.3-51.7 s; 512: 142 / 168, 473 / 707, 59.2 s (fewer, larger
+#: matmuls against a block's masked tail).
+KEY_BLOCK = 256
 
 
-#: Segments of more rows than this attend through ``scaled_dot_product_attention`` on the CPU
-#: too (its flash kernel never materialises the scores). Measured here, SmolLM2 shapes (9 query
-#: and 3 KV heads, head_dim 64), one layer, 1 thread, bmm path vs SDPA: 8 rows over 2,000 keys
-#: 0.46 vs 0.49 ms and 64 over 6,000 8.1 vs 8.5 (bmm wins: verify blocks); 256 rows after 1,792
-#: cached 14.0 vs 9.0 ms, a 512-row chunk after 5,632 cached 161 vs 61 ms, a whole 2,048-token
-#: prompt 241 vs 42 ms and 6,144 tokens 2,204 vs 312 ms (`scripts/attention_paths.py`).
-SDPA_MIN_ROWS = 65
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+@dataclass(frozen=True)
+class QueryChunk:
+    """Query rows of one segment that attend in one go: activation rows ``[lo, hi)`` at
+    absolute positions ``[pos, pos + hi - lo)``, reading key blocks ``[0, blocks)``.
+
+    ``rows`` is the folded row count ``group * (hi - lo)`` padded to what the attention
+    plans call with (`target_worker.invariant.InvariancePlan.padded_rows`); ``masked`` is
+    bool ``[blocks - pos // KEY_BLOCK, 1, rows, KEY_BLOCK]``, True where a key lies after
+    the row's position (the padded rows see every key up to the chunk's last position), for
+    blocks ``[pos // KEY_BLOCK, blocks)`` only: the blocks before hold no key after any of
+    the rows."""
+
+    lo: int
+    hi: int
+    pos: int
+    blocks: int
+    rows: int
+    masked: torch.Tensor
 
 
 @dataclass(frozen=True)
 class Segment:
     """One sequence inside a packed forward: activation rows ``[lo, hi)`` are fed at absolute
-    positions ``[start, start + hi - lo)`` of ``cache``.
-
-    ``mask`` is its additive causal mask: tiled ``group`` times ``[group * m, end]`` for the
-    bmm path (`causal_mask`), or, with ``sdpa``, untiled ``[m, end]`` for
-    ``scaled_dot_product_attention``. None for a single row, and with ``sdpa`` for a segment
-    that starts at position 0 (then attention is causal with no mask built: a ``[m, m]``
-    mask of a 6k-token prompt alone is 150 MB)."""
+    positions ``[start, start + hi - lo)`` of ``cache``, attending in ``chunks``."""
 
     lo: int
     hi: int
     start: int
     cache: KvCache
-    mask: torch.Tensor | None
-    sdpa: bool = False
+    chunks: Sequence[QueryChunk]
+
+
+@dataclass(frozen=True)
+class AttentionPlans:
+    """Batch-invariant plans of attention's two batched matmuls (`target_worker.invariant`):
+    scores ``q [blocks, rows, head_dim] @ keys.T [blocks, head_dim, KEY_BLOCK]`` and values
+    ``weights [blocks, rows, KEY_BLOCK] @ values [blocks, KEY_BLOCK, head_dim]``."""
+
+    scores: InvariancePlan
+    values: InvariancePlan
+
+    def padded_rows(self, rows: int) -> int:
+        return max(self.scores.padded_rows(rows), self.values.padded_rows(rows))
+
+    def threads_for(self, rows: int) -> int | None:
+        """1 when either matmul must run ``rows`` padded rows on one thread, else None."""
+        return 1 if 1 in (self.scores.threads_for(rows), self.values.threads_for(rows)) \
+            else None
 
 
 @dataclass(frozen=True)
 class Rows:
     """Layout of the activation rows of one (packed) forward, shared by every layer: RoPE
-    ``cos`` and signed ``sin`` ``[N, 1, head_dim]`` per row (`rope_tables`) and the
-    `Segment` each row range belongs to."""
+    ``cos`` and signed ``sin`` ``[N, 1, head_dim]`` per row (`rope_tables`), the `Segment`
+    each row range belongs to, and the attention plans (None: plain ``bmm``)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     segments: Sequence[Segment]
+    plans: AttentionPlans | None = None
 
 
-def _use_sdpa(x: torch.Tensor) -> bool:
-    """Whether every segment attends as ``scaled_dot_product_attention``: off the CPU (fused
-    GPU kernels, grouped-query heads native). On the CPU only long segments do
-    (`SDPA_MIN_ROWS`): for verify blocks the bmm + softmax path measured faster (SmolLM2
-    shapes, 30 layers, 2000 cached tokens, k=8: 13.1 vs 14.3 ms with 2 threads, 17.7 vs 20.5
-    ms with 1, against SDPA with enable_gqa)."""
-    return x.device.type != "cpu"
+def query_chunks(lo: int, hi: int, start: int, group: int, plans: AttentionPlans | None,
+                 device: torch.device | None = None) -> list[QueryChunk]:
+    """`QueryChunk` s for a segment's activation rows ``[lo, hi)`` fed at ``start``: at most
+    ``CALL_ROWS[-1] // group`` tokens each (a proven call size once folded), each reading
+    the key blocks up to its own last position (a long prompt's causal chunks skip the
+    blocks after them)."""
+    step = max(1, CALL_ROWS[-1] // group)
+    chunks = []
+    for a in range(lo, hi, step):
+        b = min(hi, a + step)
+        m, pos = b - a, start + a - lo
+        end = pos + m
+        folded = group * m
+        rows = plans.padded_rows(folded) if plans is not None else folded
+        blocks = -(-end // KEY_BLOCK)
+        # Row r of the folded layout is token r % m (query heads of a KV group are stacked).
+        q_pos = torch.full((rows,), end - 1, dtype=torch.long, device=device)
+        q_pos[:folded] = torch.arange(pos, end, device=device).repeat(group)
+        first = pos // KEY_BLOCK
+        keys = torch.arange(first * KEY_BLOCK, blocks * KEY_BLOCK, device=device)
+        masked = keys.view(-1, 1, 1, KEY_BLOCK) > q_pos[None, None, :, None]
+        chunks.append(QueryChunk(a, b, pos, blocks, rows, masked))
+    return chunks
+
+
+def _tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 (a power of two long) by halving: ``x[:h] + x[h:]`` until one is left.
+    Zero entries appended at the end leave the result bitwise unchanged (each extra level
+    adds exact zeros), so a row's sum does not depend on how many blocks follow it."""
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        x = x[:half] + x[half:]
+    return x[0]
 
 
 class Attention(nn.Module):
@@ -422,6 +484,17 @@ class Attention(nn.Module):
     ``wqkv.weight`` is ``[(n_heads + 2*n_kv_heads) * head_dim, hidden]``: Q rows, then K, then V,
     each head-major (HF ``q_proj``/``k_proj``/``v_proj`` stacked). ``wo.weight`` is
     ``[hidden, n_heads * head_dim]``.
+
+    Attention of a query row has one reduction order whatever else is computed with it (a
+    decode step, a verify block, a prompt chunk, other requests): keys are taken in blocks of
+    `KEY_BLOCK` positions from position 0; per block, scores (``bmm``, scaled, keys after the
+    row masked to -inf), ``exp(score - max)`` with the row's max over every visible key
+    (exact in any order), and the block's partial weighted sum of values and of weights; the
+    partials are summed over blocks by `_tree_sum` and divided (a softmax written as
+    ``sum_j e_j v_j / sum_j e_j``). Blocks wholly after a row contribute exact zeros. The
+    batched matmuls run by the decoder's `AttentionPlans`; scores, weights and sums are
+    float32 whatever the cache dtype (as transformers' eager attention, the matmuls
+    themselves in the cache's dtype).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -437,7 +510,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, layer: int, rows: Rows) -> torch.Tensor:
         n = x.shape[0]
-        h, kvh, d, g = self.n_heads, self.n_kv_heads, self.head_dim, self.group
+        h, kvh, d = self.n_heads, self.n_kv_heads, self.head_dim
         # Projections run once over the rows of every segment; attention runs per segment.
         qkv = self.wqkv(x).reshape(n, h + 2 * kvh, d)
         # RoPE on Q and K heads together; sin carries rotate_half's sign (rope_tables).
@@ -445,32 +518,55 @@ class Attention(nn.Module):
         outs = []
         for seg in rows.segments:
             lo, hi, cache = seg.lo, seg.hi, seg.cache
-            m, end = hi - lo, seg.start + hi - lo
-            cache.k[layer, :, seg.start : end] = qk[lo:hi, h:].transpose(0, 1)
-            cache.v[layer, :, seg.start : end] = qkv[lo:hi, h + kvh :].transpose(0, 1)
-            keys = cache.k[layer, :, :end]  # [kvh, end, d]
-            values = cache.v[layer, :, :end]
-            if seg.sdpa or _use_sdpa(x):
-                # A tiled bmm mask's first m rows are the untiled [m, end] causal mask.
-                mask = seg.mask if seg.sdpa or seg.mask is None else seg.mask[:m]
-                o = F.scaled_dot_product_attention(
-                    qk[lo:hi, :h].transpose(0, 1)[None], keys[None], values[None],
-                    attn_mask=mask, is_causal=mask is None and m > 1, scale=self.scale,
-                    enable_gqa=True)  # [1, h, m, d]
-                outs.append(o[0].transpose(0, 1).reshape(m, h * d))
-                continue
-            # Fold each KV group's query heads into the query-length axis so K/V are never
-            # repeated.
-            q = qk[lo:hi, :h].reshape(m, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * m, d)
-            # Plain bmm + softmax: ~2x faster than scaled_dot_product_attention here on CPU.
-            if seg.mask is None:
-                scores = torch.bmm(q, keys.transpose(1, 2)).mul_(self.scale)
-            else:
-                scores = torch.baddbmm(seg.mask, q, keys.transpose(1, 2), alpha=self.scale)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # bf16 scores: as HF
-            o = torch.bmm(probs if probs.dtype == values.dtype else probs.to(values.dtype), values)
-            outs.append(o.view(kvh, g, m, d).permute(2, 0, 1, 3).reshape(m, h * d))
-        return self.wo(outs[0] if len(outs) == 1 else torch.cat(outs))
+            cache.write(layer, seg.start, qk[lo:hi, h:], qkv[lo:hi, h + kvh :])
+            for chunk in seg.chunks:
+                outs.append(self._attend(qk[chunk.lo : chunk.hi, :h], cache, layer, chunk,
+                                         rows.plans))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.wo(out.to(x.dtype))
+
+    def _attend(self, q: torch.Tensor, cache: KvCache, layer: int, chunk: QueryChunk,
+                plans: AttentionPlans | None) -> torch.Tensor:
+        """Attention output ``[m, h * d]`` (float32) of query rows ``q [m, h, d]``."""
+        m = q.shape[0]
+        kvh, g, d, B = self.n_kv_heads, self.group, self.head_dim, KEY_BLOCK
+        folded, rows, J = g * m, chunk.rows, chunk.blocks
+        # Fold each KV group's query heads into the row axis so K/V are never repeated.
+        qf = q.reshape(m, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, folded, d)
+        # Scaled before the product (transformers scales after): exact when the scale is a
+        # power of two (head_dim 64, 256, ...), and one pass over the scores fewer.
+        qf = qf * self.scale
+        if rows > folded:
+            qf = F.pad(qf, (0, 0, 0, rows - folded))
+        # [J * kvh, rows, d]: block j, head i at j * kvh + i, the cache's block-major order.
+        q_blocks = qf[None].expand(J, kvh, rows, d).reshape(J * kvh, rows, d)
+        keys = cache.k[layer, :J].view(J * kvh, B, d)
+        values = cache.v[layer, :J].view(J * kvh, B, d)
+        kv_dtype = cache.k.dtype
+        # Both plans prove calls of this many rows on one thread; the scores plan says
+        # whether every thread is proven too (`AttentionPlans.threads_for`).
+        alone = plans is not None and plans.threads_for(rows) == 1
+        with one_thread() if alone else contextlib.nullcontext():
+            scores = bmm_function(plans and plans.scores)(q_blocks, keys.transpose(1, 2))
+            scores = scores.view(J, kvh, rows, B)
+            scores = scores.float() if kv_dtype != torch.float32 else scores
+            # Only blocks from the chunk's first position on hold a key after some row.
+            first = chunk.pos // B
+            scores[first:].masked_fill_(chunk.masked, float("-inf"))
+            # [kvh, rows, 1]: exact in any order (a max), per block first (a contiguous pass).
+            top = scores.amax(dim=3).amax(dim=0)[..., None]
+            weights = pointwise(lambda t: t.sub_(top).exp_(), scores)
+            blocks = 1 << (J - 1).bit_length()  # a power of two: `_tree_sum`
+            sums = torch.empty(blocks, kvh, rows, dtype=torch.float32, device=q.device)
+            torch.sum(weights, -1, out=sums[:J])
+            sums[J:] = 0
+            parts = torch.empty(blocks, kvh, rows, d, dtype=kv_dtype, device=q.device)
+            parts[J:] = 0
+            weights = weights if kv_dtype == torch.float32 else weights.to(kv_dtype)
+            out = parts[:J].view(J * kvh, rows, d)
+            bmm_function(plans and plans.values)(weights.view(J * kvh, rows, B), values, out)
+            out = _tree_sum(parts.float()) / _tree_sum(sums)[..., None]  # [kvh, rows, d]
+        return out[:, :folded].reshape(kvh, g, m, d).permute(2, 0, 1, 3).reshape(m, kvh * g * d)
 
 
 class Block(nn.Module):
@@ -578,6 +674,66 @@ class Decoder(nn.Module):
         """KV heads a cache of this decoder holds (a tensor-parallel shard holds its own only)."""
         return self.config.n_kv_heads
 
+    #: Attention's batch-invariant plans (`make_batch_invariant`); None: plain ``bmm``.
+    _attention_plans: AttentionPlans | None = None
+    #: The thread counts `make_batch_invariant` proved its plans for (None: not made so).
+    _invariant_threads: tuple[int, ...] | None = None
+
+    def make_batch_invariant(self, threads: Sequence[int] | None = None) -> dict:
+        """Runs every matmul of the forward by a batch-invariant plan from now on: each
+        row's logits, hidden state and KV entries are then bitwise the same whatever else
+        the forward computes (one token, a verify block, a prompt chunk of any size, other
+        sequences, which chunk a position was prefilled in).
+
+        Each weight shape (and attention's two batched matmuls) gets the first kernel and
+        padding that `target_worker.invariant` proves invariant on this machine at each of
+        ``threads`` (default: the current count); the verdicts are checked once per
+        machine and kept on disk. Called again after ``Module.to`` moves the weights.
+
+        Returns:
+            A report: ``{"linear": {"OUTxIN dtype": plan, ...}, "scores": plan, "values":
+            plan}``, each plan `target_worker.invariant.InvariancePlan`.
+        """
+        threads = tuple(dict.fromkeys(threads or (torch.get_num_threads(),)))
+        report: dict = {"linear": {}}
+        weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                weights.setdefault(id(module.weight), (module.weight, module.bias))
+            elif isinstance(module, MoE):
+                for gate_up, down in module.expert_weights():
+                    weights.setdefault(id(gate_up), (gate_up, None))
+                    weights.setdefault(id(down), (down, None))
+        head = self.head_weight()
+        if head is not None:
+            weights.setdefault(id(head), (head, None))
+        for weight, bias in weights.values():
+            plan = plan_linear(weight, bias, threads)
+            prepare_linear(weight, plan)
+            name = f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).split('.')[-1]}"
+            report["linear"][name] = plan
+        d = self.config.head_dim
+        kv_dtype, device = self.dtype, self.norm.weight.device
+        self._attention_plans = AttentionPlans(
+            plan_bmm(1, d, KEY_BLOCK, True, kv_dtype, device, threads),
+            plan_bmm(1, KEY_BLOCK, d, False, kv_dtype, device, threads))
+        report["scores"] = self._attention_plans.scores
+        report["values"] = self._attention_plans.values
+        self._invariant_threads = threads
+        return report
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether `make_batch_invariant` planned this decoder's matmuls."""
+        return self._invariant_threads is not None
+
+    def _apply(self, fn, recurse=True):
+        # Module.to / .float() / .cuda() give the weights new tensors: plan those too.
+        out = super()._apply(fn, recurse)
+        if self._invariant_threads is not None:
+            self.make_batch_invariant(self._invariant_threads)
+        return out
+
     @property
     def dtype(self) -> torch.dtype:
         """Compute dtype: the weights' (float32 here; a GPU shard may use bfloat16)."""
@@ -649,7 +805,11 @@ class Decoder(nn.Module):
         if end > self._cos.shape[0]:  # grow geometrically
             size = min(max(end, 2 * self._cos.shape[0], 256), self.config.max_seq_len)
             c = self.config
-            cos, sin = rope_tables(c.head_dim, c.rope_theta, size, c.rope_scaling)
+            # A whole number of 256-position rows on one thread: a position's sin/cos are
+            # computed by the same (vector) code whatever the table's size.
+            with one_thread():
+                cos, sin = rope_tables(c.head_dim, c.rope_theta, _round_up(size, 256),
+                                       c.rope_scaling)
             self._cos, self._sin = cos.to(self.dtype), sin.to(self.dtype)
         return self._cos[start:end, None, :], self._sin[start:end, None, :]
 
@@ -698,7 +858,7 @@ class Decoder(nn.Module):
                 f"cache.seq_len={cache.seq_len}"
             )
         c = self.config
-        if cache.k.shape[0] != c.n_layers or cache.k.shape[1] != self.cache_kv_heads:
+        if cache.k.shape[0] != c.n_layers or cache.n_kv_heads != self.cache_kv_heads:
             raise ValueError("cache was not created for this model (layer/KV-head shape differs)")
         end = start_pos + idx.numel()
         if end > c.max_seq_len:
@@ -707,12 +867,6 @@ class Decoder(nn.Module):
                 f"max_seq_len={c.max_seq_len}"
             )
         return idx
-
-    def _causal_mask(self, start: int, end: int) -> torch.Tensor:
-        """Additive float mask (0 / -inf) ``[group * (end - start), end]``: query i (absolute
-        position start + i) sees keys at positions <= start + i, tiled over the query heads
-        that Attention folds into the query axis. Built once per forward, shared by layers."""
-        return causal_mask(start, end, self.config.n_heads // self.config.n_kv_heads, self.dtype)
 
     @torch.inference_mode()
     def _forward_packed(
@@ -741,25 +895,27 @@ class Decoder(nn.Module):
                 if single:
                     raise
                 raise ValueError(f"segment {i}: {e}") from None
+        head = self.head_weight()
+        if self._invariant_threads is not None and head is not None and planned(head) is None:
+            # A copy (deepcopy) or reassigned weights: plan the tensors it multiplies now.
+            self.make_batch_invariant(self._invariant_threads)
         segs, cos, sin, lo = [], [], [], 0
-        x_on_gpu = self.norm.weight.device.type != "cpu"
+        group = self.config.n_heads // self.config.n_kv_heads
+        device = self.norm.weight.device
         for idx, (_, start, cache) in zip(ids, segments, strict=True):
             n = idx.numel()
-            cache.reserve(start + n)
-            c, s = self._rope(start, start + n)
+            end = start + n
+            cache.reserve(end)
+            cache.zero_tail(end)
+            c, s = self._rope(start, end)
             cos.append(c)
             sin.append(s)
-            if n >= SDPA_MIN_ROWS or x_on_gpu:
-                # Untiled, and none at all from position 0 (SDPA's own causal masking).
-                mask = causal_mask(start, start + n, 1, self.dtype) if start and n > 1 else None
-                segs.append(Segment(lo, lo + n, start, cache, mask, sdpa=True))
-            else:
-                mask = self._causal_mask(start, start + n) if n > 1 else None
-                segs.append(Segment(lo, lo + n, start, cache, mask))
+            chunks = query_chunks(lo, lo + n, start, group, self._attention_plans, device)
+            segs.append(Segment(lo, lo + n, start, cache, chunks))
             lo += n
         x = self.embed_tokens(ids[0] if single else torch.cat(ids))
         rows = Rows(cos[0] if single else torch.cat(cos), sin[0] if single else torch.cat(sin),
-                    segs)
+                    segs, self._attention_plans)
         for i, layer in enumerate(self.layers):
             x = layer(x, i, rows)
         for seg in segs:

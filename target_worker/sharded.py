@@ -194,12 +194,25 @@ class _Reduce:
         self.bytes = 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``x``, each element summed in rank order whatever the
+        tensor's size (batch invariance): with 2 ranks an element is one addition, which
+        ``all_reduce`` does in either order alike; with more, a ring all-reduce starts an
+        element's sum at the rank whose chunk it falls in, which moves with the row count,
+        so the parts are gathered and added in rank order instead."""
         if self.tp == 1:
             return x
         x = x.contiguous()
-        dist.all_reduce(x, group=self.group)
-        self.bytes += x.nbytes
-        return x
+        if self.tp == 2:
+            dist.all_reduce(x, group=self.group)
+            self.bytes += x.nbytes
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.tp)]
+        dist.all_gather(parts, x, group=self.group)
+        self.bytes += x.nbytes * (self.tp - 1)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return total
 
     def gather0(self, x: torch.Tensor, rank: int) -> list[torch.Tensor] | None:
         """Every rank's ``x`` (same shape) on rank 0, None on the others."""

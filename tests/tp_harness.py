@@ -57,7 +57,7 @@ def engine_script(decoder, vocab: int, steps: int = 8) -> dict:
     second = decoder.forward_packed([(a[:5], 8, ca), ([8], 3, cb)])
     out["logits"] = [lg for lg, _ in first + second]
     out["hidden"] = [h.clone() for _, h in first + second]
-    out["cache_kv_heads"] = ca.k.shape[1]
+    out["cache_kv_heads"] = ca.n_kv_heads
 
     engine = TargetEngine(decoder, max_slots=4)
     s0, s1 = engine.allocate(), engine.allocate()

@@ -1,0 +1,568 @@
+"""Batch-invariant kernels for the target's forward, and the start-up check that proves them.
+
+Speculative decoding is lossless only if the target computes a row the same whatever else
+is in its step: a verify block of k rows, another request's rows, a prompt chunk of any size,
+a prefix cached by an earlier request. A matmul library does not promise that: it picks its
+reduction order by the call's shape and thread count (measured on this repository's CPU,
+MKL's float32 GEMM gives a row other last bits at 1, 2-3 and 5-11 rows than at 4 or 12+,
+and its two-thread split differs again; a one-row sum over a 49152-wide row splits across
+threads where a many-row sum does not). In bfloat16 the drift changed most greedy outputs.
+
+So every matmul of the target runs through a *plan* chosen here (after Thinking Machines'
+"Defeating Nondeterminism in LLM Inference", He et al. 2025, which makes GPU kernels batch
+invariant by fixing their tiling; here the kernels are the libraries', so their invariance is
+measured instead of assumed):
+
+- a call of ``n`` rows is zero-padded up to the least of `CALL_ROWS` that is at least
+  ``max(n, plan.min_rows)`` (calls above the largest are split into chunks of it), so a
+  kernel only ever sees row counts the check has proven;
+- the kernel and ``min_rows`` are the first of a preference list (`LINEAR_KERNELS`,
+  `BMM_KERNELS`; ``min_rows`` 1, 2, 4, 8, 16) for which `check_linear` / `check_bmm`
+  find every proven row count giving probe rows bitwise equal to the probe computed alone,
+  at every probed position; calls below the least size that is also equal across the
+  thread counts the engine may use run on one thread (`InvariancePlan.threaded_rows`).
+  The last kernel of each list, one call per row, is invariant by construction (every
+  call has the same shape); it is what is left when nothing faster passes, never a
+  non-invariant one.
+
+Pointwise ops with a transcendental (exp, SiLU) give an element other bits on their scalar
+tail than on their vector body, and a multi-threaded call puts tails where the thread split
+falls: `pointwise` runs such a call on one thread unless the split falls on whole vector
+groups, so each row is always cut the same way.
+
+Verdicts are kept in ``batch_invariance.json`` under `target_worker.disk_cache.cache_dir`,
+keyed by everything they depend on (torch build, CPU or GPU, kernel, shape, dtype, thread
+counts), so a machine checks each weight shape once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = [
+    "CALL_ROWS",
+    "GRAIN",
+    "InvariancePlan",
+    "call_rows",
+    "check_bmm",
+    "check_linear",
+    "bmm_function",
+    "invariant_bmm",
+    "invariant_linear",
+    "one_thread",
+    "torch_threads",
+    "plan_bmm",
+    "plan_linear",
+    "planned",
+    "prepare_linear",
+    "pointwise",
+]
+
+#: Row counts a planned kernel is ever called with: a call is padded with zero rows to the
+#: least of these at least its rows (waste: < 25% above 16 rows), and a call above the
+#: largest is split into chunks of it. Every one of them is checked (`check_linear`).
+CALL_ROWS = (*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192,
+             224, 256)
+
+#: ATen's ``at::internal::GRAIN_SIZE``: an elementwise op or a reduction over fewer
+#: elements runs on one thread whatever ``torch.get_num_threads()`` says.
+GRAIN = 32768
+
+#: Bump when a kernel, the check or `CALL_ROWS` changes: older verdicts are then ignored.
+_CHECK_VERSION = 1
+
+#: Probe rows placed in each checked call.
+_PROBES = 4
+
+
+def call_rows(n: int) -> int:
+    """The row count a call of ``n`` rows is padded to: the least of `CALL_ROWS` >= ``n``.
+
+    Raises:
+        ValueError: ``n`` outside ``[1, CALL_ROWS[-1]]``.
+    """
+    if not 1 <= n <= CALL_ROWS[-1]:
+        raise ValueError(f"row count must be in [1, {CALL_ROWS[-1]}], got {n}")
+    for size in CALL_ROWS:
+        if size >= n:
+            return size
+    raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Runs the body with ``count`` torch threads (on the calling thread), then restores
+    the count it had."""
+    threads = torch.get_num_threads()
+    if threads == count:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def one_thread() -> contextlib.AbstractContextManager:
+    """`torch_threads` (1): ops run whole on the calling thread, never split."""
+    return torch_threads(1)
+
+
+def pointwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an elementwise ``fn`` (exp, SiLU) over ``x`` (contiguous, or a 2-D view
+    with contiguous rows), computed so an element's bits never depend on the tensor's size.
+
+    ATen runs an elementwise op over ``[0, numel)`` in ``min(threads, ceil(numel /
+    GRAIN))`` chunks of ``ceil(numel / chunks)`` elements, each vectorised from its start
+    with a scalar tail at its end; the scalar code (``std::exp``) may round an element
+    otherwise than the vector code (Sleef). So the op keeps every thread only where each
+    chunk boundary falls on a multiple of 64 elements (and, for a strided view, rows are a
+    multiple of 64 long), where the vector groups are those of a one-thread run; otherwise
+    it runs on one thread. A row is then cut the same way whatever the number of rows."""
+    if x.device.type != "cpu" or x.numel() <= GRAIN:
+        return fn(x)
+    threads = torch.get_num_threads()
+    chunks = min(threads, -(-x.numel() // GRAIN))
+    aligned = -(-x.numel() // chunks) % 64 == 0 and (x.is_contiguous() or x.shape[-1] % 64 == 0)
+    if aligned:
+        return fn(x)
+    with one_thread():
+        return fn(x)
+
+
+# --- kernels -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """One way to compute ``x @ weight.T (+ bias)``: ``prepare(weight)`` makes what
+    ``run(x, prepared, weight, bias)`` multiplies (a packed copy, or None)."""
+
+    name: str
+    prepare: Callable[[torch.Tensor], object]
+    run: Callable[[torch.Tensor, object, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    #: Called with one row at a time whatever the call's rows: invariant by construction.
+    per_row: bool = False
+
+
+def _onednn_prepare(weight: torch.Tensor) -> object:
+    # oneDNN's blocked weight layout (what Inductor's CPU freezing uses for bf16): a fixed
+    # reduction order per output, whatever the rows; 1.5-2x faster than MKL's GEMM for
+    # 2-64 rows here (SmolLM2, `scripts/linear_paths.py`).
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        raise RuntimeError("oneDNN is CPU-only")
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), CALL_ROWS[-1])
+
+
+def _onednn_run(x, packed, weight, bias):
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _aten_run(x, _prepared, weight, bias):
+    return F.linear(x, weight, bias)
+
+
+#: Rows of each call the "tiles" kernels make: every call has exactly this many (the last
+#: zero-padded), so a kernel that changes its reduction order with the row count (MKL's
+#: GEMM, bf16 GEMMs from 16 rows on an AVX512-BF16 CPU) is only ever run at one shape.
+TILE_ROWS = 8
+
+
+def _tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dim: int,
+           rows: int = TILE_ROWS) -> torch.Tensor:
+    n = x.shape[dim]
+    parts = [_padded_call(fn, x.narrow(dim, lo, min(rows, n - lo)), rows)
+             for lo in range(0, n, rows)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _tiles_run(x, _prepared, weight, bias):
+    return _tiles(lambda a: F.linear(a, weight, bias), x, 0)
+
+
+def _rows_run(x, _prepared, weight, bias):
+    return torch.cat([F.linear(x[i : i + 1], weight, bias) for i in range(x.shape[0])])
+
+
+#: Linear kernels in order of preference (fastest first, measured on SmolLM2's shapes).
+LINEAR_KERNELS = (
+    _Kernel("onednn", _onednn_prepare, _onednn_run),
+    _Kernel("aten", lambda w: None, _aten_run),
+    _Kernel("tiles", lambda w: None, _tiles_run),
+    _Kernel("rows", lambda w: None, _rows_run, per_row=True),
+)
+
+
+def _bmm_aten(a, b, out=None):
+    return torch.bmm(a, b, out=out)
+
+
+def _bmm_tiles(a, b, out=None):
+    y = _tiles(lambda t: torch.bmm(t, b), a, 1, 2 * TILE_ROWS)
+    return y if out is None else out.copy_(y)
+
+
+def _bmm_rows(a, b, out=None):
+    y = torch.cat([torch.bmm(a[:, i : i + 1], b) for i in range(a.shape[1])], dim=1)
+    return y if out is None else out.copy_(y)
+
+
+#: Batched-matmul kernels (attention) in order of preference: ``(name, fn(a, b, out=None),
+#: per_row)``.
+BMM_KERNELS = (("aten", _bmm_aten, False), ("tiles", _bmm_tiles, False),
+               ("rows", _bmm_rows, True))
+
+#: ``min_rows`` tried per kernel, least padding first.
+_MIN_ROWS = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class InvariancePlan:
+    """How one kind of call runs batch-invariantly: the kernel (a name from
+    `LINEAR_KERNELS` or `BMM_KERNELS`), the fewest rows it is called with (fewer are
+    zero-padded), and the fewest padded rows that may run on every thread: smaller calls
+    run on one thread (libraries split a few rows across threads differently from many;
+    ``threaded_rows`` None: every call on one thread)."""
+
+    kernel: str
+    min_rows: int
+    threaded_rows: int | None = 1
+
+    def padded_rows(self, n: int) -> int:
+        """Rows a call of ``1 <= n <= CALL_ROWS[-1]`` rows is run with."""
+        return call_rows(max(n, self.min_rows))
+
+    def threads_for(self, rows: int) -> int | None:
+        """1 when a call of ``rows`` padded rows must run on one thread, else None."""
+        return None if self.threaded_rows is not None and rows >= self.threaded_rows else 1
+
+
+# --- the check -----------------------------------------------------------------------------
+
+
+def _padded_call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int
+                 ) -> torch.Tensor:
+    """``fn`` on ``x [n, ...]`` zero-padded to ``rows`` rows along dim ``-2`` (dim 0 for 2-D)."""
+    dim = 0 if x.dim() == 2 else 1
+    n = x.shape[dim]
+    if n == rows:
+        return fn(x)
+    shape = list(x.shape)
+    shape[dim] = rows
+    buf = x.new_zeros(shape)
+    buf.narrow(dim, 0, n).copy_(x)
+    return fn(buf).narrow(dim, 0, n)
+
+
+def _run_check(fn: Callable[[torch.Tensor], torch.Tensor], make: Callable[[int], torch.Tensor],
+               min_rows: int, threads: Sequence[int], per_row: bool) -> tuple[bool, bool]:
+    """Whether ``fn`` (rows along dim 0, or dim 1 for a batched 3-D input) gives each probe
+    row the same bits inside every proven call as alone: ``(invariant at each thread count,
+    and the same across them)``. ``make(n)`` draws ``n`` random input rows."""
+    probes = make(_PROBES)
+    dim = 0 if probes.dim() == 2 else 1
+    first = call_rows(min_rows)
+    # One call per row: only determinism is left to check.
+    sizes = [first, CALL_ROWS[-1]] if per_row else [s for s in CALL_ROWS if s >= first]
+    refs = []
+    for count in threads:
+        with torch_threads(count):
+            ref = [_padded_call(fn, probes.narrow(dim, p, 1), first) for p in range(_PROBES)]
+            refs.append(ref)
+            for size in sizes:
+                x = make(size)
+                at = sorted({0, size - 1, size // 2, size // 3})[:_PROBES]
+                for j, pos in enumerate(at):
+                    x.narrow(dim, pos, 1).copy_(probes.narrow(dim, j, 1))
+                y = fn(x)
+                for j, pos in enumerate(at):
+                    if not torch.equal(y.narrow(dim, pos, 1), ref[j]):
+                        return False, False
+    same = all(torch.equal(a, b) for r in refs[1:] for a, b in zip(refs[0], r, strict=True))
+    return True, same
+
+
+@cache
+def _fingerprint() -> str:
+    """What a verdict depends on besides the call: the torch build and the processor."""
+    parts = [torch.__version__, torch.__config__.show()]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            parts.append(f"{torch.cuda.get_device_name(i)} {torch.cuda.get_device_capability(i)}")
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = [line for line in f if line.startswith(("model name", "flags"))][:2]
+        parts.extend(info)
+    except OSError:
+        import platform
+
+        parts.append(platform.processor())
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+_LOCK = threading.Lock()
+#: key -> InvariancePlan, for this process (the disk file is read once).
+_VERDICTS: dict[str, InvariancePlan] = {}
+_DISK_LOADED = False
+
+
+def _verdict_path() -> Path:
+    from .disk_cache import cache_dir
+
+    return cache_dir() / "batch_invariance.json"
+
+
+def _load_disk() -> None:
+    global _DISK_LOADED
+    if _DISK_LOADED:
+        return
+    _DISK_LOADED = True
+    if os.environ.get("SPECD_INVARIANCE_CACHE", "1") == "0":
+        return
+    try:
+        stored = json.loads(_verdict_path().read_text())
+    except (OSError, ValueError):
+        return
+    for key, value in stored.items() if isinstance(stored, dict) else ():
+        try:
+            _VERDICTS.setdefault(key, InvariancePlan(**value))
+        except TypeError:
+            continue
+
+
+def _save_disk(key: str, plan: InvariancePlan) -> None:
+    if os.environ.get("SPECD_INVARIANCE_CACHE", "1") == "0":
+        return
+    path = _verdict_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, ValueError):
+            stored = {}
+        stored[key] = {"kernel": plan.kernel, "min_rows": plan.min_rows,
+                       "threaded_rows": plan.threaded_rows}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(stored, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache only costs the check again next start
+
+
+def _decide(key: str, candidates: Sequence[tuple[str, bool, Callable[[int, tuple[int, ...]],
+                                                                     tuple[bool, bool]]]],
+            threads: tuple[int, ...]) -> InvariancePlan:
+    """The first candidate ``(kernel, per_row, check(min_rows, threads))`` that passes: its
+    least ``min_rows`` invariant on one thread, and the least invariant at every one of
+    ``threads`` and across them (``threaded_rows``; None when none is, then every call runs
+    on one thread). A size proven on one thread and a larger one proven across thread
+    counts (one thread among them) link up: both hold at the larger size on one thread."""
+    with _LOCK:
+        _load_disk()
+        plan = _VERDICTS.get(key)
+        if plan is not None:
+            return plan
+        counts = tuple(dict.fromkeys((1, *threads)))
+
+        def least(name, per_row, check, counts, below=None):
+            for min_rows in (1,) if per_row else _MIN_ROWS:
+                if below is not None and min_rows > below:
+                    return None
+                try:
+                    ok, same = check(min_rows, counts)
+                except RuntimeError:
+                    return None  # the kernel cannot run this call here
+                if ok and same:
+                    return min_rows
+            return None
+
+        for name, per_row, check in candidates:
+            every = least(name, per_row, check, counts) if counts != (1,) else None
+            alone = least(name, per_row, check, (1,), below=every)
+            if alone is None and every is None:
+                continue
+            plan = InvariancePlan(name, alone if alone is not None else every,
+                                  every if counts != (1,) else 1)
+            break
+        if plan is None:
+            raise RuntimeError(f"no batch-invariant kernel for {key}: even one row per call "
+                               "gave other bits (a non-deterministic kernel?)")
+        _VERDICTS[key] = plan
+        _save_disk(key, plan)
+        return plan
+
+
+def _scale_rows(gen: torch.Generator, shape: Sequence[int], dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def check_linear(kernel: _Kernel, weight: torch.Tensor, bias: torch.Tensor | None,
+                 min_rows: int, threads: Sequence[int]) -> tuple[bool, bool]:
+    """`_run_check` of ``kernel`` multiplying ``weight [out, in]`` (+ ``bias``) at
+    ``min_rows``: ``(invariant at each of threads, equal across them)``.
+
+    Raises:
+        RuntimeError: the kernel cannot run on this weight here (e.g. oneDNN's bf16 packing
+            on a CPU without AVX512-BF16/AVX-NE-CONVERT).
+    """
+    gen = torch.Generator().manual_seed(0)
+    prepared = kernel.prepare(weight)
+    k_in = weight.shape[1]
+
+    def fn(x):
+        return kernel.run(x.contiguous(), prepared, weight, bias)
+
+    def make(n):
+        return _scale_rows(gen, (n, k_in), weight.dtype, weight.device)
+
+    return _run_check(fn, make, min_rows, threads, kernel.per_row)
+
+
+def _key(*parts) -> str:
+    return "|".join(str(p) for p in (_CHECK_VERSION, _fingerprint(), *parts))
+
+
+def plan_linear(weight: torch.Tensor, bias: torch.Tensor | None, threads: Sequence[int]
+                ) -> InvariancePlan:
+    """The plan for multiplying weights of ``weight``'s shape, dtype and device (checked
+    once per machine: `check_linear`, verdicts kept on disk)."""
+    threads = tuple(dict.fromkeys(int(t) for t in threads))
+    key = _key("linear", tuple(weight.shape), weight.dtype, weight.device.type,
+               bias is not None, threads)
+    candidates = [
+        (k.name, k.per_row, lambda m, counts, k=k: check_linear(k, weight, bias, m, counts))
+        for k in LINEAR_KERNELS
+    ]
+    return _decide(key, candidates, threads)
+
+
+def check_bmm(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], per_row: bool,
+              batch: int, k: int, n: int, b_transposed: bool, dtype: torch.dtype,
+              device: torch.device, min_rows: int, threads: Sequence[int]
+              ) -> tuple[bool, bool]:
+    """`_run_check` of ``fn(a [batch, m, k], b [batch, k, n])`` over the rows ``m`` of
+    ``a``, with ``b`` a transposed view of ``[batch, n, k]`` when ``b_transposed`` (the
+    layout attention multiplies keys in), checked at two batch counts."""
+    gen = torch.Generator().manual_seed(1)
+    for count in (batch, 3 * batch, 17 * batch):
+        if b_transposed:
+            b = _scale_rows(gen, (count, n, k), dtype, device).transpose(1, 2)
+        else:
+            b = _scale_rows(gen, (count, k, n), dtype, device)
+
+        def make(m, count=count):
+            return _scale_rows(gen, (count, m, k), dtype, device)
+
+        ok, same = _run_check(lambda a, b=b: fn(a, b), make, min_rows, threads, per_row)
+        if not (ok and same):
+            return ok, same
+    return True, True
+
+
+def plan_bmm(batch: int, k: int, n: int, b_transposed: bool, dtype: torch.dtype,
+             device: torch.device, threads: Sequence[int]) -> InvariancePlan:
+    """The plan for ``bmm(a [b, m, k], b [b, k, n])`` over any ``m`` and batch count
+    (`check_bmm`; ``batch`` is the smallest batch count used)."""
+    threads = tuple(dict.fromkeys(int(t) for t in threads))
+    device = torch.device(device)
+    key = _key("bmm", batch, k, n, b_transposed, dtype, device.type, threads)
+    candidates = [
+        (name, per_row,
+         lambda m, counts, fn=fn, per_row=per_row: check_bmm(
+             fn, per_row, batch, k, n, b_transposed, dtype, device, m, counts))
+        for name, fn, per_row in BMM_KERNELS
+    ]
+    return _decide(key, candidates, threads)
+
+
+# --- planned calls -------------------------------------------------------------------------
+
+#: weight -> (plan, prepared operand, (weight._version, weight.data_ptr())): weights a
+#: planned decoder multiplies (`prepare_linear`). A weight changed since is prepared again.
+_PLANNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_KERNELS = {k.name: k for k in LINEAR_KERNELS}
+_BMMS = {name: fn for name, fn, _ in BMM_KERNELS}
+
+
+def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
+    return weight._version, weight.data_ptr()
+
+
+def prepare_linear(weight: torch.Tensor, plan: InvariancePlan) -> None:
+    """Makes `invariant_linear` multiply ``weight`` by ``plan`` from now on (nothing to do
+    when it already does, on the weight as it is)."""
+    entry = _PLANNED.get(weight)
+    if entry is not None and entry[0] == plan and entry[2] == _weight_key(weight):
+        return
+    _PLANNED[weight] = (plan, _KERNELS[plan.kernel].prepare(weight), _weight_key(weight))
+
+
+def planned(weight: torch.Tensor) -> InvariancePlan | None:
+    """The plan `invariant_linear` uses for ``weight``, or None (then it is plain
+    ``F.linear``, not proven invariant)."""
+    entry = _PLANNED.get(weight)
+    return None if entry is None else entry[0]
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                     ) -> torch.Tensor | None:
+    """``x [n, in] @ weight.T + bias`` by ``weight``'s plan (`prepare_linear`): each output
+    row bitwise the same whatever the other rows of ``x``. Returns None when ``weight`` has
+    no plan (the caller multiplies it its own way)."""
+    entry = _PLANNED.get(weight)
+    if entry is None or x.dim() != 2:
+        return None
+    plan, prepared, key = entry
+    if key != _weight_key(weight):  # changed in place or given new data: prepare again
+        prepare_linear(weight, plan)
+        plan, prepared, _ = _PLANNED[weight]
+    kernel = _KERNELS[plan.kernel]
+    return _chunked(lambda a: kernel.run(a, prepared, weight, bias), x.contiguous(), plan)
+
+
+def bmm_function(plan: InvariancePlan | None
+                 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """``fn(a, b, out=None)``, the batched matmul of ``plan`` (`plan_bmm`; ``torch.bmm``
+    without one). The caller gives it ``a`` with ``plan.padded_rows`` rows, on the threads
+    ``plan.threads_for`` says."""
+    return _bmm_aten if plan is None else _BMMS[plan.kernel]
+
+
+def invariant_bmm(a: torch.Tensor, b: torch.Tensor, plan: InvariancePlan | None
+                  ) -> torch.Tensor:
+    """``bmm(a [batch, m, k], b [batch, k, n])`` by ``plan`` (`plan_bmm`): each row of
+    every batch entry bitwise the same whatever ``m``; plain ``bmm`` without a plan."""
+    if plan is None:
+        return torch.bmm(a, b)
+    fn = _BMMS[plan.kernel]
+    return _chunked(lambda x: fn(x, b), a, plan)
+
+
+def _chunked(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, plan: InvariancePlan
+             ) -> torch.Tensor:
+    """``fn`` over the rows of ``x`` (dim 0 of a 2-D, dim 1 of a 3-D tensor) in proven call
+    sizes (`InvariancePlan.padded_rows`; above the largest, chunks of it)."""
+    dim = 0 if x.dim() == 2 else 1
+    n, top = x.shape[dim], CALL_ROWS[-1]
+    if n <= top:
+        rows = plan.padded_rows(n)
+        if plan.threads_for(rows) == 1:
+            with one_thread():
+                return _padded_call(fn, x, rows)
+        return _padded_call(fn, x, rows)
+    return torch.cat([_chunked(fn, x.narrow(dim, lo, min(top, n - lo)), plan)
+                      for lo in range(0, n, top)], dim=dim)
