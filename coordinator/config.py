@@ -38,8 +38,10 @@ class ServiceConfig:
     Attributes:
         model: a ``.gguf`` path, a Hugging Face model directory, ``None`` for the default
             SmolLM2, or ``tiny-random[:...]`` (a random test model).
-        dtype: the target's weights/compute dtype, ``"auto"`` (float32 on CPU, bfloat16 on
-            GPU), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        dtype: the target's weights/compute dtype, ``"auto"`` (bfloat16 on GPU and on CPUs
+            with native bf16 dot products, else float32:
+            `target_worker.loader.resolve_dtype`), ``"float32"``, ``"bfloat16"`` or
+            ``"float16"``.
         host, port: where the Generation API listens (port 0 picks a free one).
         address: a Ray address to join (``"auto"`` or ``HOST:PORT``); None embeds a local Ray.
         drafter: a `drafter_worker.registry.DRAFTERS` name (default `DEFAULT_DRAFTER`,

@@ -576,8 +576,9 @@ def _add_dtype_flag(p: argparse.ArgumentParser) -> None:
     from target_worker.loader import DTYPES
 
     p.add_argument("--dtype", choices=DTYPES, default=GenerateOptions.dtype,
-                   help="target weights/compute dtype (default auto: float32 on CPU, "
-                        "bfloat16 on GPU); norms, softmax and probabilities stay float32")
+                   help="target weights/compute dtype (default auto: bfloat16 on GPU and "
+                        "on CPUs with AVX512-BF16/AMX/Arm BF16, else float32); norms, "
+                        "softmax and probabilities stay float32")
 
 
 def _add_drafter_flags(p: argparse.ArgumentParser) -> None:

@@ -38,7 +38,7 @@ from .actor import ComputeThread, TargetActor, on_compute_thread
 from .disk_cache import ensure_weights_cache, safetensors_config
 from .engine import DEFAULT_PREFIX_CACHE_TOKENS, TargetEngine
 from .hf import HFSource, read_hf_config
-from .loader import DTYPES, load_decoder, model_config, model_path
+from .loader import DTYPES, load_decoder, model_config, model_path, resolve_dtype
 from .sharded import SafetensorsSource, ShardedDecoder, StateDictSource, tp_errors
 from .testing import is_tiny_random_spec, load_tiny_random, tiny_random_config
 
@@ -127,8 +127,9 @@ class TPRank(TargetActor):
         placement_group: the replica's placement group (bundle ``i`` hosts rank ``i``), or None
             when ``tp == 1``.
         use_gpu: compute on this rank's GPU (NCCL, ``dtype`` default bfloat16).
-        dtype: one of `target_worker.loader.DTYPES`; None or ``"auto"`` picks bfloat16 on GPU,
-            float32 on CPU.
+        dtype: one of `target_worker.loader.DTYPES`; None or ``"auto"`` picks bfloat16 on GPU
+            and on CPUs with native bf16 dot products, else float32
+            (`target_worker.loader.resolve_dtype`).
         vocab_parallel: split embeddings / LM head by vocabulary (see `target_worker.sharded`).
 
     Raises:
@@ -172,7 +173,7 @@ class TPRank(TargetActor):
         if tp == 1 and not use_gpu:
             decoder = load_decoder(model, dtype)  # exactly the single-process target
         else:
-            torch_dtype = getattr(torch, dtype or ("bfloat16" if use_gpu else "float32"))
+            torch_dtype = resolve_dtype(dtype, "cuda" if use_gpu else "cpu")
             decoder = load_shard(model, rank, tp, "cuda" if use_gpu else "cpu", torch_dtype,
                                  vocab_parallel)
         # Every rank keeps the same warm slots: each makes the same reuse choices.

@@ -165,13 +165,19 @@ def add_serve_parser(modes) -> argparse.ArgumentParser:
     p.add_argument("--plot-dir", default=None, metavar="DIR",
                    help="write latency_cdf.png (and sweep.png for a rate list) there")
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    from target_worker.loader import DTYPES
+
     c = p.add_argument_group("--compare: specd serve against a peer server, in turn")
     c.add_argument("--compare", default=None, metavar="MODEL_DIR",
                    help="start 'specd serve --http-port' and the peer on this model "
                         "directory one after the other and run the workload against each")
+    c.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="both servers' weights/compute dtype, the {dtype} of their commands "
+                        "(auto: what specd serve picks on this machine, given to the peer "
+                        "by name) (default: auto)")
     c.add_argument("--peer-cmd", default=DEFAULT_PEER_CMD, metavar="CMD",
-                   help="the peer's command; {port}, {model} and {python} are filled in "
-                        "(default: %(default)s)")
+                   help="the peer's command; {port}, {model}, {dtype} and {python} are "
+                        "filled in (default: %(default)s)")
     c.add_argument("--specd-cmd", default=DEFAULT_SPECD_CMD, metavar="CMD",
                    help="specd's command, as --peer-cmd (default: %(default)s)")
     c.add_argument("--rounds", type=positive_int, default=2,
@@ -240,7 +246,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
         result = run_compare(cfg, CompareConfig(
             model_dir=args.compare, peer_cmd=args.peer_cmd, specd_cmd=args.specd_cmd,
-            rounds=args.rounds, server_timeout=args.server_timeout,
+            dtype=args.dtype, rounds=args.rounds, server_timeout=args.server_timeout,
             stop_timeout=args.stop_timeout, log_dir=args.log_dir), progress)
         print(format_compare(result))
         records = [r for s in result["servers"].values() for r in s["runs"]]

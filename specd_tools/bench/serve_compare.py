@@ -45,10 +45,10 @@ from .serve_report import point_label
 #: The peer `--compare` starts by default (transformers >= 5; needs typer, fastapi, uvicorn,
 #: openai): paged-attention continuous batching, no speculation.
 DEFAULT_PEER_CMD = ("transformers serve {model} --continuous-batching --host 127.0.0.1 "
-                    "--port {port} --device cpu --dtype float32")
+                    "--port {port} --device cpu --dtype {dtype}")
 #: specd's side: the HTTP API on {port}, gRPC on any free port, a short drain on SIGTERM.
 DEFAULT_SPECD_CMD = ("{python} -m specd_tools.cli serve --model {model} --host 127.0.0.1 "
-                     "--port 0 --http-port {port} --shutdown-grace 5")
+                     "--port 0 --http-port {port} --shutdown-grace 5 --dtype {dtype}")
 SERVERS = ("specd", "peer")
 #: The metrics `format_compare` shows as specd / peer ratios.
 RATIO_KEYS = ("request_throughput", "output_throughput", "total_token_throughput",
@@ -67,6 +67,15 @@ class CompareConfig:
     server_timeout: float = 600.0
     stop_timeout: float = 30.0
     log_dir: str | None = None
+    #: Both servers' ``{dtype}``: a `target_worker.loader.DTYPES` name, "auto" resolved as
+    #: specd resolves it on this machine, so the peer computes in the same dtype.
+    dtype: str = "auto"
+
+    @property
+    def dtype_name(self) -> str:
+        from target_worker.loader import resolve_dtype
+
+        return str(resolve_dtype(self.dtype)).removeprefix("torch.")
 
 
 def free_port() -> int:
@@ -77,20 +86,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_argv(template: str, port: int, model: str) -> list[str]:
-    """``template`` split as a shell would, each word with ``{port}``, ``{model}`` and
-    ``{python}`` (this interpreter) filled in; a bare program name is looked up beside this
-    interpreter first (the venv's ``transformers``), then on ``PATH``.
+def server_argv(template: str, port: int, model: str, dtype: str = "float32") -> list[str]:
+    """``template`` split as a shell would, each word with ``{port}``, ``{model}``,
+    ``{dtype}`` and ``{python}`` (this interpreter) filled in; a bare program name is looked
+    up beside this interpreter first (the venv's ``transformers``), then on ``PATH``.
 
     Raises:
         ValueError: an unknown placeholder, or the program is not found (names the flag).
     """
     try:
-        argv = [w.format(port=port, model=model, python=sys.executable)
+        argv = [w.format(port=port, model=model, python=sys.executable, dtype=dtype)
                 for w in shlex.split(template)]
     except (KeyError, IndexError, ValueError) as exc:
         raise ValueError(f"--peer-cmd/--specd-cmd {template!r}: bad placeholder ({exc}); use "
-                         "{port}, {model}, {python}") from None
+                         "{port}, {model}, {dtype}, {python}") from None
     if not argv:
         raise ValueError("--peer-cmd/--specd-cmd: empty command")
     if os.sep not in argv[0]:
@@ -233,7 +242,7 @@ def run_compare(cfg: ServeBenchConfig, cmp: CompareConfig,
     prompts = load_workload(cfg, tokenizer)
     templates = {"specd": cmp.specd_cmd, "peer": cmp.peer_cmd}
     for name in SERVERS:  # a bad command fails now, not after the first server's run
-        server_argv(templates[name], 0, str(model))
+        server_argv(templates[name], 0, str(model), cmp.dtype_name)
     keep_logs = cmp.log_dir is not None
     log_dir = Path(cmp.log_dir) if keep_logs else Path(tempfile.mkdtemp(prefix="specd-bsc-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -270,7 +279,7 @@ def _one_start(name: str, template: str, model: Path, cfg: ServeBenchConfig,
                progress: Callable[[str], None]) -> dict[str, Any]:
     """Starts one server, benches it (`bench_endpoint`), stops it."""
     port = free_port()
-    argv = server_argv(template, port, str(model))
+    argv = server_argv(template, port, str(model), cmp.dtype_name)
     # A private, short RAY_TMPDIR: a Ray the server embeds neither joins another Ray on this
     # machine nor outgrows the 107-byte limit of its socket paths.
     ray_tmp = tempfile.mkdtemp(prefix="specd-bsr-")
@@ -295,7 +304,8 @@ def _one_start(name: str, template: str, model: Path, cfg: ServeBenchConfig,
 
 def _summarise(cfg: ServeBenchConfig, cmp: CompareConfig,
                servers: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"model_dir": cmp.model_dir, "rounds": cmp.rounds, "servers": {}}
+    out: dict[str, Any] = {"model_dir": cmp.model_dir, "rounds": cmp.rounds,
+                           "dtype": cmp.dtype_name, "servers": {}}
     for name, s in servers.items():
         runs = []
         round_metrics = [[compute_metrics(outcomes_of(r), r["duration"], cfg.goodput)
@@ -359,8 +369,8 @@ def format_compare(result: dict[str, Any]) -> str:
     rows = (("completed", "{:d}"), ("failed", "{:d}"), ("duration", "{:.2f}"),
             ("total_input_tokens", "{:d}"), ("total_output_tokens", "{:d}"),
             *((k, "{:.2f}") for k in RATIO_KEYS))
-    lines = [f"specd serve vs peer on {result['model_dir']}, {result['rounds']} round(s), "
-             f"rounds pooled",
+    lines = [f"specd serve vs peer on {result['model_dir']} ({result.get('dtype', '?')}), "
+             f"{result['rounds']} round(s), rounds pooled",
              f"peer: {peer['command']}"]
     for a, b, ratio in zip(specd["runs"], peer["runs"], result["ratios"], strict=True):
         lines += ["", point_label(a),

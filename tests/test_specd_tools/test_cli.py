@@ -211,10 +211,25 @@ def test_more_threads_than_cores_are_warned_about_and_still_run(monkeypatch, cap
 
 def test_in_process_threads_default_to_every_core_with_a_fallback_and_threads_fixes_them(
         monkeypatch):
+    import contextlib
+
+    from target_worker import invariant
+
     threads = torch.get_num_threads()
     try:
         seen = []
         real = torch.set_num_threads
+
+        @contextlib.contextmanager
+        def unrecorded(count):  # batch-invariant one-thread sections are not step counts
+            before = torch.get_num_threads()
+            real(count)
+            try:
+                yield
+            finally:
+                real(before)
+
+        monkeypatch.setattr(invariant, "torch_threads", unrecorded)
         monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n)))
         assert cli.main(["generate", "ab", "--model", TINY, "--in-process",
                          "--max-new-tokens", "2"]) == 0
