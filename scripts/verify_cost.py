@@ -9,7 +9,9 @@ sizes, median per size: the curve the adaptive draft length's cost model starts 
 Prints, per dtype, ms per forward by tokens fed and the ratio to one token; "9" is a verify
 block of 8 drafts plus the anchor. With ``--prefill N [N ...]`` it also times prompts of N
 tokens prefilled in ``--chunk``-token chunks (the service's default token budget is 128).
-Wall-clock: run it on a quiet machine.
+Wall-clock: run it on a quiet machine. Copied into a checkout from before batch invariance
+(a decoder without `make_batch_invariant`), it times that checkout's forward as it was, which
+is how docs/benchmarks.md compares the two.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from coordinator.adaptive import calibrate  # noqa: E402
-from target_worker.loader import cpu_has_bf16_dot, load_decoder  # noqa: E402
+from target_worker import loader  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,15 +43,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"threads {args.threads}, context {args.context}, native bf16 dot products: "
-          f"{cpu_has_bf16_dot()}")
+          f"{getattr(loader, 'cpu_has_bf16_dot', lambda: 'unknown')()}")
     for dtype in args.dtype:
-        decoder = load_decoder(args.model, dtype)
+        decoder = loader.load_decoder(args.model, dtype)
         began = time.perf_counter()
-        report = decoder.make_batch_invariant((args.threads,))
-        kernels = sorted({f"{p.kernel}/{p.min_rows}" for p in report["linear"].values()})
-        print(f"\n{dtype}: linear kernels {', '.join(kernels)}, attention "
-              f"{report['scores'].kernel}/{report['scores'].min_rows} "
-              f"(plans ready in {time.perf_counter() - began:.1f} s)")
+        if hasattr(decoder, "make_batch_invariant"):
+            report = decoder.make_batch_invariant((args.threads,))
+            kernels = sorted({f"{p.kernel}/{p.min_rows}" for p in report["linear"].values()})
+            print(f"\n{dtype}: linear kernels {', '.join(kernels)}, attention "
+                  f"{report['scores'].kernel}/{report['scores'].min_rows} "
+                  f"(plans ready in {time.perf_counter() - began:.1f} s)")
+        else:  # a checkout from before batch invariance: its engine packed the weights
+            from target_worker import model as model_mod
+
+            packed = model_mod.pack_weights(decoder, extra=[decoder.head_weight()])
+            print(f"\n{dtype}: no batch-invariant plans (this checkout's own forward, "
+                  f"{packed} weights packed)")
         points = calibrate(decoder, cache_len=args.context, sizes=args.sizes,
                            repeats=args.repeats).points()
         one = points[min(points)]

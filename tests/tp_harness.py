@@ -91,7 +91,7 @@ def engine_script(decoder, vocab: int, steps: int = 8) -> dict:
     out["verify"] = verify_out
     out["greedy_tokens"] = generated + [anchor]
     out["accepted"] = accepted
-    # Chunked prefill: a prompt in two chunks (the first long enough for the SDPA path), the
+    # Chunked prefill: a prompt in two chunks of unequal length, the
     # second beside a verify block; then the same prompt again, reusing the warm slot.
     long = [(7 * i + 2) % vocab for i in range(80)]
     s2 = engine.allocate()

@@ -87,7 +87,7 @@ def test_pipelined_eagle_greedy_equals_plain_greedy(smollm2, drafter):
 
 
 def test_chunked_prefill_gives_the_unchunked_greedy_tokens_and_transformers_agrees(smollm2):
-    """A ~900-token chat prompt (a whole-prompt forward takes the SDPA path) computed whole
+    """A ~900-token chat prompt (more than one 256-position key block) computed whole
     and in chunks of 5 (a boundary inside the chat template's first tokens), 64 and 300,
     beside a short request: the same greedy tokens, and each is transformers' argmax after
     the same prefix (its forward over prompt + output; a top-2 gap under 1e-3 excepted:
