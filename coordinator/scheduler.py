@@ -56,6 +56,7 @@ from typing import Protocol
 import torch
 
 from specd_core.draft import DraftBlock
+from specd_core.grammar import GrammarError
 from specd_core.request import DecodeRequest, SpeculativeOptions
 from target_worker.engine import SlotsExhausted
 
@@ -67,7 +68,9 @@ from .errors import (
     ReplicaUnavailable,
     RequestError,
     RequestFailed,
+    RequestInvalid,
     ServiceStopping,
+    literal,
 )
 from .latency import LatencyHistograms
 from .step_plan import ChunkPolicy, plan_prefill_chunks
@@ -381,6 +384,11 @@ class Scheduler(DraftingPolicy):
                 await self._finish_cancelled(req)
                 continue
             try:
+                req.decode.prefill_mask()  # a constraint that allows no first token fails here
+            except Exception as exc:
+                await self._fail(req, exc)
+                continue
+            try:
                 slot, req.prefilled = await self._allocate(req)
             except SlotsExhausted as exc:
                 if not (self.active or self._admitting):  # none will ever free: say so
@@ -450,6 +458,7 @@ class Scheduler(DraftingPolicy):
             lo, options = req.prefilled, req.decode.options
             last = lo + n == len(prompt)
             score = options.prompt_logprobs is not None
+            mask = req.decode.prefill_mask() if last else None  # checked at admission
             items.append(PrefillItem(slot=req.slot, tokens=prompt[lo:lo + n],
                                      sampling=req.decode.sampling,
                                      want_hidden=self._hidden_for(req),
@@ -457,7 +466,7 @@ class Scheduler(DraftingPolicy):
                                      logprobs=options.logprobs,
                                      prompt_logprobs=options.prompt_logprobs,
                                      next_token=prompt[lo + n] if score and not last
-                                     else None))
+                                     else None, mask=mask))
             owners.append(req)
             if req.prefill_started_at is None:
                 req.prefill_started_at = now
@@ -473,11 +482,14 @@ class Scheduler(DraftingPolicy):
         batch, items = [], []
         for r, d in zip(active, drafts, strict=True):
             try:
+                # A constrained request: the grammar's forced tokens chained into the block,
+                # the block ended at a refused token, and the masks of its rows.
+                d, mask = r.decode.plan_block(d, force=r.speculate and self.drafter is not None)
                 items.append(VerifyItem(slot=r.slot, start_pos=r.decode.cache_len,
                                         tokens=r.decode.verify_tokens(d),
                                         sampling=r.decode.sampling,
                                         want_hidden=self._hidden_for(r),
-                                        logprobs=r.decode.options.logprobs))
+                                        logprobs=r.decode.options.logprobs, mask=mask))
                 batch.append((r, d))
             except Exception as exc:
                 await self._fail(r, exc)
@@ -637,6 +649,8 @@ class Scheduler(DraftingPolicy):
         """Fails one request alone: logs ``exc``, puts ``error`` (default: ``exc`` itself
         when it is a `RequestError`, else `RequestFailed` with a generic message) on its
         queue, takes it out of the loop and frees its slot and drafter state."""
+        if error is None and isinstance(exc, GrammarError):  # its message is for the client
+            error = RequestInvalid(literal(str(exc)))
         if error is None:
             error = exc if isinstance(exc, RequestError) else RequestFailed(REQUEST_FAILED)
         log.error("request %s failed: %r", req.id, exc, exc_info=exc)
