@@ -189,7 +189,7 @@ class GrammarSpec:
             return llguidance.LLMatcher.grammar_from_lark(self.value)
         if self.kind == "choice":
             return llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(s) for s in self.value))
+                "start: " + " | ".join(json.dumps(s, ensure_ascii=False) for s in self.value))
         schema = {"type": "object"} if self.kind == "json_object" else self.value
         if self.whitespace_pattern is not None:
             options = {"whitespace_flexible": True, "whitespace_pattern": self.whitespace_pattern}
