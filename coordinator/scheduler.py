@@ -195,6 +195,10 @@ class SchedulerStats:
     #: Seconds a step or a prefill was in progress (the target busy fraction's
     #: denominator: the replica's compute seconds over this).
     active_seconds: float = 0.0
+    #: Constrained requests: draft positions the grammar forced (always accepted) and
+    #: drafter tokens the grammar refused (rejected), as verified.
+    forced_tokens: int = 0
+    grammar_rejected_tokens: int = 0
 
 
 class Scheduler(DraftingPolicy):
@@ -523,9 +527,13 @@ class Scheduler(DraftingPolicy):
             if out is None:  # failed with its call
                 continue
             try:
-                accepted_before = req.decode.result.accepted_tokens
+                result = req.decode.result
+                accepted_before = result.accepted_tokens
+                forced, refused = result.forced_tokens, result.grammar_rejected_tokens
                 req.decode.on_verify(draft, out.rows, out.hidden, out.logprobs)
-                accepted = req.decode.result.accepted_tokens - accepted_before
+                accepted = result.accepted_tokens - accepted_before
+                self.stats.forced_tokens += result.forced_tokens - forced
+                self.stats.grammar_rejected_tokens += result.grammar_rejected_tokens - refused
                 if req.adaptive is not None:
                     req.adaptive.tick()
                 if self.pipeline:

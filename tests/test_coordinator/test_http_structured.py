@@ -219,3 +219,15 @@ def test_grpc_constraint_field(service):
         with pytest.raises(Exception) as info:
             stub.GenerateUnary(req, timeout=60)
         assert "constraint" in info.value.details()
+
+
+def test_forced_and_refused_drafts_reach_prometheus(service, client):
+    chat(client, response_format=RESPONSE_FORMAT, temperature=0)
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{service.http_address}/metrics", timeout=30).read()
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.decode().splitlines()
+              if line.startswith("specd_replica_grammar_")}
+    assert values["specd_replica_grammar_forced_drafts_total"] > 0
+    assert "specd_replica_grammar_rejected_drafts_total" in values

@@ -155,6 +155,11 @@ def test_greedy_constrained_output_is_identical_with_speculation_on_and_off():
             out = run(decoder, DRAFTERS[name](decoder, seed), seed, temperature=0.0)
             assert out.generated_tokens == plain.generated_tokens, name
             assert out.forced_tokens > 0
+        # The pipelined schedule (run-ahead blocks planned with the grammar too).
+        piped = speculative_decode_with(decoder, PROMPT, decoder.new_cache(),
+                                        PromptLookupSpeculator(1, 3), options(seed, 0.0),
+                                        pipeline=True)
+        assert piped.generated_tokens == plain.generated_tokens
 
 
 def test_seeded_constrained_outputs_are_the_same_alone_and_batched():
