@@ -83,6 +83,19 @@ def _allowed_ids(mask: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.flatnonzero(bits[:vocab_size])
 
 
+def _single_allowed(mask: np.ndarray, vocab_size: int) -> int | None:
+    """The one token a bitmask row allows, or None when it allows none or several (a scan
+    of the words, not of every bit)."""
+    words = np.flatnonzero(mask)
+    if words.size != 1:
+        return None
+    word = int(mask[words[0]]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return None
+    token = int(words[0]) * 32 + word.bit_length() - 1
+    return token if token < vocab_size else None
+
+
 _BIT = torch.arange(32, dtype=torch.int32)
 
 
@@ -435,9 +448,8 @@ class GrammarMatcher:
                 rows.append(row)
                 if len(tokens) >= budget:
                     break
-                allowed = _allowed_ids(row, self.vocab_size) if force else None
-                if allowed is not None and allowed.size == 1:
-                    t = int(allowed[0])
+                t = _single_allowed(row, self.vocab_size) if force else None
+                if t is not None:
                     tokens.append(t)
                     dists.append(DraftDist.deterministic(t))
                     forced.append(True)
