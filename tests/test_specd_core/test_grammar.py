@@ -124,6 +124,12 @@ def test_a_constraint_that_allows_nothing_fails_with_a_clear_error():
         m.mask()
 
 
+def test_a_constraint_too_large_is_refused_before_compiling():
+    huge = {"enum": ["x" * 100 + str(i) for i in range(3000)]}
+    with pytest.raises(GrammarError, match="response_format: the constraint is over"):
+        compiled("json_schema", huge)
+
+
 def test_the_compiler_caches_by_constraint_and_is_bounded():
     comp = GrammarCompiler(TinyTokenizer(VOCAB), VOCAB, max_entries=2)
     a = comp.compile(GrammarSpec("regex", "B+"))
