@@ -231,3 +231,35 @@ def test_forced_and_refused_drafts_reach_prometheus(service, client):
               if line.startswith("specd_replica_grammar_")}
     assert values["specd_replica_grammar_forced_drafts_total"] > 0
     assert "specd_replica_grammar_rejected_drafts_total" in values
+
+
+def test_bench_json_schema_dataset_sends_constrained_requests_that_validate(service):
+    # `specd bench serve --dataset-name json-schema`: each prompt's answer is constrained to
+    # its schema through response_format, and checked.
+    import asyncio
+
+    from specd_tools.bench.serve import (
+        ServeBenchConfig,
+        compute_metrics,
+        load_workload,
+        openai_client,
+        send_request,
+    )
+
+    cfg = ServeBenchConfig(base_url=f"http://{service.http_address}/v1",
+                           dataset_name="json-schema", num_prompts=6, output_len=130,
+                           temperature=1.0)
+    prompts = load_workload(cfg)
+    assert [p.category for p in prompts] == ["person", "order", "event"] * 2
+    assert prompts == load_workload(cfg) and all(p.schema for p in prompts)
+
+    async def run():
+        client = openai_client(cfg.base_url, None, 60)
+        return [await send_request(client, MODEL, p, cfg) for p in prompts]
+
+    outcomes = asyncio.run(run())
+    assert all(o.success for o in outcomes), [o.error for o in outcomes]
+    finished = [o for o in outcomes if o.schema_valid is not None]
+    assert finished and all(o.schema_valid for o in finished)
+    metrics = compute_metrics(outcomes, 1.0)
+    assert metrics["schema_valid"] == metrics["schema_checked"] == len(finished)
