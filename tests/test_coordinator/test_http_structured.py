@@ -263,3 +263,13 @@ def test_bench_json_schema_dataset_sends_constrained_requests_that_validate(serv
     assert finished and all(o.schema_valid for o in finished)
     metrics = compute_metrics(outcomes, 1.0)
     assert metrics["schema_valid"] == metrics["schema_checked"] == len(finished)
+
+
+def test_completions_take_the_same_constraints(client):
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=20, n=2, seed=4,
+                                    temperature=1.0,
+                                    extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    assert all(re.fullmatch("[0-9]{3}", c.text) for c in out.choices)
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=120, temperature=0,
+                                    extra_body={"response_format": RESPONSE_FORMAT})
+    jsonschema.validate(json.loads(out.choices[0].text), SCHEMA)
