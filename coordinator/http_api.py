@@ -77,6 +77,8 @@ def _combined(results: list[SpeculativeDecodeResult]) -> SpeculativeDecodeResult
         total.verification_steps += r.verification_steps
         total.drafted_tokens += r.drafted_tokens
         total.accepted_tokens += r.accepted_tokens
+        total.forced_tokens += r.forced_tokens
+        total.grammar_rejected_tokens += r.grammar_rejected_tokens
         for name in ("evaluated_at_position", "accepted_at_position"):
             mine, theirs = getattr(total, name), getattr(r, name)
             mine.extend([0] * (len(theirs) - len(mine)))

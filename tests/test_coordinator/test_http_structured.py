@@ -62,6 +62,7 @@ def streamed(client, **kwargs) -> tuple[list[str], list[str | None], list]:
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 5}])
 def test_json_schema_outputs_parse_and_validate_unary_and_streamed(client, sampling):
     out = chat(client, response_format=RESPONSE_FORMAT, n=3, **sampling)
+    assert out.model_extra["speculation"]["forced_tokens"] > 0  # summed over the choices
     for choice in out.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
