@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -208,9 +209,11 @@ class Gateway:
             if not messages or not any(m["content"] for m in messages):
                 raise RequestInvalid("{field}: at least one message with content is required",
                                      "chat")
-            self._check_size("chat", [t for m in messages for t in m.values()])
+            tools = request.tools or None
+            self._check_size("chat", [t for m in messages for t in m.values()]
+                             + ([json.dumps(tools)] if tools else []))
             try:
-                ids = encode_chat(self.tokenizer, messages)
+                ids = encode_chat(self.tokenizer, messages, tools)
             except ValueError as exc:  # "chat: the model's chat template refused ..."
                 raise RequestInvalid("{field}: " + literal(str(exc).removeprefix("chat: ")),
                                      "chat") from exc

@@ -85,6 +85,7 @@ class GenerationRequest:
         drafter: the drafter the client asked for ("" or the service's; "none" disables).
         constraint: the output's constraint (`specd_core.grammar.GrammarSpec`: a JSON schema,
             regex, choice or grammar), or None; `Gateway.parse` compiles it.
+        tools: OpenAI function definitions given to the chat template (``tools``), or None.
     """
 
     text: str | None = None
@@ -103,6 +104,7 @@ class GenerationRequest:
     max_draft_len: int | None = None
     drafter: str = ""
     constraint: GrammarSpec | None = None
+    tools: list[dict] | None = None
 
     def prompt_kind(self) -> str | None:
         """``"text"``, ``"chat"`` or ``"token_ids"``: which field holds the prompt (None:

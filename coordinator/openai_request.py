@@ -181,6 +181,9 @@ def generation_request(body: Body) -> tuple[GenerationRequest, str]:
     _int_field("n", body.n, 1, MAX_CHOICES)
     req = GenerationRequest(ignore_eos=body.ignore_eos)
     req.constraint = constraint_of(body)[0]
+    tools = getattr(body, "tools", None)
+    if tools and getattr(body, "tool_choice", None) != "none":
+        req.tools = list(tools)  # valid: `constraint_of` checked them
     max_name, max_tokens = "max_tokens", body.max_tokens
     min_tokens = 1
     if isinstance(body, ChatBody):

@@ -80,10 +80,15 @@ class TinyTokenizer:
         messages: Sequence[dict],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        tools: Sequence[dict] | None = None,
     ) -> str | list[int]:
-        """``"role: content\\n"`` per message, then ``"assistant: "`` when
-        ``add_generation_prompt``; token ids instead of text when ``tokenize``."""
+        """``"role: content\\n"`` per message (after ``"tools: <names>\\n"`` when ``tools``
+        are given), then ``"assistant: "`` when ``add_generation_prompt``; token ids instead
+        of text when ``tokenize``."""
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        if tools:
+            names = ", ".join(t.get("function", {}).get("name", "") for t in tools)
+            text = f"tools: {names}\n" + text
         if add_generation_prompt:
             text += "assistant: "
         return self.encode(text) if tokenize else text

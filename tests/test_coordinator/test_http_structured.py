@@ -155,10 +155,17 @@ def test_tool_choice_required_picks_one_of_the_tools(client):
 
 
 def test_tool_choice_auto_and_none_answer_text(client):
+    prompt_tokens = {}
     for choice in ("auto", "none"):
         out = chat(client, tools=TOOLS, tool_choice=choice, max_tokens=5, temperature=0)
         assert out.choices[0].message.tool_calls is None
         assert out.choices[0].finish_reason == "length"
+        prompt_tokens[choice] = out.usage.prompt_tokens
+    # The tools reach the chat template (the test tokenizer's lists their names), except
+    # with "none".
+    plain = chat(client, max_tokens=5, temperature=0).usage.prompt_tokens
+    assert prompt_tokens["auto"] == plain + len("tools: get_weather, ping\n")
+    assert prompt_tokens["none"] == plain
 
 
 @pytest.mark.parametrize("kwargs,param,words", [
