@@ -57,7 +57,7 @@ import torch
 
 from specd_core.draft import DraftBlock
 from specd_core.grammar import GrammarError
-from specd_core.request import DecodeRequest, SpeculativeOptions
+from specd_core.request import MAX_FORCED_DRAFT, DecodeRequest, SpeculativeOptions
 from target_worker.engine import SlotsExhausted
 
 from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target
@@ -486,9 +486,14 @@ class Scheduler(DraftingPolicy):
         batch, items = [], []
         for r, d in zip(active, drafts, strict=True):
             try:
-                # A constrained request: the grammar's forced tokens chained into the block,
-                # the block ended at a refused token, and the masks of its rows.
-                d, mask = r.decode.plan_block(d, force=r.speculate and self.drafter is not None)
+                # A constrained request: the grammar's forced tokens chained into the block
+                # (when it speculates, within the client's draft cap), the block ended at a
+                # refused token, and the masks of its rows.
+                cap = MAX_FORCED_DRAFT if r.max_draft_len is None else min(MAX_FORCED_DRAFT,
+                                                                           r.max_draft_len)
+                d, mask = r.decode.plan_block(
+                    d, force=r.speculate and self.drafter is not None and cap > 0,
+                    max_forced=cap)
                 items.append(VerifyItem(slot=r.slot, start_pos=r.decode.cache_len,
                                         tokens=r.decode.verify_tokens(d),
                                         sampling=r.decode.sampling,
