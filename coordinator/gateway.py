@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from specd_core.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from specd_core.logprobs import TokenLogprob
 from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
 from specd_core.text import TextStream, encode_chat, encode_prompt
@@ -61,6 +63,8 @@ def speculation_counters(result: SpeculativeDecodeResult, drafter_failures: int)
         "evaluated_at_position": list(result.evaluated_at_position),
         "accepted_at_position": list(result.accepted_at_position),
         "drafter_failures": drafter_failures,
+        "forced_tokens": result.forced_tokens,
+        "grammar_rejected_tokens": result.grammar_rejected_tokens,
     }
 
 
@@ -174,6 +178,8 @@ class Gateway:
         self.max_prompt_bytes = max_prompt_bytes
         self.drafter_name = drafter_name
         self.model_name = model_name
+        #: Structured outputs: constraints compiled for this tokenizer, cached (bounded).
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
         self._draining = False
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -203,9 +209,11 @@ class Gateway:
             if not messages or not any(m["content"] for m in messages):
                 raise RequestInvalid("{field}: at least one message with content is required",
                                      "chat")
-            self._check_size("chat", [t for m in messages for t in m.values()])
+            tools = request.tools or None
+            self._check_size("chat", [t for m in messages for t in m.values()]
+                             + ([json.dumps(tools)] if tools else []))
             try:
-                ids = encode_chat(self.tokenizer, messages)
+                ids = encode_chat(self.tokenizer, messages, tools)
             except ValueError as exc:  # "chat: the model's chat template refused ..."
                 raise RequestInvalid("{field}: " + literal(str(exc).removeprefix("chat: ")),
                                      "chat") from exc
@@ -250,6 +258,7 @@ class Gateway:
         if bad:
             raise RequestInvalid(f"{{field}}: id {bad[0]} is outside the vocabulary",
                                  "stop_token_ids")
+        grammar = self._compile(request.constraint)
 
         drafter = request.drafter
         if drafter not in ("", "none", self.drafter_name):
@@ -273,8 +282,25 @@ class Gateway:
             detokenize=self.detokenize,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
         )
         return prompt, options, speculate, max_draft_len
+
+    def _compile(self, constraint: GrammarSpec | None):
+        """The compiled constraint (`specd_core.grammar.Grammar`; cached by constraint), or
+        None. Blocking: `parse` runs in a worker thread, off the event loop.
+
+        Raises:
+            RequestInvalid: naming the constraint's field (``constraint.field``).
+        """
+        if constraint is None:
+            return None
+        try:
+            return self.grammars.compile(constraint)
+        except GrammarError as exc:
+            field = constraint.field
+            why = str(exc).removeprefix(f"{field}: ")
+            raise RequestInvalid("{field}: " + literal(why), field) from exc
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """``ids`` as text (special tokens skipped), as the stream decodes them."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specd_core.grammar import GrammarSpec
 from specd_core.logprobs import MAX_TOP_LOGPROBS
 from specd_core.sampling import SamplingParamError, SamplingParams
 
@@ -82,6 +83,9 @@ class GenerationRequest:
         speculate: the client's ``speculation.enabled`` (None: unset, on).
         max_draft_len: the client's cap on draft length, or None.
         drafter: the drafter the client asked for ("" or the service's; "none" disables).
+        constraint: the output's constraint (`specd_core.grammar.GrammarSpec`: a JSON schema,
+            regex, choice or grammar), or None; `Gateway.parse` compiles it.
+        tools: OpenAI function definitions given to the chat template (``tools``), or None.
     """
 
     text: str | None = None
@@ -99,6 +103,8 @@ class GenerationRequest:
     speculate: bool | None = None
     max_draft_len: int | None = None
     drafter: str = ""
+    constraint: GrammarSpec | None = None
+    tools: list[dict] | None = None
 
     def prompt_kind(self) -> str | None:
         """``"text"``, ``"chat"`` or ``"token_ids"``: which field holds the prompt (None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Callable, Sequence
 
@@ -27,11 +28,12 @@ from grpc_reflection.v1alpha import reflection
 from drafter_worker.server import CredentialInterceptor
 from drafter_worker.sessions import DRAFTER_STATS
 from specd.v1 import generation_pb2, generation_pb2_grpc
+from specd_core.grammar import GrammarError, GrammarSpec
 from specd_core.logprobs import TokenLogprob
 from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
 from specd_core.sampling import SamplingParams
 
-from .errors import RequestError, client_status
+from .errors import RequestError, RequestInvalid, client_status, literal
 from .gateway import Gateway, speculation_counters
 from .generation_request import SAMPLING_FLOATS, GenerationRequest, sampling_params
 from .scheduler import ServiceRequest
@@ -80,7 +82,42 @@ def generation_request(msg: generation_pb2.GenerateRequest) -> GenerationRequest
         speculate=spec.enabled if spec.HasField("enabled") else None,
         max_draft_len=spec.max_draft_len if spec.HasField("max_draft_len") else None,
         drafter=spec.drafter,
+        constraint=constraint_from_proto(msg) if msg.HasField("constraint") else None,
     )
+
+
+def constraint_from_proto(msg: generation_pb2.GenerateRequest) -> GrammarSpec | None:
+    """The `GrammarSpec` of a request's ``constraint`` (None when its kind is unset).
+
+    Raises:
+        RequestInvalid: naming ``constraint`` (a schema that is not JSON, an empty field).
+    """
+    c = msg.constraint
+    kind = c.WhichOneof("kind")
+    separators = (",", ":") if c.compact_json else None
+    try:
+        if kind is None:
+            return None
+        if kind == "json_schema":
+            try:
+                schema = json.loads(c.json_schema)
+            except ValueError as exc:
+                raise GrammarError(f"json_schema is not JSON: {exc}") from None
+            return GrammarSpec("json_schema", schema, separators=separators,
+                               field="constraint")
+        if kind == "json_object":
+            return GrammarSpec("json_object", separators=separators, field="constraint")
+        if kind == "choice":
+            return GrammarSpec("choice", list(c.choice.choices), field="constraint")
+        if kind == "grammar" and "::=" in c.grammar:
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            return GrammarSpec("lark", gbnf_to_lark(c.grammar), field="constraint")
+        return GrammarSpec("lark" if kind == "grammar" else "regex", getattr(c, kind),
+                           field="constraint")
+    except Exception as exc:  # GrammarError, or the EBNF converter's own errors
+        why = str(exc).removeprefix("constraint: ")
+        raise RequestInvalid("{field}: " + literal(why), "constraint") from exc
 
 
 def _final_fields(req: ServiceRequest, result: SpeculativeDecodeResult) -> dict:

@@ -63,6 +63,7 @@ from .openai_request import (
     unavailable,
     validation_error,
 )
+from .openai_structured import ToolCalls, constraint_of
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ def _combined(results: list[SpeculativeDecodeResult]) -> SpeculativeDecodeResult
         total.verification_steps += r.verification_steps
         total.drafted_tokens += r.drafted_tokens
         total.accepted_tokens += r.accepted_tokens
+        total.forced_tokens += r.forced_tokens
+        total.grammar_rejected_tokens += r.grammar_rejected_tokens
         for name in ("evaluated_at_position", "accepted_at_position"):
             mine, theirs = getattr(total, name), getattr(r, name)
             mine.extend([0] * (len(theirs) - len(mine)))
@@ -95,12 +98,18 @@ def _usage(reqs: list, results: list) -> dict:
 @dataclass(frozen=True)
 class _Shape:
     """How a request's choices are answered beyond their text: ``chat`` or completions,
-    whether they carry ``logprobs``, and the echoed prompt (completions ``echo``: its text,
-    or None)."""
+    whether they carry ``logprobs``, the echoed prompt (completions ``echo``: its text,
+    or None), and a forced tool call's shape (`ToolCalls`; None: text)."""
 
     chat: bool
     logprobs: bool
     echo: str | None
+    tools: ToolCalls | None = None
+
+
+def _tool_finish(finish: str | None) -> str | None:
+    """A tool call's finish reason: ``tool_calls`` when the arguments are complete."""
+    return "tool_calls" if finish == "stop" else finish
 
 
 def _event(payload: dict) -> str:
@@ -264,7 +273,8 @@ class OpenAIApi:
                     "created": int(time.time()), "model": servicer.model_name}
             shape = _Shape(chat, bool(body.logprobs) if chat else body.logprobs is not None,
                            None if chat or not body.echo else _echo_text(servicer, body,
-                                                                          reqs[0]))
+                                                                          reqs[0]),
+                           constraint_of(body)[1] if chat else None)
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 events = self._sse(servicer, reqs, trim, meta, shape, include_usage, max_name)
@@ -281,8 +291,14 @@ class OpenAIApi:
             choices = []
             for i, (tokens, text, result) in enumerate(outs):
                 decode, logprobs = reqs[i].decode, None
+                finish = result.finish_reason
                 if chat:
                     choice = {"index": i, "message": {"role": "assistant", "content": text}}
+                    calls = None if shape.tools is None else shape.tools.calls(text)
+                    if calls is not None:
+                        choice["message"] = {"role": "assistant", "content": None,
+                                             "tool_calls": calls}
+                        finish = _tool_finish(finish)
                     if shape.logprobs:
                         logprobs = chat_logprobs(servicer.tokenizer, decode.token_logprobs)
                 else:
@@ -295,7 +311,7 @@ class OpenAIApi:
                             ids = decode.prefill_tokens() + ids
                             records = decode.prompt_logprobs + records
                         logprobs = completion_logprobs(servicer.tokenizer, ids, records, 0)[0]
-                choice.update(finish_reason=result.finish_reason, logprobs=logprobs)
+                choice.update(finish_reason=finish, logprobs=logprobs)
                 choices.append(choice)
             results = [out[2] for out in outs]
             return {**meta, "object": "chat.completion" if chat else "text_completion",
@@ -323,10 +339,38 @@ class OpenAIApi:
         def chunk(choices: list, **fields) -> str:
             return _event({**meta, "object": kind, "choices": choices, **extra, **fields})
 
+        tools = shape.tools
+        # A forced tool call: the arguments stream as tool_calls deltas (a named function),
+        # or, choosing among several, arrive whole once the call is complete.
+        held = [""] * len(reqs)
+        call_ids = [None if tools is None else tools.call_id() for _ in reqs]
+
+        def tool_delta(i: int, text: str, first: bool) -> dict:
+            call = {"index": 0, "function": {"arguments": text}}
+            if first:
+                call = {"index": 0, "id": call_ids[i], "type": "function",
+                        "function": {"name": tools.name, "arguments": text}}
+            return {"tool_calls": [call]}
+
         def choice(i: int, text: str | None, finish: str | None = None,
                    logprobs: dict | None = None) -> dict:
             if chat:
                 delta = {} if text is None else {"content": text}
+                if tools is not None and text is not None:
+                    if tools.name is not None:
+                        delta = tool_delta(i, text, False)
+                    else:
+                        held[i] += text
+                        delta = {}
+                if tools is not None and finish is not None:
+                    if tools.name is None:
+                        calls = tools.calls(held[i])
+                        delta = ({"tool_calls": [{"index": 0, **calls[0]}]} if calls
+                                 else {"content": held[i]})
+                        if calls:
+                            finish = _tool_finish(finish)
+                    else:
+                        finish = _tool_finish(finish)
                 return {"index": i, "delta": delta, "finish_reason": finish,
                         "logprobs": logprobs}
             return {"index": i, "text": text or "", "finish_reason": finish,
@@ -361,7 +405,11 @@ class OpenAIApi:
         try:
             if chat:
                 for i in range(len(reqs)):
-                    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                    first = {"role": "assistant", "content": ""}
+                    if tools is not None and tools.name is not None:
+                        first = {"role": "assistant", "content": None,
+                                 **tool_delta(i, "", True)}
+                    yield chunk([{"index": i, "delta": first,
                                   "finish_reason": None, "logprobs": None}])
             results: list = [None] * len(reqs)
             try:

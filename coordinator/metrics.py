@@ -39,6 +39,10 @@ REPLICA_METRICS = (
      "Request-steps whose run-ahead block was stale, mis-guessed, late or failed.", "counter"),
     ("target_busy_fraction", "target_busy_fraction",
      "Replica compute seconds over the seconds it had requests (1: never idle).", "gauge"),
+    ("grammar_forced_drafts", "forced_tokens",
+     "Draft tokens a constraint forced (drafted by the grammar, always accepted).", "counter"),
+    ("grammar_rejected_drafts", "grammar_rejected_tokens",
+     "Drafter tokens a constraint refused (rejected by the rule).", "counter"),
 )
 
 #: (metric suffix, `coordinator.latency.LatencyHistograms` name, help) per replica: vLLM's

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .errors import RequestError, RequestInvalid, client_status
 from .generation_request import GenerationRequest
+from .openai_structured import constraint_of
 
 #: ``max_tokens`` when a completion request does not set it (OpenAI's default).
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -86,6 +87,9 @@ class Body(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     speculation: SpeculationBody | None = None
+    # Structured outputs (`coordinator.openai_structured`): OpenAI's and vLLM's extra body.
+    response_format: Any = None
+    structured_outputs: Any = None
     # Known but unsupported: refused by `_refuse_unsupported` with a message naming them.
     logit_bias: Any = None
 
@@ -104,6 +108,10 @@ class ChatMessage(_Strict):
     role: str
     content: str | list[dict] | None = None
     name: str | None = None
+    # An assistant turn that called tools, and a tool's answer to one: the calls are given
+    # to the template as JSON text.
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatBody(Body):
@@ -115,8 +123,7 @@ class ChatBody(Body):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionBody(Body):
@@ -129,8 +136,7 @@ class CompletionBody(Body):
 
 def _refuse_unsupported(body: Body) -> None:
     """Raises a 400 naming the first field set to something this server cannot do."""
-    checks = ["logit_bias", "tools", "tool_choice", "functions", "function_call",
-              "parallel_tool_calls", "response_format", "suffix"]
+    checks = ["logit_bias", "functions", "function_call", "suffix"]
     for name in checks:
         value = getattr(body, name, None)
         if value not in (None, False) and not (name in ("tools", "functions") and value == []):
@@ -174,6 +180,10 @@ def generation_request(body: Body) -> tuple[GenerationRequest, str]:
     _refuse_unsupported(body)
     _int_field("n", body.n, 1, MAX_CHOICES)
     req = GenerationRequest(ignore_eos=body.ignore_eos)
+    req.constraint = constraint_of(body)[0]
+    tools = getattr(body, "tools", None)
+    if tools and getattr(body, "tool_choice", None) != "none":
+        req.tools = list(tools)  # valid: `constraint_of` checked them
     max_name, max_tokens = "max_tokens", body.max_tokens
     min_tokens = 1
     if isinstance(body, ChatBody):
@@ -194,7 +204,12 @@ def generation_request(body: Body) -> tuple[GenerationRequest, str]:
                 raise ApiError(400, f"messages[{i}].role: {m.role!r} is not a chat role; "
                                     f"expected one of {', '.join(CHAT_ROLES)}",
                                param=f"messages[{i}].role")
-            message = {"role": m.role, "content": _chat_content(i, m.content)}
+            content = _chat_content(i, m.content)
+            if m.tool_calls:
+                calls = json.dumps([c.get("function", c) for c in m.tool_calls],
+                                   ensure_ascii=False)
+                content = f"{content}\n{calls}" if content else calls
+            message = {"role": m.role, "content": content}
             if m.name:  # only when set: templates that do not use it ignore the key
                 message["name"] = m.name
             req.chat.append(message)

@@ -51,7 +51,7 @@ _GAUGES = ("active_requests", "prefilling_requests", "waiting_requests", "used_s
            "total_slots")
 _COUNTERS = ("steps", "tokens_generated", "forward_calls", "drafter_failures", "completed",
              "cancelled", "failed", "draft_wait_seconds", "runahead_hits", "runahead_misses",
-             "active_seconds")
+             "active_seconds", "forced_tokens", "grammar_rejected_tokens")
 
 
 class Router(Supervision):

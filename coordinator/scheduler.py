@@ -56,7 +56,8 @@ from typing import Protocol
 import torch
 
 from specd_core.draft import DraftBlock
-from specd_core.request import DecodeRequest, SpeculativeOptions
+from specd_core.grammar import GrammarError
+from specd_core.request import MAX_FORCED_DRAFT, DecodeRequest, SpeculativeOptions
 from target_worker.engine import SlotsExhausted
 
 from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target
@@ -67,7 +68,9 @@ from .errors import (
     ReplicaUnavailable,
     RequestError,
     RequestFailed,
+    RequestInvalid,
     ServiceStopping,
+    literal,
 )
 from .latency import LatencyHistograms
 from .step_plan import ChunkPolicy, plan_prefill_chunks
@@ -192,6 +195,10 @@ class SchedulerStats:
     #: Seconds a step or a prefill was in progress (the target busy fraction's
     #: denominator: the replica's compute seconds over this).
     active_seconds: float = 0.0
+    #: Constrained requests: draft positions the grammar forced (always accepted) and
+    #: drafter tokens the grammar refused (rejected), as verified.
+    forced_tokens: int = 0
+    grammar_rejected_tokens: int = 0
 
 
 class Scheduler(DraftingPolicy):
@@ -381,6 +388,11 @@ class Scheduler(DraftingPolicy):
                 await self._finish_cancelled(req)
                 continue
             try:
+                req.decode.prefill_mask()  # a constraint that allows no first token fails here
+            except Exception as exc:
+                await self._fail(req, exc)
+                continue
+            try:
                 slot, req.prefilled = await self._allocate(req)
             except SlotsExhausted as exc:
                 if not (self.active or self._admitting):  # none will ever free: say so
@@ -450,6 +462,7 @@ class Scheduler(DraftingPolicy):
             lo, options = req.prefilled, req.decode.options
             last = lo + n == len(prompt)
             score = options.prompt_logprobs is not None
+            mask = req.decode.prefill_mask() if last else None  # checked at admission
             items.append(PrefillItem(slot=req.slot, tokens=prompt[lo:lo + n],
                                      sampling=req.decode.sampling,
                                      want_hidden=self._hidden_for(req),
@@ -457,7 +470,7 @@ class Scheduler(DraftingPolicy):
                                      logprobs=options.logprobs,
                                      prompt_logprobs=options.prompt_logprobs,
                                      next_token=prompt[lo + n] if score and not last
-                                     else None))
+                                     else None, mask=mask))
             owners.append(req)
             if req.prefill_started_at is None:
                 req.prefill_started_at = now
@@ -473,11 +486,19 @@ class Scheduler(DraftingPolicy):
         batch, items = [], []
         for r, d in zip(active, drafts, strict=True):
             try:
+                # A constrained request: the grammar's forced tokens chained into the block
+                # (when it speculates, within the client's draft cap), the block ended at a
+                # refused token, and the masks of its rows.
+                cap = MAX_FORCED_DRAFT if r.max_draft_len is None else min(MAX_FORCED_DRAFT,
+                                                                           r.max_draft_len)
+                d, mask = r.decode.plan_block(
+                    d, force=r.speculate and self.drafter is not None and cap > 0,
+                    max_forced=cap)
                 items.append(VerifyItem(slot=r.slot, start_pos=r.decode.cache_len,
                                         tokens=r.decode.verify_tokens(d),
                                         sampling=r.decode.sampling,
                                         want_hidden=self._hidden_for(r),
-                                        logprobs=r.decode.options.logprobs))
+                                        logprobs=r.decode.options.logprobs, mask=mask))
                 batch.append((r, d))
             except Exception as exc:
                 await self._fail(r, exc)
@@ -511,9 +532,13 @@ class Scheduler(DraftingPolicy):
             if out is None:  # failed with its call
                 continue
             try:
-                accepted_before = req.decode.result.accepted_tokens
+                result = req.decode.result
+                accepted_before = result.accepted_tokens
+                forced, refused = result.forced_tokens, result.grammar_rejected_tokens
                 req.decode.on_verify(draft, out.rows, out.hidden, out.logprobs)
-                accepted = req.decode.result.accepted_tokens - accepted_before
+                accepted = result.accepted_tokens - accepted_before
+                self.stats.forced_tokens += result.forced_tokens - forced
+                self.stats.grammar_rejected_tokens += result.grammar_rejected_tokens - refused
                 if req.adaptive is not None:
                     req.adaptive.tick()
                 if self.pipeline:
@@ -637,6 +662,8 @@ class Scheduler(DraftingPolicy):
         """Fails one request alone: logs ``exc``, puts ``error`` (default: ``exc`` itself
         when it is a `RequestError`, else `RequestFailed` with a generic message) on its
         queue, takes it out of the loop and frees its slot and drafter state."""
+        if error is None and isinstance(exc, GrammarError):  # its message is for the client
+            error = RequestInvalid(literal(str(exc)))
         if error is None:
             error = exc if isinstance(exc, RequestError) else RequestFailed(REQUEST_FAILED)
         log.error("request %s failed: %r", req.id, exc, exc_info=exc)

@@ -16,14 +16,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 
 from .draft import DraftBlock
+from .grammar import BlockPlan, GrammarMatcher
 from .logprobs import RowLogprobs, TokenLogprob, check_top_count
 from .rule import TargetRows, target_rows
 from .sampling import Sampler, SamplingParams
 
 FinishReason = Literal["length", "stop"]
+#: The most tokens one verified block may hold when the grammar forces them
+#: (`DecodeRequest.plan_block`).
+MAX_FORCED_DRAFT = 16
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,9 @@ class SpeculativeOptions:
             alternatives (0-20, `specd_core.logprobs`); None records none.
         prompt_logprobs: the same for every prompt token after the first; None: none.
             ``max_new_tokens`` 0 then scores the prompt without generating.
+        grammar: a compiled constraint (`specd_core.grammar.Grammar`: anything with a
+            ``matcher()`` giving a fresh `GrammarMatcher`), or None. Each request makes its
+            own matcher; the output ends ("stop") where the grammar ends.
 
     Raises:
         ValueError: naming the bad field.
@@ -60,8 +68,11 @@ class SpeculativeOptions:
     detokenize: Callable[[Sequence[int]], str] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
+        if self.grammar is not None and not callable(getattr(self.grammar, "matcher", None)):
+            raise ValueError(f"grammar must be a compiled Grammar, got {self.grammar!r:.60}")
         check_top_count("logprobs", self.logprobs)
         check_top_count("prompt_logprobs", self.prompt_logprobs)
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -97,6 +108,11 @@ class SpeculativeDecodeResult:
     evaluated_at_position: list[int] = field(default_factory=list)
     accepted_at_position: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    #: Constrained requests: draft positions the grammar forced (drafted with ``q = delta``,
+    #: always accepted; counted in ``drafted_tokens`` and ``accepted_tokens`` too) and drafter
+    #: tokens the grammar refused (rejected by the rule; counted in ``drafted_tokens``).
+    forced_tokens: int = 0
+    grammar_rejected_tokens: int = 0
 
     def tokens_per_call(self) -> float:
         """Tokens per forward call, prefill included; 0.0 for an empty run."""
@@ -150,6 +166,8 @@ class SpeculativeDecodeResult:
             "acceptance_length": self.acceptance_length(),
             "accept_rate": self.accept_rate(),
             "accept_rate_per_position": self.accept_rate_per_position(),
+            "forced_tokens": self.forced_tokens,
+            "grammar_rejected_tokens": self.grammar_rejected_tokens,
         }
 
 
@@ -214,6 +232,13 @@ class DecodeRequest:
             _StopStrings(options.stop_strings, options.detokenize)
             if options.stop_strings else None
         )
+        #: This request's own grammar state (None: unconstrained); advanced by committed
+        #: tokens only.
+        self.grammar: GrammarMatcher | None = (
+            None if options.grammar is None else options.grammar.matcher())
+        #: The grammar's plan for the block being verified (`plan_block`).
+        self._plan: BlockPlan | None = None
+        self._first_mask: np.ndarray | None = None
         if options.max_new_tokens == 0:
             self.result.finish_reason = "length"
 
@@ -257,6 +282,40 @@ class DecodeRequest:
         ``hidden_dtype`` (row i belongs to history position i); a view, valid until the next
         step. ``None`` when the target returned none."""
         return self._hidden_log.view()
+
+    def prefill_mask(self) -> np.ndarray | None:
+        """The grammar bitmask for the prompt's last row (the first generated token), int32
+        ``[1, width]``; None when unconstrained.
+
+        Raises:
+            GrammarError: the constraint allows no first token.
+        """
+        if self.grammar is None:
+            return None
+        if self._first_mask is None:
+            self._first_mask = self.grammar.mask()[None, :]
+        return self._first_mask
+
+    def plan_block(self, draft: DraftBlock, force: bool = True,
+                   max_forced: int = MAX_FORCED_DRAFT) -> tuple[DraftBlock, np.ndarray | None]:
+        """The block to verify after ``draft`` (the drafter's proposal) and its grammar
+        bitmasks, int32 ``[len(block) + 1, width]`` (None when unconstrained: the block is
+        ``draft``). Constrained, the grammar's forced tokens are chained in when ``force``
+        (`GrammarMatcher.draft`; at most ``max(len(draft), max_forced)`` tokens, within
+        `draft_budget`) and the block ends at a drafter token the grammar refuses, kept for
+        the rule to reject. Call it once per step, before `verify_tokens`.
+
+        Raises:
+            GrammarError: the constraint allows no next token.
+        """
+        self._plan = None
+        if self.grammar is None:
+            return draft, None
+        budget = min(self.draft_budget(), max(len(draft), max_forced if force else 0))
+        if len(draft) > budget:  # sliced, not truncated: the drafter may keep its block
+            draft = DraftBlock(draft.tokens[:budget], draft.dists[:budget])
+        self._plan = self.grammar.draft(draft, budget, force)
+        return self._plan.block, self._plan.masks
 
     def verify_tokens(self, draft: DraftBlock) -> list[int]:
         """The batch to feed at absolute position `cache_len`: anchor + draft tokens."""
@@ -341,9 +400,15 @@ class DecodeRequest:
         anchor_pos = self.cache_len
         accepted = 0
         replacement: int | None = None
+        plan, self._plan = self._plan, None
+        if plan is not None and plan.block is not draft:
+            plan = None
         for i, (token, dist) in enumerate(zip(draft.tokens, draft.dists, strict=True)):
             replacement = rows.judge(i, token, dist, self.rng)
             result.record_position(i, replacement is None)
+            if plan is not None:
+                result.forced_tokens += plan.forced[i]
+                result.grammar_rejected_tokens += plan.invalid == i
             if replacement is not None:
                 break
             accepted += 1
@@ -363,11 +428,17 @@ class DecodeRequest:
         return self.cache_len
 
     def _emit(self, token: int) -> bool:
-        """Appends an output token; returns True when it ends the request."""
+        """Appends an output token; returns True when it ends the request.
+
+        Raises:
+            GrammarError: the request's grammar refuses ``token``.
+        """
+        if self.grammar is not None:
+            self.grammar.commit(token)
         self.generated.append(token)
         self.history.append(token)
         self.result.tokens_generated = len(self.generated)
-        if token in self._stop_ids or (
+        if token in self._stop_ids or (self.grammar is not None and self.grammar.stopped) or (
             self._stop_strings is not None and self._stop_strings.completed(self.generated)
         ):
             self.result.finish_reason = "stop"

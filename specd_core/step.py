@@ -39,6 +39,10 @@ class PrefillItem:
     asks for every row of this chunk, each scoring the prompt token after it (the chunk's
     own next token, ``next_token`` for the last row of a chunk that is not ``last``), which
     makes the chunk compute logits for every row, not just the last.
+
+    ``mask`` (a constrained request's ``last`` chunk): int32 ``[1, ceil(vocab / 32)]``, the
+    grammar bitmask of the last row (`specd_core.grammar`), applied to its logits before its
+    rows are made (log probabilities stay the raw ones); None: unconstrained.
     """
 
     slot: int
@@ -51,6 +55,7 @@ class PrefillItem:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     next_token: int | None = None
+    mask: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,10 @@ class VerifyItem:
     ``logprobs`` ``k`` (0-20; None: none, the default, at no cost) asks for every row's raw
     log probabilities: the ``k`` most likely tokens and every token the row can commit
     (`specd_core.logprobs.commit_candidates`).
+
+    ``mask`` (a constrained request): int32 ``[len(tokens), ceil(vocab / 32)]``, row ``i`` the
+    grammar bitmask for row ``i`` (`specd_core.grammar.GrammarMatcher.draft`), applied to the
+    logits before the rows for the rule are made; None: unconstrained.
     """
 
     slot: int
@@ -73,6 +82,7 @@ class VerifyItem:
     sampling: SamplingParams
     want_hidden: bool = False
     logprobs: int | None = None
+    mask: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -14,17 +14,21 @@ except ImportError:  # without Jinja no chat template can raise its errors
         pass
 
 
-def encode_chat(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
+def encode_chat(tokenizer, messages: Sequence[dict[str, str]],
+                tools: Sequence[dict] | None = None) -> list[int]:
     """Token ids of ``messages`` rendered with the model's chat template, ending where the
-    assistant's turn begins (the template adds the special tokens itself).
+    assistant's turn begins (the template adds the special tokens itself). ``tools``
+    (OpenAI function definitions) go to the template as its ``tools`` variable, for a
+    template that renders them (one that does not ignores them).
 
     Raises:
         ValueError: the template refused the messages (a Jinja ``TemplateError``, e.g. roles
             that do not alternate as it requires); the message is the template's own.
     """
+    extra = {"tools": list(tools)} if tools else {}
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             tokenize=False)
+                                             tokenize=False, **extra)
     except TemplateSyntaxError:  # the template itself is broken: not the client's fault
         raise
     except TemplateError as exc:  # raise_exception(...) inside the template

@@ -33,6 +33,7 @@ from .bench.cli import add_bench_parser
 from .flags import AUTH_HELP, MODEL_HELP, port, positive_int, show_defaults
 from .generate import (
     GenerateOptions,
+    constraint_spec,
     embedded_service_config,
     generate_request,
     in_process_fallback_threads,
@@ -147,10 +148,20 @@ def _generate_in_process(args: argparse.Namespace, options: GenerateOptions) -> 
                                  suffix_cache_requests=o.suffix_cache_requests)
     prompt = encode_prompt(tokenizer, o.prompt, o.raw)
     stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+    spec = constraint_spec(o)
+    grammar = None
+    if spec is not None:
+        from specd_core.grammar import GrammarCompiler, GrammarError
+
+        try:
+            grammar = GrammarCompiler(tokenizer, decoder.config.vocab_size).compile(spec)
+        except GrammarError as exc:
+            raise ValueError(str(exc)) from None
     options = SpeculativeOptions(
         max_new_tokens=o.max_new_tokens, sampling=sampling, seed=o.seed,
         stop_token_ids=stops, stop_strings=tuple(o.stop),
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        grammar=grammar,
     )
     stream = TextStream(tokenizer)
     parts: list[str] = []
@@ -363,6 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "cheaper, as beside a busy process; ignored with --server)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
     gen.add_argument("--raw", action="store_true", help="no chat template")
+    constrain = gen.add_mutually_exclusive_group()
+    constrain.add_argument("--json-schema", default=None, metavar="FILE",
+                           help="structured output: the answer is JSON matching this JSON "
+                                "Schema file, lossless with speculation (default: none)")
+    constrain.add_argument("--regex", default=None, metavar="PATTERN",
+                           help="structured output: the whole answer matches this regex "
+                                "(default: none)")
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="run the service: Ray actors + the gRPC API")

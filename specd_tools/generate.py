@@ -17,6 +17,7 @@ from specd_core.sampling import SamplingParams
 
 __all__ = [
     "GenerateOptions",
+    "constraint_spec",
     "embedded_service_config",
     "generate_request",
     "in_process_fallback_threads",
@@ -42,6 +43,8 @@ class GenerateOptions:
             --default-path``), `drafter_worker.registry.build_drafter` uses its default.
         target_threads: torch threads of the target (None: `in_process_threads` in process,
             the service's default otherwise).
+        json_schema: the path of a JSON Schema file the output must match, or None.
+        regex: a regex the whole output must match, or None (at most one of the two).
     """
 
     prompt: str
@@ -70,6 +73,8 @@ class GenerateOptions:
     drafter_path: str | None = None
     suffix_cache_requests: int | None = None
     target_threads: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
 
     @classmethod
     def from_args(cls, args) -> GenerateOptions:
@@ -97,6 +102,35 @@ class GenerateOptions:
         )
 
 
+def constraint_spec(options: GenerateOptions):
+    """The structured-output constraint of ``--json-schema FILE`` / ``--regex`` (a
+    `specd_core.grammar.GrammarSpec`), or None.
+
+    Raises:
+        ValueError: naming the flag: both given, a file that cannot be read or is not JSON.
+    """
+    import json
+
+    from specd_core.grammar import GrammarError, GrammarSpec
+
+    if options.json_schema is not None and options.regex is not None:
+        raise ValueError("--json-schema and --regex: give at most one")
+    try:
+        if options.regex is not None:
+            return GrammarSpec("regex", options.regex, field="--regex")
+        if options.json_schema is None:
+            return None
+        try:
+            with open(options.json_schema, encoding="utf-8") as f:
+                schema = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--json-schema: cannot read {options.json_schema!r} as a JSON "
+                             f"schema ({exc})") from None
+        return GrammarSpec("json_schema", schema, field="--json-schema")
+    except GrammarError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def generate_request(options: GenerateOptions, sampling: SamplingParams):
     """The gRPC ``specd.v1.GenerateRequest`` of ``options`` with ``sampling`` (their
     validated `GenerateOptions.sampling`): one user turn, or the raw text with ``raw``."""
@@ -115,6 +149,13 @@ def generate_request(options: GenerateOptions, sampling: SamplingParams):
     )
     if options.seed is not None:
         request.seed = options.seed
+    spec = constraint_spec(options)
+    if spec is not None and spec.kind == "regex":
+        request.constraint.regex = spec.value
+    elif spec is not None:
+        import json
+
+        request.constraint.json_schema = json.dumps(spec.value)
     if options.raw:
         request.text = options.prompt
     else:

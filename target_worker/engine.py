@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from specd_core.grammar import apply_token_bitmask, bitmask_width
 from specd_core.logprobs import commit_candidates, row_logprobs
 from specd_core.rule import compact_rows, target_rows
 from specd_core.step import PrefillItem, StepOutput, VerifyItem
@@ -451,7 +452,8 @@ class TargetEngine:
                     outputs.append(StepOutput(None, _own(hidden, item.want_hidden),
                                               _prompt_logprobs(item, logits, tokens)))
                 else:
-                    rows = compact_rows(target_rows(logits[-1:], item.sampling, slot.tokens,
+                    rows = compact_rows(target_rows(_masked(logits[-1:], item.mask),
+                                                    item.sampling, slot.tokens,
                                                     slot.num_prompt_tokens))
                     outputs.append(StepOutput(rows, _own(hidden, item.want_hidden),
                                               _prompt_logprobs(item, logits, tokens, rows)))
@@ -463,7 +465,7 @@ class TargetEngine:
             # History = committed tokens + the anchor; the draft is the block rows follow.
             # Only penalties read the history: skip copying a long context when none is set.
             history = [*slot.tokens, tokens[0]] if item.sampling.has_penalties else tokens[:1]
-            rows = compact_rows(target_rows(logits, item.sampling, history,
+            rows = compact_rows(target_rows(_masked(logits, item.mask), item.sampling, history,
                                             slot.num_prompt_tokens, tokens[1:]))
             slot.tokens.extend(tokens)
             logprobs = None
@@ -511,6 +513,15 @@ class TargetEngine:
                         item.next_token is not None and 0 <= item.next_token < vocab)):
                 raise ValueError(f"slot {item.slot}: a prompt chunk scoring its prompt needs "
                                  f"the next prompt token, got {item.next_token!r}")
+            mask = item.mask
+            if mask is not None and (
+                    getattr(mask, "dtype", None) != np.int32
+                    or tuple(mask.shape) != (1 if isinstance(item, PrefillItem)
+                                             else len(item.tokens), bitmask_width(vocab))):
+                raise ValueError(f"slot {item.slot}: grammar mask must be int32 "
+                                 f"[rows, {bitmask_width(vocab)}], got "
+                                 f"{getattr(mask, 'dtype', type(mask).__name__)} "
+                                 f"{list(getattr(mask, 'shape', ()))}")
             bad = [t for t in item.tokens if not 0 <= int(t) < vocab]
             if bad:
                 raise ValueError(
@@ -576,6 +587,11 @@ def _prompt_logprobs(item: PrefillItem, logits: torch.Tensor, tokens: list[int],
     if full:  # only the last row may commit any token: list it whole, not every row
         commits = [np.arange(logits.shape[-1])]
     return row_logprobs(logits, k, [np.array([t]) for t in tokens[1:]] + commits)
+
+
+def _masked(logits: torch.Tensor, mask) -> torch.Tensor:
+    """``logits`` with a constrained item's grammar bitmask applied (`specd_core.grammar`)."""
+    return logits if mask is None else apply_token_bitmask(logits, mask)
 
 
 def _feed_pos(item: PrefillItem | VerifyItem) -> int:

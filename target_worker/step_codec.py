@@ -15,8 +15,9 @@ Payloads (positional lists; ``tokens`` are lists of ints, ``sampling`` a `Sampli
 - a call: ``[method, *args]`` for ``allocate`` (no args), ``allocate_prefix`` (tokens),
   ``free`` (slot), ``prefill`` and ``verify`` (each a list of items, either kind in one
   step: a `PrefillItem` as ``[0, slot, tokens, sampling, want_hidden, start_pos, offset,
-  last, logprobs, prompt_logprobs, next_token]``, a `VerifyItem` as ``[1, slot, start_pos,
-  tokens, sampling, want_hidden, logprobs]``; the last three / one are ints or None);
+  last, logprobs, prompt_logprobs, next_token, mask]``, a `VerifyItem` as ``[1, slot,
+  start_pos, tokens, sampling, want_hidden, logprobs, mask]``; logprobs, prompt_logprobs and
+  next_token are ints or None, mask None or an int32 array, the grammar bitmask);
   `SamplingParams` is ``[temperature, top_k,
   top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty]``. Any other method
   name travels with no arguments (the server refuses it by name).
@@ -59,7 +60,8 @@ __all__ = ["ERRORS", "METHODS", "WIRE_VERSION", "WireError", "decode_call", "dec
 
 #: Bumped on any change to the layout above; a peer on another version is refused.
 #: 2: log probabilities (item fields and `StepOutput.logprobs`).
-WIRE_VERSION = 2
+#: 3: grammar bitmasks (the items' last field).
+WIRE_VERSION = 3
 #: The calls this format knows.
 METHODS = ("allocate", "allocate_prefix", "free", "prefill", "verify")
 #: Exception types an error reply may name (anything else arrives as RuntimeError).
@@ -158,15 +160,18 @@ def _sampling(p: SamplingParams) -> list:
             p.presence_penalty, p.frequency_penalty]
 
 
-def _item(item) -> list:
+def _item(item, enc: _Encoder) -> list:
     kind = type(item)
+    if kind is not PrefillItem and kind is not VerifyItem:
+        raise TypeError(f"the replica channel cannot encode a {kind.__name__}")
+    mask = None if item.mask is None else enc.array(np.asarray(item.mask))
     if kind is PrefillItem:
         return [_PREFILL, item.slot, item.tokens, _sampling(item.sampling), item.want_hidden,
                 item.start_pos, item.offset, item.last, item.logprobs, item.prompt_logprobs,
-                item.next_token]
+                item.next_token, mask]
     if kind is VerifyItem:
         return [_VERIFY, item.slot, item.start_pos, item.tokens, _sampling(item.sampling),
-                item.want_hidden, item.logprobs]
+                item.want_hidden, item.logprobs, mask]
     raise TypeError(f"the replica channel cannot encode a {kind.__name__}")
 
 
@@ -185,7 +190,8 @@ def encode_call(method: str, args: Sequence) -> list:
     if len(args) != want:
         raise ValueError(f"{method} takes {want} argument(s), got {len(args)}")
     if method in ("prefill", "verify"):
-        return _Encoder().finish([method, [_item(i) for i in args[0]]])
+        enc = _Encoder()
+        return enc.finish([method, [_item(i, enc) for i in args[0]]])
     if method == "allocate_prefix":
         return _Encoder().finish([method, list(args[0])])
     return _Encoder().finish([method, *args])
@@ -393,23 +399,32 @@ def _optional_int(value, what: str) -> int | None:
     return value
 
 
-def _item_from(value, cache: dict) -> PrefillItem | VerifyItem:
+def _mask_from(value, decoder: _Decoder) -> np.ndarray | None:
+    if value is None:
+        return None
+    mask = decoder.array(value, "mask")
+    if mask.dtype != np.int32 or mask.ndim != 2:
+        raise WireError("a grammar mask is a 2-D int32 array")
+    return mask
+
+
+def _item_from(value, cache: dict, decoder: _Decoder) -> PrefillItem | VerifyItem:
     """A `PrefillItem` (``[0, slot, tokens, sampling, want_hidden, start_pos, offset, last,
-    logprobs, prompt_logprobs, next_token]``) or a `VerifyItem` (``[1, slot, start_pos,
-    tokens, sampling, want_hidden, logprobs]``)."""
+    logprobs, prompt_logprobs, next_token, mask]``) or a `VerifyItem` (``[1, slot, start_pos,
+    tokens, sampling, want_hidden, logprobs, mask]``)."""
     if type(value) is not list or not value:
         raise WireError("an item is a non-empty list")
     kind = value[0]
-    if kind == _VERIFY and type(kind) is int and len(value) == 7:
-        _, slot, start_pos, tokens, sampling, want_hidden, logprobs = value
+    if kind == _VERIFY and type(kind) is int and len(value) == 8:
+        _, slot, start_pos, tokens, sampling, want_hidden, logprobs, mask = value
         if type(slot) is not int or type(start_pos) is not int or type(want_hidden) is not bool:
             raise WireError("verify item: slot and start_pos must be ints, want_hidden a bool")
         return VerifyItem(slot, start_pos, _tokens(tokens, "tokens"),
                           _sampling_from(sampling, cache), want_hidden,
-                          _optional_int(logprobs, "logprobs"))
-    if kind == _PREFILL and type(kind) is int and len(value) == 11:
+                          _optional_int(logprobs, "logprobs"), _mask_from(mask, decoder))
+    if kind == _PREFILL and type(kind) is int and len(value) == 12:
         (_, slot, tokens, sampling, want_hidden, start_pos, offset, last, logprobs,
-         prompt_logprobs, next_token) = value
+         prompt_logprobs, next_token, mask) = value
         if type(slot) is not int or type(start_pos) is not int or type(offset) is not int or \
                 type(want_hidden) is not bool or type(last) is not bool:
             raise WireError("prefill item: slot, start_pos and offset must be ints, "
@@ -418,7 +433,7 @@ def _item_from(value, cache: dict) -> PrefillItem | VerifyItem:
                            want_hidden, start_pos, offset, last,
                            _optional_int(logprobs, "logprobs"),
                            _optional_int(prompt_logprobs, "prompt_logprobs"),
-                           _optional_int(next_token, "next_token"))
+                           _optional_int(next_token, "next_token"), _mask_from(mask, decoder))
     raise WireError(f"an item of unknown kind {kind!r} or with {len(value) - 1} fields")
 
 
@@ -429,7 +444,8 @@ def decode_call(body: bytes | bytearray | memoryview) -> tuple[str, tuple]:
     Raises:
         WireError: anything that does not follow the format.
     """
-    payload = _list(_Decoder(body).payload, "call")
+    decoder = _Decoder(body)
+    payload = _list(decoder.payload, "call")
     if not payload or type(payload[0]) is not str:
         raise WireError("a call starts with its method name")
     method, args = payload[0], payload[1:]
@@ -446,7 +462,8 @@ def decode_call(body: bytes | bytearray | memoryview) -> tuple[str, tuple]:
     if method == "free":
         return method, (_int(arg, "slot"),)
     cache: dict = {}
-    return method, ([_item_from(item, cache) for item in _list(arg, f"{method} items")],)
+    return method, ([_item_from(item, cache, decoder) for item in
+                     _list(arg, f"{method} items")],)
 
 
 def decode_reply(method: str, body: bytes | bytearray | memoryview):

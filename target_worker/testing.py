@@ -2,7 +2,8 @@
 
 ``load_model("tiny-random")`` or ``load_model("tiny-random:vocab=64,seed=0,layers=2")``
 returns a tiny random `Decoder` (`ModelConfig.tiny_test`; ``dense=1`` swaps its MoE FFN for a
-dense SwiGLU) and a `TinyTokenizer`. Neither is a
+dense SwiGLU) and a `TinyTokenizer` (``ascii=1``: one that spells printable ASCII, for
+structured-output tests whose JSON needs braces and quotes). Neither is a
 language model: the output is deterministic noise, which is all a plumbing test needs.
 """
 
@@ -24,7 +25,9 @@ __all__ = [
 
 #: Model source prefix routed here by `target_worker.load_model`.
 TINY_RANDOM = "tiny-random"
-_DEFAULTS = {"vocab": 64, "seed": 0, "layers": 2, "dense": 0}
+_DEFAULTS = {"vocab": 64, "seed": 0, "layers": 2, "dense": 0, "ascii": 0}
+#: The characters an ``ascii`` `TinyTokenizer` spells: printable ASCII, space to ``~``.
+_ASCII = "".join(chr(c) for c in range(0x20, 0x7F))
 
 
 class TinyTokenizer:
@@ -36,6 +39,10 @@ class TinyTokenizer:
     ``chr(0x41 + id % 58)`` ("A".."z"), so text grows by one character per token. Encoding
     is not the inverse of decoding.
 
+    With ``ascii=True`` id ``i > 0`` decodes to printable ASCII character ``(i - 1) % 95``
+    (space to ``~``) and encoding inverts that for those characters (others map as above),
+    so a model with ``vocab_size >= 96`` can spell JSON.
+
     Raises:
         ValueError: ``vocab_size < 2``.
     """
@@ -44,17 +51,24 @@ class TinyTokenizer:
     bos_token_id = None
     pad_token_id = None
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, ascii: bool = False) -> None:
         if vocab_size < 2:
             raise ValueError(f"TinyTokenizer needs vocab_size >= 2, got {vocab_size}")
         self.vocab_size = vocab_size
+        self.ascii = ascii
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids in ``[1, vocab_size)``, one per character (no special tokens added)."""
+        if self.ascii:
+            return [(_ASCII.index(c) % (self.vocab_size - 1) if c in _ASCII
+                     else ord(c) % (self.vocab_size - 1)) + 1 for c in text]
         return [ord(c) % (self.vocab_size - 1) + 1 for c in text]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """One character per id; ``skip_special_tokens`` drops the EOS id."""
+        if self.ascii:
+            return "".join("" if int(i) == self.eos_token_id and skip_special_tokens
+                           else _ASCII[(int(i) - 1) % 95] if int(i) else "A" for i in ids)
         return "".join(
             chr(0x41 + int(i) % 58)
             for i in ids
@@ -66,10 +80,15 @@ class TinyTokenizer:
         messages: Sequence[dict],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        tools: Sequence[dict] | None = None,
     ) -> str | list[int]:
-        """``"role: content\\n"`` per message, then ``"assistant: "`` when
-        ``add_generation_prompt``; token ids instead of text when ``tokenize``."""
+        """``"role: content\\n"`` per message (after ``"tools: <names>\\n"`` when ``tools``
+        are given), then ``"assistant: "`` when ``add_generation_prompt``; token ids instead
+        of text when ``tokenize``."""
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        if tools:
+            names = ", ".join(t.get("function", {}).get("name", "") for t in tools)
+            text = f"tools: {names}\n" + text
         if add_generation_prompt:
             text += "assistant: "
         return self.encode(text) if tokenize else text
@@ -93,7 +112,13 @@ def load_tiny_random(spec: str = TINY_RANDOM) -> tuple[Decoder, TinyTokenizer]:
         As `tiny_random_config`.
     """
     config, seed = tiny_random_config(spec)
-    return Decoder.random(config, seed=seed), TinyTokenizer(config.vocab_size)
+    return (Decoder.random(config, seed=seed),
+            TinyTokenizer(config.vocab_size, ascii=bool(_ascii(spec))))
+
+
+def _ascii(spec: str) -> int:
+    return int(dict(p.strip().split("=", 1) for p in spec[len(TINY_RANDOM) + 1:].split(",")
+                    if "=" in p).get("ascii", "0").strip())
 
 
 def tiny_random_config(spec: str = TINY_RANDOM) -> tuple[ModelConfig, int]:
@@ -127,9 +152,10 @@ def tiny_random_config(spec: str = TINY_RANDOM) -> tuple[ModelConfig, int]:
         except ValueError:
             raise ValueError(f"tiny-random option {key}={value!r} is not an integer") from None
     if (options["vocab"] < 2 or options["layers"] < 1 or options["seed"] < 0
-            or options["dense"] not in (0, 1)):
+            or options["dense"] not in (0, 1) or options["ascii"] not in (0, 1)):
         raise ValueError(
-            f"tiny-random needs vocab >= 2, layers >= 1, seed >= 0, dense 0 or 1: {options}"
+            f"tiny-random needs vocab >= 2, layers >= 1, seed >= 0, dense and ascii 0 or 1: "
+            f"{options}"
         )
     config = ModelConfig.tiny_test(options["vocab"], n_layers=options["layers"])
     if options["dense"]:

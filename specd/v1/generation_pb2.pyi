@@ -56,8 +56,29 @@ class SpeculationOptions(_message.Message):
     drafter: str
     def __init__(self, enabled: _Optional[bool] = ..., max_draft_len: _Optional[int] = ..., drafter: _Optional[str] = ...) -> None: ...
 
+class Constraint(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "compact_json")
+    class Choices(_message.Message):
+        __slots__ = ("choices",)
+        CHOICES_FIELD_NUMBER: _ClassVar[int]
+        choices: _containers.RepeatedScalarFieldContainer[str]
+        def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_JSON_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: Constraint.Choices
+    grammar: str
+    compact_json: bool
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Constraint.Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., compact_json: _Optional[bool] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "token_ids", "sampling", "seed", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "speculation", "include_stop_str_in_output", "logprobs", "prompt_logprobs")
+    __slots__ = ("text", "chat", "token_ids", "sampling", "seed", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "speculation", "include_stop_str_in_output", "logprobs", "prompt_logprobs", "constraint")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +92,7 @@ class GenerateRequest(_message.Message):
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatMessages
     token_ids: TokenIds
@@ -84,7 +106,8 @@ class GenerateRequest(_message.Message):
     include_stop_str_in_output: bool
     logprobs: int
     prompt_logprobs: int
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    constraint: Constraint
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -113,7 +136,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("forward_calls", "verification_steps", "drafted_tokens", "accepted_tokens", "acceptance_length", "accept_rate", "evaluated_at_position", "accepted_at_position", "drafter_failures")
+    __slots__ = ("forward_calls", "verification_steps", "drafted_tokens", "accepted_tokens", "acceptance_length", "accept_rate", "evaluated_at_position", "accepted_at_position", "drafter_failures", "forced_tokens", "grammar_rejected_tokens")
     FORWARD_CALLS_FIELD_NUMBER: _ClassVar[int]
     VERIFICATION_STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +146,8 @@ class SpeculationStats(_message.Message):
     EVALUATED_AT_POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_AT_POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_REJECTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     forward_calls: int
     verification_steps: int
     drafted_tokens: int
@@ -132,7 +157,9 @@ class SpeculationStats(_message.Message):
     evaluated_at_position: _containers.RepeatedScalarFieldContainer[int]
     accepted_at_position: _containers.RepeatedScalarFieldContainer[int]
     drafter_failures: int
-    def __init__(self, forward_calls: _Optional[int] = ..., verification_steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., accept_rate: _Optional[float] = ..., evaluated_at_position: _Optional[_Iterable[int]] = ..., accepted_at_position: _Optional[_Iterable[int]] = ..., drafter_failures: _Optional[int] = ...) -> None: ...
+    forced_tokens: int
+    grammar_rejected_tokens: int
+    def __init__(self, forward_calls: _Optional[int] = ..., verification_steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., accept_rate: _Optional[float] = ..., evaluated_at_position: _Optional[_Iterable[int]] = ..., accepted_at_position: _Optional[_Iterable[int]] = ..., drafter_failures: _Optional[int] = ..., forced_tokens: _Optional[int] = ..., grammar_rejected_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "usage", "speculation", "logprobs", "prompt_logprobs")

@@ -24,6 +24,7 @@ Definitions (per request; the run's mean/median/std/p90/p99 are over completed r
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import sys
@@ -36,6 +37,7 @@ from typing import Any
 from .serve_data import (
     DATASETS,
     BenchPrompt,
+    json_schema_prompts,
     load_bench_tokenizer,
     load_custom,
     load_mt_bench,
@@ -67,6 +69,9 @@ class RequestOutcome:
         start: when it was sent, from the run's start. chunks: content chunks received.
         token_source: "usage" (the server's), "tokenizer" (client-side count of the text) or
             "chunks" (one per content chunk: a lower bound, for servers without either).
+        schema_valid: a constrained request's answer parsed as JSON and matched its schema
+            (`jsonschema` when installed, else parsing only); None when unconstrained or
+            not finished ("length").
     """
 
     success: bool = False
@@ -81,6 +86,7 @@ class RequestOutcome:
     start: float = 0.0
     chunks: int = 0
     token_source: str = "usage"
+    schema_valid: bool | None = None
 
     @property
     def tpot(self) -> float | None:
@@ -151,6 +157,9 @@ def compute_metrics(outcomes: Sequence[RequestOutcome], duration: float,
     if goodput:
         good = sum(1 for o in done if meets_slos(o, goodput))
         metrics["request_goodput"] = per_s(good)
+    checked = [o.schema_valid for o in done if o.schema_valid is not None]
+    if checked:  # a constrained workload: how many finished answers matched their schema
+        metrics["schema_checked"], metrics["schema_valid"] = len(checked), sum(checked)
     metrics["output_throughput"] = per_s(total_out)
     metrics["total_token_throughput"] = per_s(total_in + total_out)
     metrics.update(_stats("ttft", [o.ttft for o in done]))
@@ -230,6 +239,8 @@ def load_workload(cfg: ServeBenchConfig, tokenizer: Any = None) -> list[BenchPro
         raise ValueError(f"--num-prompts must be >= 1, got {num}")
     if cfg.dataset_name == "structured":
         return structured_prompts(num, cfg.seed)
+    if cfg.dataset_name == "json-schema":
+        return json_schema_prompts(num, cfg.seed)
     return random_prompts(num, cfg.input_len, cfg.seed, tokenizer)
 
 
@@ -293,6 +304,11 @@ async def send_request(client, model: str, prompt: BenchPrompt, cfg: ServeBenchC
     request: the outcome says why (``success`` False, ``error``)."""
     out = RequestOutcome(category=prompt.category)
     extra = {"ignore_eos": True} if cfg.ignore_eos else None
+    constrained = {} if prompt.schema is None else {"response_format": {
+        "type": "json_schema",
+        "json_schema": {"name": prompt.category or "answer", "schema": prompt.schema,
+                        "strict": True}}}
+    finish = None
     chunk_times: list[float] = []
     parts: list[str] = []
     usage = None
@@ -302,12 +318,13 @@ async def send_request(client, model: str, prompt: BenchPrompt, cfg: ServeBenchC
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt.prompt}],
             max_tokens=cfg.output_len, temperature=cfg.temperature, stream=True,
-            stream_options={"include_usage": True}, extra_body=extra)
+            stream_options={"include_usage": True}, extra_body=extra, **constrained)
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
                 usage = chunk.usage
             for choice in chunk.choices or ():
+                finish = choice.finish_reason or finish
                 text = choice.delta.content if choice.delta is not None else None
                 if text:
                     chunk_times.append(now)
@@ -319,6 +336,8 @@ async def send_request(client, model: str, prompt: BenchPrompt, cfg: ServeBenchC
         return out
     out.ttft, out.itl, out.latency = chunk_timing(start, chunk_times, end)
     out.text, out.chunks, out.success = "".join(parts), len(chunk_times), True
+    if prompt.schema is not None and finish == "stop":
+        out.schema_valid = schema_valid(out.text, prompt.schema)
     if usage is not None and usage.completion_tokens is not None:
         out.output_len, out.prompt_len = usage.completion_tokens, usage.prompt_tokens or 0
     elif tokenizer is not None:
@@ -330,6 +349,23 @@ async def send_request(client, model: str, prompt: BenchPrompt, cfg: ServeBenchC
         out.token_source = "chunks"
         out.output_len, out.prompt_len = out.chunks, prompt.prompt_len or 0
     return out
+
+
+def schema_valid(text: str, schema: dict) -> bool:
+    """Whether ``text`` is JSON matching ``schema`` (parsing only without `jsonschema`)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    try:
+        import jsonschema
+    except ImportError:
+        return True
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError:
+        return False
+    return True
 
 
 def load_points(cfg: ServeBenchConfig) -> list[tuple[float, int | None]]:

@@ -120,13 +120,15 @@ def add_serve_parser(modes) -> argparse.ArgumentParser:
                    help="custom: --dataset-path JSONL; mt-bench: MT-Bench's 80 questions "
                         "(first turns, 8 categories); random: --input-len random tokens; "
                         "structured: requests whose answers share a form (JSON, SQL, "
-                        "functions, tool calls), in order (default mt-bench)")
+                        "functions, tool calls), in order; json-schema: extraction prompts "
+                        "each with a JSON schema its answer is constrained to "
+                        "(response_format), checked (default mt-bench)")
     p.add_argument("--dataset-path", default=None, metavar="FILE",
                    help='--dataset-name custom: JSONL, {"prompt": str, "category": str '
                         "(optional)} per line")
     p.add_argument("--num-prompts", type=positive_int, default=None, metavar="N",
                    help="requests per run, drawn with --seed (cycling when N exceeds the "
-                        f"dataset) (default: every prompt once; random, structured: "
+                        f"dataset) (default: every prompt once; random, structured, json-schema: "
                         f"{RANDOM_NUM_PROMPTS})")
     p.add_argument("--input-len", type=positive_int, default=128, metavar="TOKENS",
                    help="--dataset-name random: prompt tokens (before the chat template) by "

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DATASETS = ("custom", "mt-bench", "random", "structured")
+DATASETS = ("custom", "mt-bench", "random", "structured", "json-schema")
 
 #: MT-Bench's questions, shipped with attribution (`specd_tools/data/mt_bench/NOTICE.md`).
 MT_BENCH_FILE = Path(__file__).parents[1] / "data" / "mt_bench" / "question.jsonl"
@@ -42,11 +42,14 @@ class BenchPrompt:
         category: the task category (str), or None when the dataset has none.
         prompt_len: the prompt's token count before any chat template, when known
             (``random`` with a tokenizer); None otherwise.
+        schema: a JSON Schema the answer is constrained to (sent as ``response_format``;
+            ``json-schema``), or None.
     """
 
     prompt: str
     category: str | None = None
     prompt_len: int | None = None
+    schema: dict | None = field(default=None, hash=False)
 
 
 def load_custom(path: str | Path) -> list[BenchPrompt]:
@@ -106,6 +109,15 @@ def structured_prompts(num: int, seed: int) -> list[BenchPrompt]:
     from specd_tools.workloads.structured import structured_requests
 
     return [BenchPrompt(text, kind) for kind, text in structured_requests(num, seed)]
+
+
+def json_schema_prompts(num: int, seed: int) -> list[BenchPrompt]:
+    """``num`` extraction prompts with the JSON schema their answer must match
+    (`specd_tools.workloads.structured.json_schema_requests`), the kinds in turn."""
+    from specd_tools.workloads.structured import json_schema_requests
+
+    return [BenchPrompt(text, kind, schema=schema)
+            for kind, text, schema in json_schema_requests(num, seed)]
 
 
 def random_prompts(num: int, input_len: int, seed: int, tokenizer: Any = None) -> list[BenchPrompt]:

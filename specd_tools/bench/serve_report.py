@@ -14,6 +14,8 @@ from .serve import LATENCY_METRICS, PERCENTILES
 _TABLE = (
     ("Successful requests", "completed", "{:d}"),
     ("Failed requests", "failed", "{:d}"),
+    ("Finished answers checked (schema)", "schema_checked", "{:d}"),
+    ("... matching their schema", "schema_valid", "{:d}"),
     ("Benchmark duration (s)", "duration", "{:.2f}"),
     ("Total input tokens", "total_input_tokens", "{:d}"),
     ("Total generated tokens", "total_output_tokens", "{:d}"),

@@ -29,6 +29,58 @@ _FUNCS = [("add", "the sum of a and b", "a, b"), ("is_even", "whether n is even"
 _TOOLS = [("get_weather", "city"), ("get_time", "city"), ("book_table", "city")]
 
 
+#: `json_schema_requests`' kinds and their schemas (every field required, no others: the
+#: strict-mode shape OpenAI documents).
+SCHEMAS: dict[str, dict] = {
+    "person": {"type": "object", "additionalProperties": False,
+               "required": ["name", "age", "city"],
+               "properties": {"name": {"type": "string", "maxLength": 40},
+                              "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                              "city": {"type": "string", "maxLength": 40}}},
+    "order": {"type": "object", "additionalProperties": False,
+              "required": ["item", "quantity", "express"],
+              "properties": {"item": {"type": "string", "maxLength": 40},
+                             "quantity": {"type": "integer", "minimum": 1, "maximum": 1000},
+                             "express": {"type": "boolean"}}},
+    "event": {"type": "object", "additionalProperties": False,
+              "required": ["title", "city", "month"],
+              "properties": {"title": {"type": "string", "maxLength": 60},
+                             "city": {"type": "string", "maxLength": 40},
+                             "month": {"enum": ["January", "February", "March", "April", "May",
+                                                "June", "July", "August", "September",
+                                                "October", "November", "December"]}}},
+}
+_ITEMS = ["lamp", "chair", "kettle", "notebook", "bicycle", "umbrella", "teapot", "backpack"]
+_EVENTS = ["jazz festival", "book fair", "marathon", "film week", "food market",
+           "chess open"]
+_MONTHS = SCHEMAS["event"]["properties"]["month"]["enum"]
+
+
+def json_schema_requests(n: int, seed: int = 0) -> list[tuple[str, str, dict]]:
+    """``n`` ``(kind, prompt, schema)`` extraction requests cycling through `SCHEMAS`' kinds
+    (person, order, event), fields drawn with ``seed``: the answer is constrained to
+    ``schema`` (`specd bench serve --dataset-name json-schema`)."""
+    rng = random.Random(seed)
+    kinds = list(SCHEMAS)
+    out = []
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        if kind == "person":
+            text = (f"Extract the person from this sentence as JSON.\nSentence: "
+                    f"{rng.choice(_NAMES)} is {rng.randint(18, 80)} years old and lives in "
+                    f"{rng.choice(_CITIES)}.")
+        elif kind == "order":
+            text = (f"Extract the order as JSON.\nMessage: please send me "
+                    f"{rng.randint(1, 12)} x {rng.choice(_ITEMS)}"
+                    f"{', express delivery' if rng.random() < 0.5 else ''}. Thanks, "
+                    f"{rng.choice(_NAMES)}")
+        else:
+            text = (f"Extract the event as JSON.\nNotice: the {rng.choice(_EVENTS)} comes to "
+                    f"{rng.choice(_CITIES)} in {rng.choice(_MONTHS)}.")
+        out.append((kind, text, SCHEMAS[kind]))
+    return out
+
+
 def structured_requests(n: int, seed: int = 0) -> list[tuple[str, str]]:
     """``n`` ``(kind, prompt)`` pairs cycling through four kinds of repeated-structure
     request (json, sql, function, tool), fields drawn with ``seed``."""

@@ -154,8 +154,9 @@ def test_greedy_and_seeded_text_equal_the_grpc_apis(service, client):
      "messages[1].role"),
     ({"messages": [{"role": "user", "content": "hi", "name": 3}]}, "messages[0].name"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}, "tools"),
+    ({"functions": [{"name": "f"}]}, "functions"),
     ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
     ({"messages": []}, "messages"),
 ])

@@ -18,13 +18,16 @@ def test_every_member_counts_by_the_documented_sizes():
     item = VerifyItem(slot=3, start_pos=500, tokens=list(range(11)),
                       sampling=SamplingParams(temperature=0.7), want_hidden=True)
     sampling = 8 * len(dataclasses.fields(SamplingParams))
-    # slot, start_pos, tokens, sampling, want_hidden, logprobs (None)
-    assert payload_bytes([item]) == 8 + 8 + 8 * 11 + sampling + 1 + 1
+    # slot, start_pos, tokens, sampling, want_hidden, logprobs (None), mask (None)
+    assert payload_bytes([item]) == 8 + 8 + 8 * 11 + sampling + 1 + 1 + 1
     prefill = PrefillItem(slot=1, tokens=[5] * 300, sampling=SamplingParams())
-    # slot, start_pos, offset, tokens, sampling, want_hidden, last, and the three log
-    # probability fields (None)
+    # slot, start_pos, offset, tokens, sampling, want_hidden, last, the three log
+    # probability fields (None) and the mask (None)
     assert (payload_bytes([item, prefill])
-            == payload_bytes(item) + 8 + 8 + 8 + 8 * 300 + sampling + 1 + 1 + 3)
+            == payload_bytes(item) + 8 + 8 + 8 + 8 * 300 + sampling + 1 + 1 + 3 + 1)
+    # A grammar mask counts its bytes: int32 [rows, words].
+    masked = dataclasses.replace(item, mask=np.zeros((12, 2), dtype=np.int32))
+    assert payload_bytes(masked) == payload_bytes(item) - 1 + 12 * 2 * 4
     hidden = torch.zeros(11, 16)
     out = StepOutput(GreedyRows(tuple(range(11))), hidden)
     assert payload_bytes(out) == 8 * 11 + 11 * 16 * 4 + 1

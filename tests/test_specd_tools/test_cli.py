@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 import torch
@@ -54,6 +55,39 @@ def test_json_keys_say_what_they_hold(capsys):
     out = json.loads(capsys.readouterr().out)
     assert len(out["token_ids"]) == out["completion_tokens"] == 7
     assert "generated_tokens" not in out and "tokens_generated" not in out
+
+
+def test_generate_constrains_the_answer_to_a_json_schema_or_a_regex(capsys, tmp_path):
+    schema = {"type": "object", "required": ["ok"], "additionalProperties": False,
+              "properties": {"ok": {"type": "boolean"}}}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    ascii_model = "tiny-random:vocab=128,seed=0,layers=2,ascii=1"
+    assert cli.main(["generate", "hi", "--model", ascii_model, "--in-process", "--json",
+                     "--json-schema", str(path), "--max-new-tokens", "30"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert json.loads(out["text"]) in ({"ok": True}, {"ok": False})
+    assert out["finish_reason"] == "stop" and out["forced_tokens"] > 0
+    assert cli.main(["generate", "hi", "--model", ascii_model, "--in-process", "--json",
+                     "--regex", "[a-c]{3}x", "--max-new-tokens", "10"]) == 0
+    assert re.fullmatch("[a-c]{3}x", json.loads(capsys.readouterr().out)["text"])
+    # Through a server: the gRPC request carries the constraint.
+    from specd_core.sampling import SamplingParams
+    from specd_tools.generate import GenerateOptions, generate_request
+
+    req = generate_request(GenerateOptions("x", json_schema=str(path)), SamplingParams())
+    assert json.loads(req.constraint.json_schema) == schema
+    assert generate_request(GenerateOptions("x", regex="ab"), SamplingParams()
+                            ).constraint.regex == "ab"
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "hi", "--in-process", "--json-schema", str(path),
+                  "--regex", "a"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli.main(["generate", "hi", "--model", ascii_model, "--in-process",
+                  "--json-schema", str(tmp_path / "missing.json")])
+    assert info.value.code == 2
+    assert "error: --json-schema: cannot read" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, flag", [

@@ -59,6 +59,22 @@ def test_calls_round_trip():
     assert decode_call(joined(encode_call("shutdown", ()))) == ("shutdown", ())
 
 
+def test_grammar_masks_round_trip_and_bad_masks_are_refused():
+    mask = np.array([[-1, 5], [7, 0]], dtype=np.int32)
+    items = [VerifyItem(slot=1, start_pos=7, tokens=[5, 6], sampling=SAMPLING, mask=mask),
+             PrefillItem(slot=2, tokens=[1], sampling=SAMPLING, mask=mask[:1])]
+    _, (decoded,) = decode_call(joined(encode_call("verify", (items,))))
+    assert decoded == items
+    np.testing.assert_array_equal(decoded[0].mask, mask)
+    np.testing.assert_array_equal(decoded[1].mask, mask[:1])
+    assert decoded[0].mask.dtype == np.int32
+    no_mask = decode_call(joined(encode_call("verify", ([VerifyItem(1, 7, [5], SAMPLING)],))))
+    assert no_mask[1][0][0].mask is None
+    bad = [1, 1, 7, [5], VERIFY[4], False, None, ["int64", [1, 2], 0]]
+    with pytest.raises(WireError, match="int32"):
+        decode_call(message(["verify", [bad]], [np.zeros(2, "<i8").tobytes()]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_outputs_round_trip_bit_exactly(dtype):
     dense = torch.softmax(torch.randn(3, 50), -1)
