@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -227,6 +228,9 @@ BMM_KERNELS = (("aten", _bmm_aten, False), ("tiles", _bmm_tiles, False),
 
 #: ``min_rows`` tried per kernel, least padding first.
 _MIN_ROWS = (1, 2, 4, 8, 16)
+#: Call sizes a verdict read from disk is spot-checked at (with its ``min_rows``): a verify
+#: block of 8 drafts, a batched step, a full call. A stale or edited file costs a full check.
+QUICK_ROWS = (9, 64, 256)
 
 
 @dataclass(frozen=True)
@@ -268,15 +272,19 @@ def _padded_call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, ro
 
 
 def _run_check(fn: Callable[[torch.Tensor], torch.Tensor], make: Callable[[int], torch.Tensor],
-               min_rows: int, threads: Sequence[int], per_row: bool) -> tuple[bool, bool]:
+               min_rows: int, threads: Sequence[int], per_row: bool, quick: bool = False
+               ) -> tuple[bool, bool]:
     """Whether ``fn`` (rows along dim 0, or dim 1 for a batched 3-D input) gives each probe
     row the same bits inside every proven call as alone: ``(invariant at each thread count,
-    and the same across them)``. ``make(n)`` draws ``n`` random input rows."""
+    and the same across them)``. ``make(n)`` draws ``n`` random input rows. ``quick``: only
+    a few call sizes (`QUICK_ROWS`), the spot check of a verdict read from disk."""
     probes = make(_PROBES)
     dim = 0 if probes.dim() == 2 else 1
     first = call_rows(min_rows)
     # One call per row: only determinism is left to check.
     sizes = [first, CALL_ROWS[-1]] if per_row else [s for s in CALL_ROWS if s >= first]
+    if quick:
+        sizes = [s for s in sizes if s == first or s in QUICK_ROWS]
     refs = []
     for count in threads:
         with torch_threads(count):
@@ -316,6 +324,8 @@ def _fingerprint() -> str:
 _LOCK = threading.Lock()
 #: key -> InvariancePlan, for this process (the disk file is read once).
 _VERDICTS: dict[str, InvariancePlan] = {}
+#: Keys whose verdict this process decided or spot-checked (`_spot_check`).
+_CONFIRMED: set[str] = set()
 _DISK_LOADED = False
 
 
@@ -372,10 +382,16 @@ def _decide(key: str, candidates: Sequence[tuple[str, bool, Callable[[int, tuple
     counts (one thread among them) link up: both hold at the larger size on one thread."""
     with _LOCK:
         _load_disk()
+        counts = tuple(dict.fromkeys((1, *threads)))
         plan = _VERDICTS.get(key)
         if plan is not None:
-            return plan
-        counts = tuple(dict.fromkeys((1, *threads)))
+            if key in _CONFIRMED or _spot_check(plan, candidates, counts):
+                _CONFIRMED.add(key)
+                return plan
+            logging.getLogger(__name__).warning(
+                "batch invariance: the stored verdict %s for %s failed its spot check; "
+                "checking again", plan, key)
+            del _VERDICTS[key]
 
         def least(name, per_row, check, counts, below=None):
             for min_rows in (1,) if per_row else _MIN_ROWS:
@@ -401,8 +417,31 @@ def _decide(key: str, candidates: Sequence[tuple[str, bool, Callable[[int, tuple
             raise RuntimeError(f"no batch-invariant kernel for {key}: even one row per call "
                                "gave other bits (a non-deterministic kernel?)")
         _VERDICTS[key] = plan
+        _CONFIRMED.add(key)
         _save_disk(key, plan)
         return plan
+
+
+def _spot_check(plan: InvariancePlan, candidates, counts: tuple[int, ...]) -> bool:
+    """Whether a verdict read from disk names a kernel of ``candidates`` with sane row counts
+    and passes the check at `QUICK_ROWS` (one thread at its ``min_rows``; every thread count
+    at its ``threaded_rows``): a file from another build, or edited, is never trusted."""
+    found = [(per_row, check) for name, per_row, check in candidates if name == plan.kernel]
+    if not found:
+        return False
+    per_row, check = found[0]
+    allowed = (1,) if per_row else _MIN_ROWS
+    if not (isinstance(plan.min_rows, int) and plan.min_rows in allowed
+            and (plan.threaded_rows is None or (isinstance(plan.threaded_rows, int)
+                                                and plan.threaded_rows in _MIN_ROWS))):
+        return False
+    try:
+        ok, same = check(plan.min_rows, (1,), True)
+        if ok and same and plan.threaded_rows is not None and counts != (1,):
+            ok, same = check(plan.threaded_rows, counts, True)
+    except RuntimeError:
+        return False
+    return ok and same
 
 
 def _scale_rows(gen: torch.Generator, shape: Sequence[int], dtype: torch.dtype,
@@ -411,7 +450,8 @@ def _scale_rows(gen: torch.Generator, shape: Sequence[int], dtype: torch.dtype,
 
 
 def check_linear(kernel: _Kernel, weight: torch.Tensor, bias: torch.Tensor | None,
-                 min_rows: int, threads: Sequence[int]) -> tuple[bool, bool]:
+                 min_rows: int, threads: Sequence[int], quick: bool = False
+                 ) -> tuple[bool, bool]:
     """`_run_check` of ``kernel`` multiplying ``weight [out, in]`` (+ ``bias``) at
     ``min_rows``: ``(invariant at each of threads, equal across them)``.
 
@@ -429,7 +469,7 @@ def check_linear(kernel: _Kernel, weight: torch.Tensor, bias: torch.Tensor | Non
     def make(n):
         return _scale_rows(gen, (n, k_in), weight.dtype, weight.device)
 
-    return _run_check(fn, make, min_rows, threads, kernel.per_row)
+    return _run_check(fn, make, min_rows, threads, kernel.per_row, quick)
 
 
 def _key(*parts) -> str:
@@ -444,7 +484,8 @@ def plan_linear(weight: torch.Tensor, bias: torch.Tensor | None, threads: Sequen
     key = _key("linear", tuple(weight.shape), weight.dtype, weight.device.type,
                bias is not None, threads)
     candidates = [
-        (k.name, k.per_row, lambda m, counts, k=k: check_linear(k, weight, bias, m, counts))
+        (k.name, k.per_row,
+         lambda m, counts, quick=False, k=k: check_linear(k, weight, bias, m, counts, quick))
         for k in LINEAR_KERNELS
     ]
     return _decide(key, candidates, threads)
@@ -452,8 +493,8 @@ def plan_linear(weight: torch.Tensor, bias: torch.Tensor | None, threads: Sequen
 
 def check_bmm(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], per_row: bool,
               batch: int, k: int, n: int, b_transposed: bool, dtype: torch.dtype,
-              device: torch.device, min_rows: int, threads: Sequence[int]
-              ) -> tuple[bool, bool]:
+              device: torch.device, min_rows: int, threads: Sequence[int],
+              quick: bool = False) -> tuple[bool, bool]:
     """`_run_check` of ``fn(a [batch, m, k], b [batch, k, n])`` over the rows ``m`` of
     ``a``, with ``b`` a transposed view of ``[batch, n, k]`` when ``b_transposed`` (the
     layout attention multiplies keys in), checked at two batch counts."""
@@ -467,7 +508,8 @@ def check_bmm(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], per_row:
         def make(m, count=count):
             return _scale_rows(gen, (count, m, k), dtype, device)
 
-        ok, same = _run_check(lambda a, b=b: fn(a, b), make, min_rows, threads, per_row)
+        ok, same = _run_check(lambda a, b=b: fn(a, b), make, min_rows, threads, per_row,
+                              quick)
         if not (ok and same):
             return ok, same
     return True, True
@@ -482,8 +524,8 @@ def plan_bmm(batch: int, k: int, n: int, b_transposed: bool, dtype: torch.dtype,
     key = _key("bmm", batch, k, n, b_transposed, dtype, device.type, threads)
     candidates = [
         (name, per_row,
-         lambda m, counts, fn=fn, per_row=per_row: check_bmm(
-             fn, per_row, batch, k, n, b_transposed, dtype, device, m, counts))
+         lambda m, counts, quick=False, fn=fn, per_row=per_row: check_bmm(
+             fn, per_row, batch, k, n, b_transposed, dtype, device, m, counts, quick))
         for name, fn, per_row in BMM_KERNELS
     ]
     return _decide(key, candidates, threads)

@@ -33,6 +33,7 @@ def _fresh_verdicts(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECD_CACHE", str(tmp_path))
     monkeypatch.setattr(inv, "_VERDICTS", {})
     monkeypatch.setattr(inv, "_DISK_LOADED", False)
+    monkeypatch.setattr(inv, "_CONFIRMED", set())
 
 
 def _decoder(spec: str, dtype: torch.dtype, threads=(1, 2), context: int | None = None):
@@ -257,10 +258,42 @@ def test_verdicts_are_kept_on_disk_and_reused(tmp_path, monkeypatch):
     assert plan.kernel in stored
     monkeypatch.setattr(inv, "_VERDICTS", {})
     monkeypatch.setattr(inv, "_DISK_LOADED", False)
+    monkeypatch.setattr(inv, "_CONFIRMED", set())
     calls = []
     monkeypatch.setattr(inv, "check_linear", lambda *a: calls.append(a) or (True, True))
     assert inv.plan_linear(weight, None, (1,)) == plan
-    assert calls == []  # read back, not checked again
+    # Read back and spot-checked once (the quick sizes only), not decided again.
+    assert len(calls) == 1 and calls[0][-1] is True
+    assert inv.plan_linear(weight, None, (1,)) == plan and len(calls) == 1
+
+
+@pytest.mark.parametrize("edit", [
+    {"kernel": "bad", "min_rows": 1, "threaded_rows": 1},       # a call-dependent kernel
+    {"kernel": "renamed", "min_rows": 1, "threaded_rows": 1},   # unknown to this build
+    {"kernel": "rows", "min_rows": 0, "threaded_rows": -3},     # row counts never proven
+    {"kernel": "rows", "min_rows": "x", "threaded_rows": None},
+])
+def test_a_stored_verdict_that_fails_its_spot_check_is_decided_again(tmp_path, monkeypatch,
+                                                                     edit):
+    """A verdict file from another build, or edited, never makes a target non-exact."""
+    import json
+
+    rows = next(k for k in inv.LINEAR_KERNELS if k.name == "rows")
+    bad = _shape_dependent_kernel("bad")
+    monkeypatch.setattr(inv, "LINEAR_KERNELS", (bad, rows))
+    monkeypatch.setattr(inv, "_KERNELS", {"bad": bad, "rows": rows})
+    weight = torch.randn(32, 16, generator=torch.Generator().manual_seed(6))
+    assert inv.plan_linear(weight, None, (1,)).kernel == "rows"
+    path = tmp_path / "batch_invariance.json"
+    stored = json.loads(path.read_text())
+    (key,) = stored
+    path.write_text(json.dumps({key: edit}))
+    monkeypatch.setattr(inv, "_VERDICTS", {})
+    monkeypatch.setattr(inv, "_DISK_LOADED", False)
+    monkeypatch.setattr(inv, "_CONFIRMED", set())
+    plan = inv.plan_linear(weight, None, (1,))
+    assert (plan.kernel, plan.min_rows) == ("rows", 1)
+    assert json.loads(path.read_text())[key]["kernel"] == "rows"  # the file is corrected
 
 
 def test_a_planned_weight_changed_in_place_or_moved_is_multiplied_as_it_is_now():
