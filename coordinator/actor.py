@@ -212,7 +212,7 @@ class CoordinatorActor:
         cert = Path(cfg.tls_cert).read_bytes() if cfg.tls_cert else None
         key = Path(cfg.tls_key).read_bytes() if cfg.tls_key else None
         self.server, port = await start_generation_server(
-            servicer, cfg.host, cfg.port, cert, key, cfg.auth_token)
+            servicer, cfg.host, cfg.port, cert, key, self._tenants())
         registry = None
         if cfg.metrics_port is not None or cfg.http_port is not None:
             import asyncio
@@ -220,7 +220,8 @@ class CoordinatorActor:
             from .metrics import router_registry
 
             try:
-                registry = router_registry(self.router, asyncio.get_running_loop())
+                registry = router_registry(self.router, asyncio.get_running_loop(),
+                                           tenant_stats=servicer.tenant_stats)
             except ImportError:
                 if cfg.metrics_port is not None:
                     raise
@@ -240,9 +241,15 @@ class CoordinatorActor:
         from .http_server import start_http_server
 
         cfg = self.config
-        self.http_api = OpenAIApi(auth_token=cfg.auth_token)
+        self.http_api = OpenAIApi(auth_token=self._tenants())
         self.http_server, self.http_port = await start_http_server(
             self.http_api, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
+
+    def _tenants(self):
+        """The one token table both APIs share (made on first use)."""
+        if not hasattr(self, "_tenant_table"):
+            self._tenant_table = self.config.tenants()
+        return self._tenant_table
 
     def http_address(self) -> str | None:
         """``host:port`` of the OpenAI HTTP API, or None when off."""

@@ -71,7 +71,12 @@ class ServiceConfig:
             default: a CPU prefill of a full batch of long prompts takes minutes. A replica
             whose process dies is detected at once whatever this is.
         tls_cert, tls_key: PEM file paths for TLS on the API.
-        auth_token: bearer token required by the API (health checks exempt).
+        auth_token: bearer token(s) one of which the API requires (health checks exempt):
+            a string or a tuple of them, each a tenant (`coordinator.tenants.Tenants`).
+        admin_token: the admin's token (Status, Scale, ``/metrics``); None: the only
+            ``auth_token`` when there is one, else only the tokens file's admins.
+        auth_tokens_file: a file of ``<tenant> <token> [admin]`` lines, re-read when it
+            changes (`coordinator.tenants`).
         metrics_port: serve Prometheus ``/metrics`` on ``host:metrics_port`` (0 picks a
             port; None: off). Needs prometheus_client.
         max_prompt_bytes: refuse prompts over this many UTF-8 bytes before tokenizing; None
@@ -124,7 +129,9 @@ class ServiceConfig:
     target_timeout_s: float = 600.0
     tls_cert: str | None = None
     tls_key: str | None = None
-    auth_token: str | None = None
+    auth_token: str | tuple[str, ...] | None = None
+    admin_token: str | None = None
+    auth_tokens_file: str | None = None
     metrics_port: int | None = None
     max_prompt_bytes: int | None = None
     pipeline: bool = True
@@ -143,6 +150,11 @@ class ServiceConfig:
         for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{flag}: {path} is not a file")
+        if isinstance(self.auth_token, list):  # frozen: normalise once, here
+            object.__setattr__(self, "auth_token", tuple(self.auth_token))
+        if self.auth_tokens_file is not None and not os.path.isfile(self.auth_tokens_file):
+            raise ValueError(f"--auth-tokens-file: {self.auth_tokens_file} is not a file")
+        self.tenants()  # names a bad token or tokens file before anything starts
         if self.channel_tls not in ("auto", "on", "off"):
             raise ValueError(f"channel_tls must be auto, on or off, got {self.channel_tls!r}")
         for name in ("target_resource", "drafter_resource"):
@@ -183,6 +195,21 @@ class ServiceConfig:
             value = getattr(self, name)
             if value and value == getattr(self, other):  # 0 and None: none fixed
                 raise ValueError(f"{name} must differ from {other}={value}")
+
+    def tenants(self):
+        """The API's token table (`coordinator.tenants.Tenants`) from `auth_token`,
+        `admin_token` and `auth_tokens_file`, or None when none is set (an open API).
+
+        Raises:
+            ValueError: an empty or repeated token, or a tokens file that does not parse.
+        """
+        from .tenants import Tenants
+
+        tokens = self.auth_token
+        tokens = () if not tokens else (tokens,) if isinstance(tokens, str) else tokens
+        if not tokens and self.admin_token is None and self.auth_tokens_file is None:
+            return None
+        return Tenants(tokens, self.admin_token, self.auth_tokens_file)
 
     @property
     def chunking(self) -> ChunkPolicy:

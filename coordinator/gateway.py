@@ -47,6 +47,7 @@ from .generation_request import (
     top_count,
 )
 from .scheduler import Scheduler, ServiceRequest
+from .tenants import partition_of
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,16 @@ class Gateway:
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        #: Per tenant name ("" without tokens): ``requests``, ``prompt_tokens`` (counted
+        #: when queued), ``generation_tokens`` (when finished) -- the ``tenant``-labelled
+        #: metrics (`coordinator.metrics`).
+        self.tenant_stats: dict[str, dict[str, int]] = {}
+
+    def _book(self, tenant: str, **counts: int) -> None:
+        stats = self.tenant_stats.setdefault(
+            tenant, {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0})
+        for name, n in counts.items():
+            stats[name] += n
 
     # ---- request parsing ----
 
@@ -352,12 +363,16 @@ class Gateway:
     # ---- submit, stream, collect ----
 
     async def submit(self, request: GenerationRequest,
-                     default_max_new_tokens: bool = False) -> ServiceRequest:
+                     default_max_new_tokens: bool = False, tenant: str = "",
+                     cache_salt: str | None = None) -> ServiceRequest:
         """Parses, validates and queues ``request``: the one path both front ends (gRPC,
         `coordinator.grpc_api`, and the OpenAI HTTP API, `coordinator.http_api`) take.
 
         ``default_max_new_tokens``: an unset (0) ``max_new_tokens`` means "the rest of the
-        model's context" instead of an error (OpenAI's chat default).
+        model's context" instead of an error (OpenAI's chat default). ``tenant``: the
+        caller's tenant name (`coordinator.tenants`; "" without tokens) and ``cache_salt``
+        the request's: together they choose the partition of cross-request state the request
+        may share (`coordinator.tenants.partition_of`).
 
         Raises:
             RequestInvalid: a bad field (the message names it).
@@ -365,14 +380,8 @@ class Gateway:
             ReplicaUnavailable: no replica can serve now.
             RequestFailed: tokenizing failed (the cause is logged, not shown).
         """
-        prompt, options, speculate, max_draft_len = await self._parse(
-            request, default_max_new_tokens)
-        try:
-            return self.scheduler.submit(prompt, options, speculate, max_draft_len)
-        except ValueError as exc:
-            raise RequestInvalid(str(exc)) from exc
-        except RuntimeError as exc:  # a router with no serving replica
-            raise ReplicaUnavailable(str(exc)) from exc
+        return (await self.submit_choices(request, 1, default_max_new_tokens, tenant,
+                                          cache_salt))[0]
 
     async def _parse(self, request: GenerationRequest,
                      default_max_new_tokens: bool):
@@ -394,7 +403,8 @@ class Gateway:
             raise RequestFailed(REQUEST_FAILED) from exc
 
     async def submit_choices(self, request: GenerationRequest, n: int,
-                             default_max_new_tokens: bool = False) -> list[ServiceRequest]:
+                             default_max_new_tokens: bool = False, tenant: str = "",
+                             cache_salt: str | None = None) -> list[ServiceRequest]:
         """`submit` for ``n`` independent choices of one prompt, tokenized once. Choice ``i``
         samples with seed ``seed + i`` (mod 2**64) when the request has a seed, so a seeded
         request gives the same ``n`` outputs every time; without one each draws fresh
@@ -406,16 +416,22 @@ class Gateway:
         """
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        if n == 1:
-            return [await self.submit(request, default_max_new_tokens)]
+        try:
+            partition = partition_of(tenant, cache_salt)
+        except ValueError as exc:
+            why = str(exc).removeprefix("cache_salt: ")
+            raise RequestInvalid("{field}: " + literal(why), "cache_salt") from exc
         prompt, options, speculate, max_draft_len = await self._parse(
             request, default_max_new_tokens)
         reqs: list[ServiceRequest] = []
         try:
             for i in range(n):
-                seed = None if options.seed is None else (options.seed + i) % 2**64
+                seed = options.seed
+                if n > 1 and seed is not None:
+                    seed = (seed + i) % 2**64
                 reqs.append(self.scheduler.submit(
-                    prompt, dataclasses.replace(options, seed=seed), speculate, max_draft_len))
+                    prompt, dataclasses.replace(options, seed=seed), speculate, max_draft_len,
+                    partition=partition))
         except BaseException as exc:
             for req in reqs:
                 self.scheduler.cancel(req)
@@ -424,6 +440,9 @@ class Gateway:
             if isinstance(exc, RuntimeError):
                 raise ReplicaUnavailable(str(exc)) from exc
             raise
+        for req in reqs:
+            req.tenant = tenant
+        self._book(tenant, requests=n, prompt_tokens=len(prompt))
         return reqs
 
     async def stream(self, req: ServiceRequest, trim_stops: Sequence[str] = ()
@@ -468,6 +487,7 @@ class Gateway:
                                       prompt_logprobs and prompt_logprobs())
                     prompt_logprobs = None
                 elif isinstance(event, SpeculativeDecodeResult):
+                    self._book(req.tenant, generation_tokens=event.tokens_generated)
                     try:
                         delta = text.flush()
                     except Exception as exc:

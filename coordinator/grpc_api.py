@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from drafter_worker.server import CredentialInterceptor
+from drafter_worker.server import CredentialInterceptor, refusing_handler
 from drafter_worker.sessions import DRAFTER_STATS
 from specd.v1 import generation_pb2, generation_pb2_grpc
 from specd_core.grammar import GrammarError, GrammarSpec
@@ -37,6 +37,7 @@ from .errors import RequestError, RequestInvalid, client_status, literal
 from .gateway import Gateway, speculation_counters
 from .generation_request import SAMPLING_FLOATS, GenerationRequest, sampling_params
 from .scheduler import ServiceRequest
+from .tenants import ANONYMOUS, Tenant, Tenants
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,9 @@ class GenerationServicer(Gateway, generation_pb2_grpc.GenerationServicer):
         self._scale_tasks: set[asyncio.Task] = set()
         #: The server's health service (set by `start_generation_server`), for `drain`.
         self.health = None
+        #: The token table (set by `start_generation_server`; None: no tokens, one
+        #: anonymous tenant).
+        self.tenants: Tenants | None = None
 
     def parse(self, request: generation_pb2.GenerateRequest | GenerationRequest,
               default_max_new_tokens: bool = False,
@@ -180,8 +184,10 @@ class GenerationServicer(Gateway, generation_pb2_grpc.GenerationServicer):
             await self.health.enter_graceful_shutdown()
 
     async def _submit(self, request, context) -> ServiceRequest:
+        salt = request.cache_salt if request.HasField("cache_salt") else None
         try:
-            return await self.submit(request)
+            return await self.submit(request, tenant=tenant_of(self.tenants, context).name,
+                                     cache_salt=salt)
         except RequestError as exc:
             await _abort_failed(context, exc)
             raise
@@ -231,6 +237,8 @@ class GenerationServicer(Gateway, generation_pb2_grpc.GenerationServicer):
             failed=s.get("failed", 0),
             replicas=[_replica_proto(r) for r in s.get("replicas", ())],
             drafters=[_drafter_proto(d) for d in s.get("drafters", ())],
+            tenants=[generation_pb2.TenantStatus(name=name, **counts)
+                     for name, counts in sorted(self.tenant_stats.items())],
         )
 
     async def Scale(self, request, context):
@@ -291,21 +299,63 @@ def _drafter_proto(d: dict) -> generation_pb2.DrafterStatus:
         **{key: d.get(key, 0) for key in DRAFTER_STATS})
 
 
-class BearerTokenInterceptor(CredentialInterceptor):
-    """Requires ``authorization: Bearer <token>`` metadata on every RPC except health checks;
-    anything else gets ``UNAUTHENTICATED``.
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Requires ``authorization: Bearer <token>`` metadata naming a tenant's token
+    (`coordinator.tenants.Tenants`) on every RPC except health checks (``UNAUTHENTICATED``
+    otherwise), and an admin's token on `ADMIN_METHODS` (``PERMISSION_DENIED`` otherwise).
+    The handler finds the caller's tenant with `tenant_of`.
+
+    Args:
+        tenants: the token table, or a single token (a one-tenant server, its admin).
 
     Raises:
         ValueError: an empty token.
     """
 
+    EXEMPT = CredentialInterceptor.EXEMPT
     EMPTY = "auth token must be non-empty"
-    REFUSAL = "missing or invalid bearer token"
+    REFUSAL = ("missing or invalid bearer token: pass the server's token (specd's "
+               "--auth-token or SPECD_AUTH_TOKEN)")
+    #: RPCs that show every tenant's activity or change the service: admin only.
+    ADMIN_METHODS = tuple(f"/{GENERATION_SERVICE}/{m}" for m in ("Status", "Scale"))
+    FORBIDDEN = "{method} needs an admin token (the server's --admin-token)"
 
-    def presented(self, metadata: Sequence[tuple[str, str | bytes]]) -> str:
-        scheme, _, given = str(dict(metadata).get("authorization", "")).partition(" ")
-        # The scheme name is case-insensitive (RFC 6750); the token is compared in constant time.
-        return given if scheme.lower() == "bearer" else ""
+    def __init__(self, tenants: Tenants | str):
+        if isinstance(tenants, str):
+            if not tenants:
+                raise ValueError(self.EMPTY)
+            tenants = Tenants((tenants,))
+        self.tenants = tenants
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(self.EXEMPT):
+            return await continuation(handler_call_details)
+        tenant = self.tenants.from_authorization(
+            _authorization(handler_call_details.invocation_metadata or ()))
+        if tenant is None:
+            return refusing_handler(await continuation(handler_call_details), self.REFUSAL)
+        if method in self.ADMIN_METHODS and not tenant.admin:
+            return refusing_handler(await continuation(handler_call_details),
+                                    self.FORBIDDEN.format(method=method.rsplit("/", 1)[1]),
+                                    grpc.StatusCode.PERMISSION_DENIED)
+        return await continuation(handler_call_details)
+
+
+def _authorization(metadata: Sequence[tuple[str, str | bytes]]) -> str:
+    value = dict(metadata).get("authorization", "")
+    return value if isinstance(value, str) else ""
+
+
+def tenant_of(tenants: Tenants | None, context) -> Tenant:
+    """The tenant of the RPC ``context`` belongs to: `ANONYMOUS` on a server without tokens
+    (the interceptor has already refused a call without a valid one)."""
+    if tenants is None or not tenants.enabled:
+        return ANONYMOUS
+    found = tenants.from_authorization(_authorization(context.invocation_metadata() or ()))
+    if found is None:  # pragma: no cover - the interceptor refused it
+        raise PermissionError("no tenant")
+    return found
 
 
 def generation_handlers(servicer: generation_pb2_grpc.GenerationServicer
@@ -359,9 +409,12 @@ async def start_generation_server(
     port: int = 50051,
     tls_cert: bytes | None = None,
     tls_key: bytes | None = None,
-    auth_token: str | None = None,
+    auth_token: str | Tenants | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Starts the Generation server with health checking and reflection.
+
+    ``auth_token``: the tenants' token table (`coordinator.tenants.Tenants`), a single token
+    (one tenant, its admin), or None (no tokens: open to every caller, one tenant).
 
     Returns:
         (server, bound port) — ``port=0`` picks a free one.
@@ -369,7 +422,12 @@ async def start_generation_server(
     Raises:
         ValueError: only one of ``tls_cert``/``tls_key``, or the port cannot be bound.
     """
-    interceptors = [BearerTokenInterceptor(auth_token)] if auth_token else []
+    tenants = Tenants((auth_token,)) if isinstance(auth_token, str) and auth_token else (
+        auth_token or None)
+    if tenants is not None and not tenants.enabled:
+        tenants = None
+    interceptors = [BearerTokenInterceptor(tenants)] if tenants is not None else []
+    servicer.tenants = tenants
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -64,6 +63,7 @@ from .openai_request import (
     validation_error,
 )
 from .openai_structured import ToolCalls, constraint_of
+from .tenants import ANONYMOUS, TENANT_SCOPE_KEY, Tenant, Tenants
 
 log = logging.getLogger(__name__)
 
@@ -126,15 +126,20 @@ class OpenAIApi:
     service starts (every generation call and ``/health`` answer 503 then).
 
     Args:
-        auth_token: required as ``Authorization: Bearer`` on everything but ``/health``.
+        auth_token: the tenants' token table (`coordinator.tenants.Tenants`) or a single
+            token, one of which is required as ``Authorization: Bearer`` on everything but
+            ``/health``; ``/metrics`` needs an admin's. None: open, one anonymous tenant.
         registry: a prometheus_client registry for ``/metrics`` (None: 404).
         limits: connection, header and body limits (`HttpLimits`).
     """
 
-    def __init__(self, servicer=None, auth_token: str | None = None, registry=None,
+    def __init__(self, servicer=None, auth_token: str | Tenants | None = None, registry=None,
                  limits: HttpLimits | None = None):
         self.servicer = servicer
-        self.auth_token = auth_token
+        if isinstance(auth_token, str):
+            auth_token = Tenants((auth_token,)) if auth_token else None
+        self.tenants: Tenants | None = (
+            auth_token if auth_token is not None and auth_token.enabled else None)
         self.registry = registry
         self.limits = limits or HttpLimits()
         #: ``created`` of the model card: when this API started, Unix seconds.
@@ -147,14 +152,20 @@ class OpenAIApi:
         #: The ASGI app to serve: the token and body limits before `app` (`Guard`).
         self.asgi = Guard(self, self.app)
 
-    def check_auth(self, authorization: str) -> None:
-        """Raises a 401 `ApiError` unless ``authorization`` is ``Bearer <the token>``."""
-        if not self.auth_token:
-            return
-        scheme, _, given = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-                given.strip().encode(), self.auth_token.encode()):
-            raise ApiError(401, "missing or invalid bearer token", code="invalid_api_key")
+    def check_auth(self, authorization: str) -> Tenant:
+        """The tenant ``authorization`` (``Bearer <token>``) names: `ANONYMOUS` on a server
+        without tokens.
+
+        Raises:
+            ApiError: 401 for a missing or unknown token.
+        """
+        if self.tenants is None:
+            return ANONYMOUS
+        tenant = self.tenants.from_authorization(authorization)
+        if tenant is None:
+            raise ApiError(401, "missing or invalid bearer token: send the server's token as "
+                                "'Authorization: Bearer <token>'", code="invalid_api_key")
+        return tenant
 
     def _ready(self):
         servicer = self.servicer
@@ -221,7 +232,11 @@ class OpenAIApi:
             return {"status": "ok"}
 
         @app.get("/metrics")
-        async def metrics():
+        async def metrics(request: Request):
+            if not _tenant(request).admin:
+                raise ApiError(403, "/metrics needs an admin token (the server's "
+                                    "--admin-token)", "permission_error",
+                               code="permission_denied")
             if self.registry is None:
                 raise ApiError(404, "metrics are not enabled on this server", code="not_found")
             from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -260,8 +275,9 @@ class OpenAIApi:
         with contextlib.ExitStack() as stack:
             stack.enter_context(servicer.tracked())
             try:
-                reqs = await servicer.submit_choices(gen, body.n or 1,
-                                                     default_max_new_tokens=chat)
+                reqs = await servicer.submit_choices(
+                    gen, body.n or 1, default_max_new_tokens=chat,
+                    tenant=_tenant(request).name, cache_salt=body.cache_salt)
             except RequestError as exc:
                 raise request_error(exc, max_name, chat) from None
 
@@ -528,6 +544,11 @@ async def _unless_disconnected(request: Request, work):
             await task
         return None
     return task.result()
+
+
+def _tenant(request: Request) -> Tenant:
+    """The caller's tenant, as `coordinator.http_server.Guard` found it."""
+    return request.scope.get(TENANT_SCOPE_KEY, ANONYMOUS)
 
 
 def _echo_text(servicer, body: CompletionBody, req) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .openai_request import ApiError, unavailable
+from .tenants import TENANT_SCOPE_KEY
 
 if TYPE_CHECKING:
     from .http_api import OpenAIApi
@@ -78,7 +79,7 @@ class Guard:
             # Before routing and body parsing: a caller without the token learns nothing
             # about the request it sent (a malformed body is 401, not 400).
             if scope["path"] != "/health":
-                self.api.check_auth(headers.get("authorization", ""))
+                scope[TENANT_SCOPE_KEY] = self.api.check_auth(headers.get("authorization", ""))
             body = await self._read_body(headers, receive)
         except ApiError as exc:
             # A refused body is left unread: the connection closes after the answer.

@@ -79,17 +79,32 @@ DRAFTER_METRICS = (
 )
 
 
-class RouterCollector:
-    """A prometheus_client collector over a `coordinator.router.Router` on ``loop``."""
+#: (metric suffix, `coordinator.gateway.Gateway.tenant_stats` key, help) per tenant.
+TENANT_METRICS = (
+    ("requests", "requests", "Requests (choices) queued for the tenant."),
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens of the tenant's queued requests."),
+    ("generation_tokens", "generation_tokens", "Tokens generated for the tenant's finished "
+                                               "requests."),
+)
 
-    def __init__(self, router, loop: asyncio.AbstractEventLoop, timeout_s: float = 5.0):
+
+class RouterCollector:
+    """A prometheus_client collector over a `coordinator.router.Router` on ``loop``, and the
+    per-tenant counters of ``tenant_stats`` (`coordinator.gateway.Gateway.tenant_stats`,
+    read on ``loop`` too; None: none exported), labelled ``tenant``."""
+
+    def __init__(self, router, loop: asyncio.AbstractEventLoop, timeout_s: float = 5.0,
+                 tenant_stats: dict | None = None):
         self.router = router
         self.loop = loop
         self.timeout_s = timeout_s
+        self.tenant_stats = tenant_stats
 
     async def _snapshot(self) -> dict:
         await self.router.refresh()
-        return self.router.status()
+        status = self.router.status()
+        status["tenants"] = {name: dict(row) for name, row in (self.tenant_stats or {}).items()}
+        return status
 
     def collect(self):
         from prometheus_client.core import (
@@ -123,9 +138,14 @@ class RouterCollector:
                     buckets.append((bound, cumulative))
                 family.add_metric([row["name"]], buckets, h["sum"])
             yield family
+        for suffix, key, doc in TENANT_METRICS:
+            family = CounterMetricFamily("specd_tenant_" + suffix, doc, labels=["tenant"])
+            for name, row in sorted(status.get("tenants", {}).items()):
+                family.add_metric([name], float(row[key]))
+            yield family
 
 
-def router_registry(router, loop: asyncio.AbstractEventLoop):
+def router_registry(router, loop: asyncio.AbstractEventLoop, tenant_stats: dict | None = None):
     """A private prometheus_client registry holding a `RouterCollector`: the one registry
     both ``--metrics-port`` and the HTTP API's ``/metrics`` serve.
 
@@ -135,7 +155,7 @@ def router_registry(router, loop: asyncio.AbstractEventLoop):
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RouterCollector(router, loop))
+    registry.register(RouterCollector(router, loop, tenant_stats=tenant_stats))
     return registry
 
 

@@ -87,6 +87,9 @@ class Body(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     speculation: SpeculationBody | None = None
+    # vLLM's: partitions the cross-request caches within the caller's tenant
+    # (`coordinator.tenants.partition_of`).
+    cache_salt: str | None = None
     # Structured outputs (`coordinator.openai_structured`): OpenAI's and vLLM's extra body.
     response_format: Any = None
     structured_outputs: Any = None

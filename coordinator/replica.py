@@ -191,8 +191,10 @@ class ReplicaScheduler(Scheduler):
         self._failure_handled = False
 
     def submit(self, prompt_tokens: Sequence[int], options: SpeculativeOptions,
-               speculate: bool = True, max_draft_len: int | None = None) -> ServiceRequest:
-        req = super().submit(prompt_tokens, options, speculate, max_draft_len)
+               speculate: bool = True, max_draft_len: int | None = None,
+               partition: str = "") -> ServiceRequest:
+        req = super().submit(prompt_tokens, options, speculate, max_draft_len,
+                             partition=partition)
         self.requests.add(req)
         self.placed += 1
         self._empty.clear()

@@ -147,7 +147,8 @@ class Router(Supervision):
         listener(self.can_serve())
 
     def submit(self, prompt_tokens: Sequence[int], options: SpeculativeOptions,
-               speculate: bool = True, max_draft_len: int | None = None) -> ServiceRequest:
+               speculate: bool = True, max_draft_len: int | None = None,
+               partition: str = "") -> ServiceRequest:
         """Queues a request on the least-loaded serving replica (`ReplicaScheduler.load`;
         ties go to the replica that was given fewer requests so far, so a lightly loaded
         service still spreads them).
@@ -160,7 +161,8 @@ class Router(Supervision):
         if not serving:
             raise RuntimeError("no target replica is serving")
         replica = min(serving, key=lambda r: (*r.scheduler.load(), r.scheduler.placed))
-        req = replica.scheduler.submit(prompt_tokens, options, speculate, max_draft_len)
+        req = replica.scheduler.submit(prompt_tokens, options, speculate, max_draft_len,
+                                       partition=partition)
         self._placement[req] = replica
         self._owner[req.id] = req
         return req

@@ -142,6 +142,8 @@ class ServiceRequest:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     slot: int | None = None
     cancelled: bool = False
+    #: The tenant it was submitted for (`coordinator.tenants`; "" without tokens).
+    tenant: str = ""
     drafter_failures: int = 0
     emitted: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
@@ -163,6 +165,8 @@ class ServiceRequest:
     prefill_started_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    #: Cross-request state partition (tenant and cache_salt; "" shared): warm prefixes and the drafter's cache are looked up only within it.
+    partition: str = ""
 
     def push_new_tokens(self) -> int:
         """Puts the tokens committed since the last push on ``events``; returns how many."""
@@ -299,11 +303,13 @@ class Scheduler(DraftingPolicy):
 
     def submit(self, prompt_tokens: Sequence[int], options: SpeculativeOptions,
                speculate: bool = True, max_draft_len: int | None = None,
-               adaptive: AdaptiveDraftLength | None = None) -> ServiceRequest:
+               adaptive: AdaptiveDraftLength | None = None, partition: str = ""
+               ) -> ServiceRequest:
         """Queues a request; its tokens arrive on ``request.events``.
 
         ``adaptive``: this request's own draft-length policy (an adaptive scheduler makes
         one over its cost model otherwise), e.g. to read the lengths it chose.
+        ``partition``: the cross-request state it may share (`ServiceRequest.partition`).
 
         Raises:
             ValueError: an empty prompt or invalid options (from `DecodeRequest`).
@@ -311,7 +317,8 @@ class Scheduler(DraftingPolicy):
         # Hidden rows are kept whole for resends.
         decode = DecodeRequest(prompt_tokens, options, hidden_dtype=self.hidden_dtype)
         req = ServiceRequest(id=f"req-{next(self._ids)}", decode=decode, speculate=speculate,
-                             max_draft_len=max_draft_len, adaptive=adaptive)
+                             max_draft_len=max_draft_len, adaptive=adaptive,
+                             partition=partition)
         self.waiting.append(req)
         self._wakeup.set()
         return req

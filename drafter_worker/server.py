@@ -112,9 +112,10 @@ class SharedSecretInterceptor(CredentialInterceptor):
         return given
 
 
-def refusing_handler(handler: grpc.RpcMethodHandler | None, details: str
+def refusing_handler(handler: grpc.RpcMethodHandler | None, details: str,
+                     code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED
                      ) -> grpc.RpcMethodHandler:
-    """A handler that aborts every call with UNAUTHENTICATED and ``details`` without reading
+    """A handler that aborts every call with ``code`` and ``details`` without reading
     its request: what an authenticating interceptor returns instead of the real handler (the
     drafter secret here, the Generation service's bearer token in `coordinator.grpc_api`).
 
@@ -125,10 +126,10 @@ def refusing_handler(handler: grpc.RpcMethodHandler | None, details: str
     The response shape follows ``handler``'s (unary when None)."""
 
     async def unary(request_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+        await context.abort(code, details)
 
     async def streaming(request_iterator, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+        await context.abort(code, details)
         yield  # pragma: no cover - makes this an async generator
 
     if handler is not None and handler.response_streaming:

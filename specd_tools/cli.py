@@ -272,6 +272,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return _generate_via_service(args, options)
 
 
+def _serve_tokens(args) -> tuple[str, ...] | None:
+    """``specd serve``'s tenant tokens: every --auth-token, else $SPECD_AUTH_TOKEN."""
+    if args.auth_token:
+        return tuple(args.auth_token)
+    env = os.environ.get("SPECD_AUTH_TOKEN")
+    return (env,) if env else None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """``specd serve``: starts the service and serves until Ctrl-C or SIGTERM (then drains for
     up to ``--shutdown-grace`` seconds; returns 0), or until the coordinator actor dies
@@ -295,7 +303,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         target_resource=args.target_resource, drafter_resource=args.drafter_resource,
         channel_tls=args.channel_tls,
         tls_cert=args.tls_cert, tls_key=args.tls_key,
-        auth_token=args.auth_token or None,
+        auth_token=_serve_tokens(args), admin_token=args.admin_token or None,
+        auth_tokens_file=args.auth_tokens_file,
         max_prompt_bytes=args.max_prompt_bytes, pipeline=not args.no_pipeline,
         http_port=args.http_port, **prefill_config(args),
     ))
@@ -434,8 +443,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="TLS certificate for the gRPC and HTTP APIs (default: no TLS)")
     serve.add_argument("--tls-key", default=None, metavar="KEY.pem",
                        help="the certificate's private key (with --tls-cert)")
-    serve.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                       help=AUTH_HELP.format(what=" every call must carry"))
+    serve.add_argument("--auth-token", action="append", default=None, metavar="TOKEN",
+                       help="a bearer token every call must carry one of: repeat it for "
+                            "several tenants (named key1, key2, ... in order; each has its "
+                            "own cross-request caches); the only token is also the admin's "
+                            "(default $SPECD_AUTH_TOKEN); a value given here is visible to "
+                            "every local user in ps and /proc: prefer the environment "
+                            "variable or --auth-tokens-file")
+    serve.add_argument("--admin-token", default=os.environ.get("SPECD_ADMIN_TOKEN"),
+                       metavar="TOKEN",
+                       help="the admin's bearer token: Status, Scale and /metrics need it "
+                            "when there are several tenants (default $SPECD_ADMIN_TOKEN)")
+    serve.add_argument("--auth-tokens-file", default=None, metavar="FILE",
+                       help="tenants' tokens, one '<tenant> <token> [admin]' line each "
+                            "(# comments); re-read when it changes")
     serve.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S,
                        metavar="SECONDS",
                        help="on SIGTERM or Ctrl-C, refuse new calls (UNAVAILABLE) and let "

@@ -156,6 +156,12 @@ def status_table(status: generation_pb2.StatusResponse) -> str:
         lines += _table(headers, rows)
     else:
         lines.append("(no drafter workers)")
+    named = [t for t in s.tenants if t.name]  # none on a server without tokens
+    if named:
+        lines.append("")
+        lines += _table(["tenant", "requests", "prompt tokens", "generated tokens"],
+                        [[t.name, t.requests, t.prompt_tokens, t.generation_tokens]
+                         for t in named])
     return "\n".join(lines)
 
 

@@ -96,7 +96,7 @@ class LocalService:
                              restart_delay_s=self.restart_delay_s, pipeline=self.pipeline)
         replicas, drafters = self.initial
         await self.router.scale(target_replicas=replicas, drafters=drafters)
-        servicer = GenerationServicer(
+        servicer = self.servicer = GenerationServicer(
             self.router, self.tokenizer, vocab_size=self.decoder.config.vocab_size,
             max_seq_len=self.decoder.config.max_seq_len, drafter_name="prompt-lookup",
             model_name=self.model)
@@ -109,7 +109,8 @@ class LocalService:
             from coordinator.metrics import router_registry
 
             self.http_api = OpenAIApi(servicer, auth_token=self.auth_token,
-                                      registry=router_registry(self.router, self.loop))
+                                      registry=router_registry(self.router, self.loop,
+                                                               servicer.tenant_stats))
             self.http_server, http_port = await start_http_server(self.http_api)
             self.http_address = f"127.0.0.1:{http_port}"
 

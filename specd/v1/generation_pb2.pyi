@@ -78,7 +78,7 @@ class Constraint(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Constraint.Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., compact_json: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "token_ids", "sampling", "seed", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "speculation", "include_stop_str_in_output", "logprobs", "prompt_logprobs", "constraint")
+    __slots__ = ("text", "chat", "token_ids", "sampling", "seed", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos", "speculation", "include_stop_str_in_output", "logprobs", "prompt_logprobs", "constraint", "cache_salt")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatMessages
     token_ids: TokenIds
@@ -107,7 +108,8 @@ class GenerateRequest(_message.Message):
     logprobs: int
     prompt_logprobs: int
     constraint: Constraint
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., speculation: _Optional[_Union[SpeculationOptions, _Mapping]] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -311,8 +313,20 @@ class DrafterStatus(_message.Message):
     global_hits: int
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., calls: _Optional[int] = ..., errors: _Optional[int] = ..., mean_latency_seconds: _Optional[float] = ..., assigned_requests: _Optional[int] = ..., in_flight: _Optional[int] = ..., restarts: _Optional[int] = ..., node: _Optional[str] = ..., has_cache: _Optional[bool] = ..., cache_outputs: _Optional[int] = ..., cache_tokens: _Optional[int] = ..., cache_nodes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_evicted: _Optional[int] = ..., proposals: _Optional[int] = ..., global_hits: _Optional[int] = ...) -> None: ...
 
+class TenantStatus(_message.Message):
+    __slots__ = ("name", "requests", "prompt_tokens", "generation_tokens")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    requests: int
+    prompt_tokens: int
+    generation_tokens: int
+    def __init__(self, name: _Optional[str] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("active_requests", "waiting_requests", "used_slots", "total_slots", "steps", "tokens_generated", "drafter_failures", "model", "drafter", "forward_calls", "replicas", "drafters", "failed")
+    __slots__ = ("active_requests", "waiting_requests", "used_slots", "total_slots", "steps", "tokens_generated", "drafter_failures", "model", "drafter", "forward_calls", "replicas", "drafters", "failed", "tenants")
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +340,7 @@ class StatusResponse(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     active_requests: int
     waiting_requests: int
     used_slots: int
@@ -339,7 +354,8 @@ class StatusResponse(_message.Message):
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
     drafters: _containers.RepeatedCompositeFieldContainer[DrafterStatus]
     failed: int
-    def __init__(self, active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., used_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., drafter_failures: _Optional[int] = ..., model: _Optional[str] = ..., drafter: _Optional[str] = ..., forward_calls: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., failed: _Optional[int] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStatus]
+    def __init__(self, active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., used_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., drafter_failures: _Optional[int] = ..., model: _Optional[str] = ..., drafter: _Optional[str] = ..., forward_calls: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., failed: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStatus, _Mapping]]] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("target_replicas", "drafters")
