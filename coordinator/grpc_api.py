@@ -126,7 +126,8 @@ def _final_fields(req: ServiceRequest, result: SpeculativeDecodeResult) -> dict:
     return {
         "finish_reason": result.finish_reason,
         "usage": generation_pb2.Usage(prompt_tokens=req.decode.num_prompt_tokens,
-                                      completion_tokens=result.tokens_generated),
+                                      completion_tokens=result.tokens_generated,
+                                      cached_tokens=req.cached_tokens),
         "speculation": generation_pb2.SpeculationStats(
             **speculation_counters(result, req.drafter_failures)),
     }

@@ -88,11 +88,14 @@ def _combined(results: list[SpeculativeDecodeResult]) -> SpeculativeDecodeResult
 
 
 def _usage(reqs: list, results: list) -> dict:
-    """OpenAI's usage: the prompt counted once, the completion tokens of every choice."""
+    """OpenAI's usage: the prompt counted once, the completion tokens of every choice, and
+    ``prompt_tokens_details.cached_tokens``: the prompt tokens the first choice reused from
+    a warm prefix (vLLM's field)."""
     prompt = reqs[0].decode.num_prompt_tokens
     completion = sum(r.tokens_generated for r in results if r is not None)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": reqs[0].cached_tokens}}
 
 
 @dataclass(frozen=True)

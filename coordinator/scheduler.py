@@ -158,6 +158,9 @@ class ServiceRequest:
     chose_no_draft: bool = False
     #: Prompt tokens its slot holds (reused from a warm prefix, or computed by chunks).
     prefilled: int = 0
+    #: Prompt tokens reused from a warm prefix when its slot was allocated (the usage's
+    #: ``cached_tokens``).
+    cached_tokens: int = 0
     #: Hidden rows of the prompt chunks computed so far (drafters that want them).
     prompt_hidden: list = field(default_factory=list)
     #: `time.monotonic` when its first prompt chunk was sent, its first and its latest
@@ -401,6 +404,7 @@ class Scheduler(DraftingPolicy):
                 continue
             try:
                 slot, req.prefilled = await self._allocate(req)
+                req.cached_tokens = req.prefilled
             except SlotsExhausted as exc:
                 if not (self.active or self._admitting):  # none will ever free: say so
                     await self._fail(req, exc)
