@@ -40,7 +40,8 @@ MEMO = ("Internal memo, quarter planning. " + " ".join(
     f"budget line {100 + 7 * i} and owner code {w[:3].upper()}{i:02d}."
     for i, (w, v) in enumerate(zip(
         ["data", "infra", "mobile", "search", "ads", "billing", "growth", "safety"] * 2,
-        ["legal", "finance", "design", "security", "privacy", "ops", "sales", "hr"] * 2))))
+        ["legal", "finance", "design", "security", "privacy", "ops", "sales", "hr"] * 2,
+        strict=True))))
 
 
 def secret_request(secret: str) -> list[dict]:
