@@ -42,13 +42,15 @@ class LocalService:
                  replicas: int = 1, drafters: int = 1, adaptive: bool = False,
                  cost_model=None, target_timeout_s: float | None = None,
                  restart_delay_s: float = 1.0, model: str = MODEL, pipeline: bool = False,
-                 http: bool = False):
+                 http: bool = False, drafter_impl=None):
         # Fixed draft lengths by default: adaptive choices depend on measured time, and
         # tests asserting that drafts were verified need them not to. Adaptive has its own
         # tests (test_adaptive_service.py).
         self.model = model
         self.decoder, self.tokenizer = load_model(model)
-        self.drafter_impl = PromptLookupSpeculator(ngram_size, max_draft_len)
+        # Served by every drafter server (``drafter_impl``: another `Drafter`, e.g. a suffix
+        # drafter with its cross-request cache).
+        self.drafter_impl = drafter_impl or PromptLookupSpeculator(ngram_size, max_draft_len)
         self.max_active = max_active
         self.auth_token = auth_token
         self.drafter_timeout_s = drafter_timeout_s
