@@ -43,6 +43,17 @@ REPLICA_METRICS = (
      "Draft tokens a constraint forced (drafted by the grammar, always accepted).", "counter"),
     ("grammar_rejected_drafts", "grammar_rejected_tokens",
      "Drafter tokens a constraint refused (rejected by the rule).", "counter"),
+    # Prefix reuse, from the replica's last status (`TargetEngine.stats`).
+    ("prefix_queries", "prefix_queries", "Requests that looked for a warm prefix.", "counter"),
+    ("prefix_hits", "prefix_hits", "Requests that reused a warm prefix.", "counter"),
+    ("prefix_hit_tokens", "prefix_hit_tokens",
+     "Prompt tokens not computed thanks to a warm prefix.", "counter"),
+    ("prefix_copies", "prefix_copies",
+     "Reuses that copied a shared span out of a warm entry that stays warm.", "counter"),
+    ("warm_entries", "warm_entries", "Warm prefix entries kept for reuse.", "gauge"),
+    ("warm_positions", "warm_positions", "Positions the warm prefix entries hold.", "gauge"),
+    ("warm_bytes", "warm_bytes",
+     "Bytes of keys and values at the warm positions (every rank's).", "gauge"),
 )
 
 #: (metric suffix, `coordinator.latency.LatencyHistograms` name, help) per replica: vLLM's

@@ -93,8 +93,9 @@ class MeteredTarget:
     async def allocate(self) -> int:
         return await self._guarded("allocate", self.inner.allocate)
 
-    async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
-        return await self._guarded("allocate", lambda: self.inner.allocate_prefix(tokens))
+    async def allocate_prefix(self, tokens: list[int], partition: str = "") -> tuple[int, int]:
+        return await self._guarded("allocate",
+                                   lambda: self.inner.allocate_prefix(tokens, partition))
 
     async def free(self, slot: int) -> None:
         await self._guarded("free", lambda: self.inner.free(slot))

@@ -207,7 +207,9 @@ class Router(Supervision):
         ``prefilling_requests``, ``ttft_p50_seconds`` / ``ttft_p90_seconds``,
         ``itl_p50_seconds`` / ``itl_p90_seconds`` and ``prefill_p50_seconds`` over the
         latest requests (`coordinator.latency`), and the replica's prefix reuse counters
-        from its last ``status()``."""
+        and warm set (``prefix_copies``, ``warm_entries``, ``warm_positions``,
+        ``warm_bytes``: `target_worker.engine.TargetEngine.stats`) from its last
+        ``status()``."""
         s = replica.scheduler.status()
         latency = replica.scheduler.latency
         m = replica.target.stats
@@ -239,7 +241,8 @@ class Router(Supervision):
                for name, q in (("ttft", 50), ("ttft", 90), ("itl", 50), ("itl", 90),
                                ("prefill", 50))},
             **{key: int(reported.get(key, 0))
-               for key in ("prefix_hits", "prefix_queries", "prefix_hit_tokens")},
+               for key in ("prefix_hits", "prefix_queries", "prefix_hit_tokens",
+                           "prefix_copies", "warm_entries", "warm_positions", "warm_bytes")},
             **{f"target_{k}": v for k, v in m.items()},
         }
 

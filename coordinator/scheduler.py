@@ -84,7 +84,8 @@ class Target(Protocol):
     actor handle through `tests/tp_harness.RayTarget`)."""
 
     async def allocate(self) -> int: ...
-    async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]: ...
+    async def allocate_prefix(self, tokens: list[int], partition: str = ""
+                              ) -> tuple[int, int]: ...
     async def free(self, slot: int) -> None: ...
     async def prefill(self, items: list) -> list: ...
     async def verify(self, items: list) -> list: ...
@@ -99,8 +100,8 @@ class LocalTarget:
     async def allocate(self) -> int:
         return self.engine.allocate()
 
-    async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
-        return self.engine.allocate_prefix(tokens)
+    async def allocate_prefix(self, tokens: list[int], partition: str = "") -> tuple[int, int]:
+        return self.engine.allocate_prefix(tokens, partition)
 
     async def free(self, slot: int) -> None:
         self.engine.free(slot)
@@ -124,7 +125,7 @@ class CacheTarget(LocalTarget):
     async def allocate(self) -> int:
         return self.engine.adopt(self.cache)
 
-    async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
+    async def allocate_prefix(self, tokens: list[int], partition: str = "") -> tuple[int, int]:
         return self.engine.adopt(self.cache), 0
 
 
@@ -139,6 +140,9 @@ class ServiceRequest:
     decode: DecodeRequest
     speculate: bool
     max_draft_len: int | None
+    #: Cross-request state partition (tenant and cache_salt; "" shared): warm prefixes and the
+    #: drafter's cache are looked up only within it.
+    partition: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     slot: int | None = None
     cancelled: bool = False
@@ -168,8 +172,6 @@ class ServiceRequest:
     prefill_started_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
-    #: Cross-request state partition (tenant and cache_salt; "" shared): warm prefixes and the drafter's cache are looked up only within it.
-    partition: str = ""
 
     def push_new_tokens(self) -> int:
         """Puts the tokens committed since the last push on ``events``; returns how many."""
@@ -235,7 +237,8 @@ class Scheduler(DraftingPolicy):
         prefix_caching: start a prompt from the target's warm slot sharing its longest prefix
             (`target_worker.engine.TargetEngine.allocate_prefix`); never for a request whose
             drafter wants hidden rows (a reused prefix has none) or that continues a
-            context (``start_pos``). Output is the same either way.
+            context (``start_pos``). Output is the same either way. Looked up, and kept
+            warm, in the request's ``partition`` only.
     """
 
     def __init__(self, target: Target, drafter=None, max_active: int = 32,
@@ -431,8 +434,13 @@ class Scheduler(DraftingPolicy):
                 and options.prompt_logprobs is None):
             allocate_prefix = getattr(self.target, "allocate_prefix", None)
             if allocate_prefix is not None:
-                slot, reused = await allocate_prefix(req.decode.prefill_tokens())
+                slot, reused = await allocate_prefix(req.decode.prefill_tokens(), req.partition)
                 return slot, reused
+        if req.partition and getattr(self.target, "allocate_prefix", None) is not None:
+            # No lookup (no tokens), but the slot goes warm in the request's partition when
+            # freed, never in the shared one.
+            slot, _ = await self.target.allocate_prefix([], req.partition)
+            return slot, 0
         return await self.target.allocate(), 0
 
     async def _step(self) -> None:

@@ -131,7 +131,8 @@ def status_table(status: generation_pb2.StatusResponse) -> str:
     ]
     lines += _table(
         ["replica", "node", "state", "tp", "active", "prefill", "waiting", "slots", "tok/s",
-         "tok/step", "step ms", "ttft p50/p90 ms", "itl p50 ms", "prefix hits", "tokens",
+         "tok/step", "step ms", "ttft p50/p90 ms", "itl p50 ms", "prefix hits",
+         "warm pos/MB", "tokens",
          "restarts", "failed"],
         [[r.name, r.node or "-", r.state, r.tp, r.active_requests, r.prefilling_requests,
           r.waiting_requests,
@@ -140,7 +141,7 @@ def status_table(status: generation_pb2.StatusResponse) -> str:
           f"{r.step_seconds * 1e3:.1f}",
           f"{r.ttft_p50_seconds * 1e3:.0f}/{r.ttft_p90_seconds * 1e3:.0f}",
           f"{r.itl_p50_seconds * 1e3:.0f}", f"{r.prefix_hits}/{r.prefix_queries}",
-          r.tokens_emitted, r.restarts, r.failed]
+          f"{r.warm_positions}/{r.warm_bytes / 1e6:.1f}", r.tokens_emitted, r.restarts, r.failed]
          for r in s.replicas]) or ["(no replicas)"]
     lines.append("")
     if s.drafters:

@@ -152,9 +152,10 @@ class TargetActor:
         return self.engine.allocate()
 
     @on_compute_thread
-    def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
-        """``(slot, reused positions)``; see `TargetEngine.allocate_prefix`."""
-        return self.engine.allocate_prefix(tokens)
+    def allocate_prefix(self, tokens: list[int], partition: str = "") -> tuple[int, int]:
+        """``(slot, reused positions)``, looked up in ``partition``; see
+        `TargetEngine.allocate_prefix`."""
+        return self.engine.allocate_prefix(tokens, partition)
 
     @on_compute_thread
     def free(self, slot: int) -> None:

@@ -518,8 +518,8 @@ class ChannelTarget:
     async def allocate(self) -> int:
         return await self.call("allocate")
 
-    async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
-        return tuple(await self.call("allocate_prefix", tokens))
+    async def allocate_prefix(self, tokens: list[int], partition: str = "") -> tuple[int, int]:
+        return tuple(await self.call("allocate_prefix", tokens, partition))
 
     async def free(self, slot: int) -> None:
         await self.call("free", slot)

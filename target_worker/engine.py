@@ -30,7 +30,7 @@ from specd_core.step import PrefillItem, StepOutput, VerifyItem
 
 from .config import ModelConfig
 from .invariant import one_thread
-from .model import Decoder, KvCache
+from .model import DEFAULT_CACHE_CAPACITY, Decoder, KvCache
 
 __all__ = ["SlotsExhausted", "TargetEngine"]
 
@@ -154,9 +154,9 @@ class ThreadChooser:
 
 
 class _Slot:
-    __slots__ = ("cache", "tokens", "num_prompt_tokens", "offset", "owned")
+    __slots__ = ("cache", "tokens", "num_prompt_tokens", "offset", "owned", "partition")
 
-    def __init__(self, cache: KvCache, owned: bool = True) -> None:
+    def __init__(self, cache: KvCache, owned: bool = True, partition: str = "") -> None:
         self.cache = cache
         #: Token ids at cache positions [offset, cache.seq_len), kept equal in length to them;
         #: positions before ``offset`` are context the slot was given (`TargetEngine.adopt`)
@@ -166,6 +166,8 @@ class _Slot:
         self.offset = cache.seq_len
         #: False for a caller's cache (`TargetEngine.adopt`): never kept warm for reuse.
         self.owned = owned
+        #: The cross-request partition it was allocated in: warm, it is found only there.
+        self.partition = partition
 
     def start(self, start_pos: int) -> None:
         """Keeps the first ``start_pos`` positions as context and forgets every token id."""
@@ -176,6 +178,11 @@ class _Slot:
     def truncate(self, length: int) -> None:
         self.cache.truncate(length)
         del self.tokens[length - self.offset:]
+
+
+def _check_partition(partition) -> None:
+    if not isinstance(partition, str):
+        raise TypeError(f"partition must be a str, got {type(partition).__name__}")
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -195,10 +202,17 @@ class TargetEngine:
     requests are active or prefilling.
 
     Prefix reuse (after vLLM's automatic prefix caching and SGLang's RadixAttention, on whole
-    slots): a freed slot's cache stays *warm* with the token ids it holds, least recently
-    freed evicted first once the warm slots hold more than ``prefix_cache_tokens`` positions.
-    `allocate_prefix` gives a new request the warm cache sharing the longest prefix with its
-    prompt, so its prefill computes only the rest.
+    slots): a freed slot's cache stays *warm* with the token ids it holds, in the partition it
+    was allocated in. `allocate_prefix` gives a new request the positions of the warm entry
+    (of its partition) sharing the longest prefix with its prompt, so its prefill computes
+    only the rest. Taking never destroys what others could still reuse: an entry holding
+    more than the shared prefix stays warm (marked recently used) and the request gets a
+    copy of the shared span (`KvCache.prefix_copy`, bitwise the same); only an entry wholly
+    a prefix of the prompt is taken, and it comes back as a superset when the slot is freed.
+    A freed slot whose tokens extend a warm entry replaces it, and one a warm entry already
+    holds is not kept, so the memory goes to distinct content. The least recently used
+    entries are evicted once the warm entries hold more than ``prefix_cache_tokens``
+    positions (one longer than that is never kept).
 
     Not thread-safe: one caller (the actor's method loop) at a time.
 
@@ -223,7 +237,10 @@ class TargetEngine:
             (wall time inside the decoder's forward, float seconds), ``rows_seconds``
             (turning logits into rows), ``prefix_queries`` / ``prefix_hits`` (allocations
             that looked for / reused a warm prefix), ``prefix_query_tokens`` /
-            ``prefix_hit_tokens`` (prompt tokens looked up / reused).
+            ``prefix_hit_tokens`` (prompt tokens looked up / reused), ``prefix_copies``
+            (hits that copied the shared span of an entry that stays warm); and gauges of
+            the warm set now: ``warm_entries``, ``warm_positions`` and ``warm_bytes`` (the
+            keys and values those positions hold, `KvCache.position_bytes` each).
     """
 
     def __init__(self, decoder: Decoder, max_slots: int = 64,
@@ -257,6 +274,7 @@ class TargetEngine:
         self._warm: OrderedDict[int, _Slot] = OrderedDict()
         self._warm_ids = itertools.count()
         self._warm_positions = 0
+        self._warm_bytes = 0
         self.stats: dict[str, float] = {
             "forward_calls": 0,
             "prefill_calls": 0,
@@ -269,6 +287,10 @@ class TargetEngine:
             "prefix_hits": 0,
             "prefix_query_tokens": 0,
             "prefix_hit_tokens": 0,
+            "prefix_copies": 0,
+            "warm_entries": 0,
+            "warm_positions": 0,
+            "warm_bytes": 0,
         }
 
     @property
@@ -284,26 +306,52 @@ class TargetEngine:
         """Positions held by warm slots (kept for prefix reuse)."""
         return self._warm_positions
 
+    @property
+    def warm_bytes(self) -> int:
+        """Bytes of the keys and values at the warm slots' positions."""
+        return self._warm_bytes
+
+    def warm_entries(self, partition: str | None = None) -> list[tuple[str, list[int]]]:
+        """``(partition, token ids)`` of each warm entry (of ``partition`` only, unless
+        None), least recently used first: for tests and diagnostics."""
+        return [(w.partition, list(w.tokens)) for w in self._warm.values()
+                if partition is None or w.partition == partition]
+
     def _free_id(self) -> int:
         for slot in range(self.max_slots):
             if slot not in self._slots:
                 return slot
         raise SlotsExhausted(f"all {self.max_slots} target slots are in use")
 
-    def allocate(self) -> int:
-        """Reserves the lowest free slot id in ``[0, max_slots)`` with an empty cache.
+    def allocate(self, partition: str = "") -> int:
+        """Reserves the lowest free slot id in ``[0, max_slots)`` with an empty cache; freed,
+        it stays warm in ``partition`` (see `allocate_prefix`).
 
         Raises:
             SlotsExhausted: every slot is in use.
+            TypeError: ``partition`` is not a str.
         """
+        _check_partition(partition)
         slot = self._free_id()
         # Cache memory is allocated lazily by the OS as positions are written.
-        self._slots[slot] = _Slot(self.decoder.new_cache())
+        self._slots[slot] = _Slot(self.decoder.new_cache(), partition=partition)
         return slot
 
-    def allocate_prefix(self, tokens: Sequence[int]) -> tuple[int, int]:
-        """Reserves the lowest free slot id for a prompt of ``tokens``, over the warm cache
-        sharing its longest prefix when there is one (that cache leaves the warm set).
+    def allocate_prefix(self, tokens: Sequence[int], partition: str = "") -> tuple[int, int]:
+        """Reserves the lowest free slot id for a prompt of ``tokens``, starting from the warm
+        entry of ``partition`` sharing its longest prefix when there is one.
+
+        That entry is never cut short: when it holds more positions than the shared prefix,
+        the slot gets a copy of the shared span (`KvCache.prefix_copy`; the entry stays warm,
+        now the most recently used); when it is wholly a prefix of the prompt, the slot takes
+        it (freed, the slot holds a superset of it again).
+
+        Args:
+            tokens: the prompt's token ids. One token or none looks nothing up (a plain
+                slot, as `allocate`, that goes warm in ``partition`` when freed).
+            partition: an opaque cross-request partition (the coordinator's tenant and
+                ``cache_salt``; "" the shared default): warm entries are looked up only in
+                it, and the slot stays warm in it when freed.
 
         Returns:
             ``(slot, reused)``: the slot holds the prompt's first ``reused`` positions, at
@@ -313,23 +361,39 @@ class TargetEngine:
 
         Raises:
             SlotsExhausted: every slot is in use.
+            TypeError: ``partition`` is not a str.
         """
+        _check_partition(partition)
         slot = self._free_id()
-        best, reused = None, 0
+        best, reused, whole = None, 0, False
         if self.prefix_cache_tokens and len(tokens) > 1:
             self.stats["prefix_queries"] += 1
             self.stats["prefix_query_tokens"] += len(tokens)
             for key, warm in self._warm.items():
-                n = min(common_prefix_len(warm.tokens, tokens), len(tokens) - 1)
-                if n > reused:
-                    best, reused = key, n
+                if warm.partition != partition:
+                    continue
+                shared = common_prefix_len(warm.tokens, tokens)
+                n = min(shared, len(tokens) - 1)
+                # Ties go to an entry that can be taken (no copy), then the most recent.
+                if n and (n, shared == len(warm.tokens)) >= (reused, whole):
+                    best, reused, whole = key, n, shared == len(warm.tokens)
         if best is None:
-            self._slots[slot] = _Slot(self.decoder.new_cache())
+            self._slots[slot] = _Slot(self.decoder.new_cache(), partition=partition)
             return slot, 0
-        warm = self._warm.pop(best)
-        self._warm_positions -= len(warm.tokens)
-        warm.truncate(reused)
-        self._slots[slot] = warm
+        warm = self._warm[best]
+        if whole:
+            del self._warm[best]
+            self._count_warm(warm, -1)
+            warm.truncate(reused)
+            held = warm
+        else:
+            self._warm.move_to_end(best)
+            room = min(warm.cache.max_seq_len, max(DEFAULT_CACHE_CAPACITY, len(tokens)))
+            held = _Slot(warm.cache.prefix_copy(reused, capacity=room), partition=partition)
+            held.offset = 0
+            held.tokens = warm.tokens[:reused]
+            self.stats["prefix_copies"] += 1
+        self._slots[slot] = held
         self.stats["prefix_hits"] += 1
         self.stats["prefix_hit_tokens"] += reused
         return slot, reused
@@ -347,21 +411,45 @@ class TargetEngine:
         return slot
 
     def free(self, slot: int) -> None:
-        """Releases ``slot``. Its cache stays warm for prefix reuse when the engine keeps
-        some and it knows every token id the cache holds (else it is dropped).
+        """Releases ``slot``. Its cache stays warm for prefix reuse, in the partition it was
+        allocated in, when the engine keeps some, it knows every token id the cache holds
+        and a warm entry of that partition does not hold them already (else it is dropped).
+        Warm entries it extends are dropped; then the least recently used entries are
+        evicted while they hold more than ``prefix_cache_tokens`` positions.
 
         Raises:
             ValueError: ``slot`` is not allocated.
         """
         held = self._slot(slot)
         del self._slots[slot]
-        if (self.prefix_cache_tokens and held.owned and held.offset == 0 and held.tokens
-                and len(held.tokens) <= self.prefix_cache_tokens):
-            self._warm[next(self._warm_ids)] = held
-            self._warm_positions += len(held.tokens)
-            while self._warm_positions > self.prefix_cache_tokens:
-                _, old = self._warm.popitem(last=False)
-                self._warm_positions -= len(old.tokens)
+        n = len(held.tokens)
+        if not (self.prefix_cache_tokens and held.owned and held.offset == 0 and held.tokens
+                and n <= self.prefix_cache_tokens):
+            return
+        for key, warm in list(self._warm.items()):
+            if warm.partition != held.partition:
+                continue
+            m = len(warm.tokens)
+            shared = common_prefix_len(warm.tokens, held.tokens)
+            if m <= n and shared == m:  # the freed slot holds all of it and more
+                del self._warm[key]
+                self._count_warm(warm, -1)
+            elif shared == n:  # it holds all the freed slot does
+                self._warm.move_to_end(key)
+                return
+        self._warm[next(self._warm_ids)] = held
+        self._count_warm(held, 1)
+        while self._warm_positions > self.prefix_cache_tokens:
+            _, old = self._warm.popitem(last=False)
+            self._count_warm(old, -1)
+
+    def _count_warm(self, warm: _Slot, sign: int) -> None:
+        """Books ``warm`` entering (``sign`` 1) or leaving (-1) the warm set."""
+        self._warm_positions += sign * len(warm.tokens)
+        self._warm_bytes += sign * len(warm.tokens) * warm.cache.position_bytes
+        self.stats["warm_entries"] = len(self._warm)
+        self.stats["warm_positions"] = self._warm_positions
+        self.stats["warm_bytes"] = self._warm_bytes
 
     def slot_length(self, slot: int) -> int:
         """Positions held in ``slot``'s cache. Raises ValueError for an unknown slot."""

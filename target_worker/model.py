@@ -150,6 +150,49 @@ class KvCache:
         new._seq_len = self._seq_len
         return new
 
+    def prefix_copy(self, n: int, capacity: int | None = None) -> KvCache:
+        """A new cache holding a copy of this one's first ``n`` positions (same dtype and
+        device, the values bitwise the same; this cache is left as it is): what a request
+        sharing only a prefix of a warm cache starts from (`TargetEngine.allocate_prefix`).
+
+        Args:
+            n: positions to copy, in ``[0, seq_len]``.
+            capacity: the new cache's room in positions (at least ``n``; rounded up to whole
+                blocks, capped at ``max_seq_len``); default this cache's capacity.
+
+        Raises:
+            ValueError: ``n`` outside ``[0, seq_len]``, or ``capacity`` below ``max(n, 1)``
+                or above ``max_seq_len``.
+        """
+        if not 0 <= n <= self._seq_len:
+            raise ValueError(f"prefix_copy length must be in [0, seq_len={self._seq_len}], "
+                             f"got {n}")
+        capacity = self.capacity if capacity is None else capacity
+        if not max(n, 1) <= capacity <= self.max_seq_len:
+            raise ValueError(f"capacity must be in [{max(n, 1)}, max_seq_len="
+                             f"{self.max_seq_len}], got {capacity}")
+        blocks = -(-min(capacity, self.max_seq_len) // KEY_BLOCK)
+        used = -(-n // KEY_BLOCK)
+        new = KvCache.__new__(KvCache)
+        new.max_seq_len = self.max_seq_len
+        with torch.inference_mode():
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                t = torch.empty((old.shape[0], blocks, *old.shape[2:]), dtype=old.dtype,
+                                device=old.device)
+                # Whole blocks: the stale entries after ``n`` in its block are what a
+                # `truncate` leaves too (each forward zeroes them first, `zero_tail`).
+                t[:, :used] = old[:, :used]
+                setattr(new, name, t)
+        new._seq_len = n
+        return new
+
+    @property
+    def position_bytes(self) -> int:
+        """Bytes one position takes (keys and values of every layer and KV head)."""
+        layers, _, heads, _, d = self.k.shape
+        return 2 * layers * heads * d * self.k.element_size()
+
     def reserve(self, needed: int) -> None:
         """Make room for ``needed`` positions, doubling capacity up to ``max_seq_len``.
 

@@ -12,7 +12,8 @@ little-endian) are the buffers, so hidden and probability rows are not copied in
 
 Payloads (positional lists; ``tokens`` are lists of ints, ``sampling`` a `SamplingParams`):
 
-- a call: ``[method, *args]`` for ``allocate`` (no args), ``allocate_prefix`` (tokens),
+- a call: ``[method, *args]`` for ``allocate`` (no args), ``allocate_prefix`` (tokens,
+  partition: a str, "" the shared one),
   ``free`` (slot), ``prefill`` and ``verify`` (each a list of items, either kind in one
   step: a `PrefillItem` as ``[0, slot, tokens, sampling, want_hidden, start_pos, offset,
   last, logprobs, prompt_logprobs, next_token, mask]``, a `VerifyItem` as ``[1, slot,
@@ -61,7 +62,8 @@ __all__ = ["ERRORS", "METHODS", "WIRE_VERSION", "WireError", "decode_call", "dec
 #: Bumped on any change to the layout above; a peer on another version is refused.
 #: 2: log probabilities (item fields and `StepOutput.logprobs`).
 #: 3: grammar bitmasks (the items' last field).
-WIRE_VERSION = 3
+#: 4: allocate_prefix carries the request's cross-request partition.
+WIRE_VERSION = 4
 #: The calls this format knows.
 METHODS = ("allocate", "allocate_prefix", "free", "prefill", "verify")
 #: Exception types an error reply may name (anything else arrives as RuntimeError).
@@ -186,14 +188,18 @@ def encode_call(method: str, args: Sequence) -> list:
         if args:
             raise ValueError(f"unknown target method {method!r} cannot carry arguments")
         return _Encoder().finish([method])
-    want = {"allocate": 0, "allocate_prefix": 1, "free": 1, "prefill": 1, "verify": 1}[method]
+    if method == "allocate_prefix" and len(args) == 1:
+        args = (*args, "")  # the shared partition
+    want = {"allocate": 0, "allocate_prefix": 2, "free": 1, "prefill": 1, "verify": 1}[method]
     if len(args) != want:
         raise ValueError(f"{method} takes {want} argument(s), got {len(args)}")
     if method in ("prefill", "verify"):
         enc = _Encoder()
         return enc.finish([method, [_item(i, enc) for i in args[0]]])
     if method == "allocate_prefix":
-        return _Encoder().finish([method, list(args[0])])
+        if not isinstance(args[1], str):
+            raise TypeError(f"partition must be a str, got {type(args[1]).__name__}")
+        return _Encoder().finish([method, list(args[0]), args[1]])
     return _Encoder().finish([method, *args])
 
 
@@ -456,9 +462,12 @@ def decode_call(body: bytes | bytearray | memoryview) -> tuple[str, tuple]:
     if method == "allocate":
         _list(args, "allocate arguments", 0)
         return method, ()
-    (arg,) = _list(args, f"{method} arguments", 1)
     if method == "allocate_prefix":
-        return method, (_tokens(arg, "tokens"),)
+        tokens, partition = _list(args, "allocate_prefix arguments", 2)
+        if type(partition) is not str:
+            raise WireError(f"partition must be a str, got {type(partition).__name__}")
+        return method, (_tokens(tokens, "tokens"), partition)
+    (arg,) = _list(args, f"{method} arguments", 1)
     if method == "free":
         return method, (_int(arg, "slot"),)
     cache: dict = {}

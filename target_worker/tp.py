@@ -302,10 +302,10 @@ class TPRank(TargetActor):
         return self._all("allocate")
 
     @on_compute_thread
-    def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
-        """``(slot, reused positions)``, the same on every rank
+    def allocate_prefix(self, tokens: list[int], partition: str = "") -> tuple[int, int]:
+        """``(slot, reused positions)`` looked up in ``partition``, the same on every rank
         (`TargetEngine.allocate_prefix`)."""
-        return self._all("allocate_prefix", tokens)
+        return self._all("allocate_prefix", tokens, partition)
 
     @on_compute_thread
     def free(self, slot: int) -> None:
@@ -338,8 +338,12 @@ class TPRank(TargetActor):
           0 to the other ranks), ``collective_bytes`` (bytes rank 0 sent into all-reduces and
           the logits gather);
         - ``last_step``: the same keys (but ``steps``) for the latest call, ``{}`` before one.
+
+        ``stats["warm_bytes"]`` counts every rank's shard (rank 0's times ``tp``: each holds
+        ``n_kv_heads / tp`` heads of the same positions).
         """
         status = super().status()
+        status["stats"]["warm_bytes"] = status["stats"].get("warm_bytes", 0) * self.tp
         status["tp"] = self.tp
         status["step"] = dict(self._step)
         status["last_step"] = dict(self._last_step)

@@ -176,8 +176,8 @@ class RayTarget:
     async def allocate(self) -> int:
         return await self.handle.allocate.remote()
 
-    async def allocate_prefix(self, tokens: list[int]) -> tuple[int, int]:
-        return tuple(await self.handle.allocate_prefix.remote(tokens))
+    async def allocate_prefix(self, tokens: list[int], partition: str = "") -> tuple[int, int]:
+        return tuple(await self.handle.allocate_prefix.remote(tokens, partition))
 
     async def free(self, slot: int) -> None:
         await self.handle.free.remote(slot)

@@ -119,6 +119,10 @@ def test_two_replicas_two_drafters_twelve_concurrent_requests_equal_their_solo_r
         assert sum(r.prefix_hits for r in status.replicas) >= 1
         assert sum(r.prefix_queries for r in status.replicas) == 14
         assert sum(r.prefix_hit_tokens for r in status.replicas) >= len(reqs[0].token_ids.ids) - 1
+        # The warm prefix cache: every finished request's positions kept (well within the
+        # default bound), their keys and values counted in bytes.
+        assert all(0 < r.warm_positions <= 32768 for r in status.replicas)
+        assert all(r.warm_bytes >= r.warm_positions for r in status.replicas)
         assert [d.name for d in status.drafters] == ["drafter-0", "drafter-1"]
         for d in status.drafters:
             assert d.calls > 0 and d.errors == 0 and d.mean_latency_seconds > 0
@@ -455,6 +459,12 @@ def test_prometheus_export_labels_every_replica_and_drafter():
             assert counts == placed
             assert all(samples[f'specd_{name}_seconds_bucket{{le="+Inf",replica="replica-{i}"}}']
                        == c for i, c in zip((0, 1), counts, strict=True))
+        warm = [samples[f'specd_replica_warm_positions{{replica="replica-{i}"}}'] for i in (0, 1)]
+        assert min(warm) > 0
+        assert all(samples[f'specd_replica_warm_bytes{{replica="replica-{i}"}}'] > 0
+                   for i in (0, 1))
+        assert sum(samples[f'specd_replica_prefix_queries_total{{replica="replica-{i}"}}']
+                   for i in (0, 1)) == len(PROMPTS)
         gaps = sum(samples[f'specd_inter_token_latency_seconds_count{{replica="replica-{i}"}}']
                    for i in (0, 1))
         assert 0 < gaps <= total - len(PROMPTS)

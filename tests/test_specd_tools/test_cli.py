@@ -300,6 +300,21 @@ def test_printed_text_never_ends_inside_a_character(monkeypatch, capsys):
     assert cut, "no output ended inside a character: the case was not exercised"
 
 
+def test_the_status_table_shows_prefix_hits_and_the_warm_cache_per_replica():
+    s = generation_pb2.StatusResponse(replicas=[generation_pb2.ReplicaStatus(
+        name="replica-0", state="serving", prefix_hits=3, prefix_queries=4,
+        warm_positions=190, warm_bytes=8_740_000)])
+    lines = status_table(s).splitlines()
+    header = next(line for line in lines if line.startswith("replica "))
+    row = next(line for line in lines if line.startswith("replica-0")).split()
+    for multi in ("step ms", "ttft p50/p90 ms", "itl p50 ms", "prefix hits", "warm pos/MB"):
+        header = header.replace(multi, multi.replace(" ", "_"))
+    names = header.split()
+    assert len(names) == len(row)
+    assert row[names.index("prefix_hits")] == "3/4"
+    assert row[names.index("warm_pos/MB")] == "190/8.7"
+
+
 def test_the_status_table_shows_cache_size_and_hit_rate_for_drafters_with_a_cache():
     s = generation_pb2.StatusResponse(drafters=[
         generation_pb2.DrafterStatus(name="drafter-0", state="serving", has_cache=True,

@@ -118,6 +118,32 @@ def test_steps_over_the_channel_equal_the_engines_own(actor):
     assert over_channel[1].equal(local[1]) and over_channel[3].equal(local[3])
 
 
+def test_allocate_prefix_over_the_channel_looks_up_its_partition_only(actor):
+    address = actor.open_channel("127.0.0.1", "s3cret")
+    prompt = [11, 12, 13, 14, 15, 16]
+
+    async def go():
+        channel = ChannelTarget(address, "s3cret")
+        try:
+            slot, reused = await channel.allocate_prefix(prompt, "tenant-a")
+            assert reused == 0
+            await channel.prefill([PrefillItem(slot=slot, tokens=prompt,
+                                               sampling=SamplingParams())])
+            await channel.free(slot)  # warm in "tenant-a"
+            seen = []
+            for partition in ("tenant-b", "", "tenant-a"):
+                slot, reused = await channel.allocate_prefix(prompt + [17], partition)
+                seen.append(reused)
+                await channel.free(slot)
+            return seen
+        finally:
+            await channel.close()
+
+    assert asyncio.run(go()) == [0, 0, len(prompt)]
+    stats = actor.status()["stats"]
+    assert stats["warm_positions"] >= len(prompt) and stats["warm_bytes"] > 0
+
+
 def test_a_client_without_the_secret_is_closed_unread():
     calls = []
     server = ChannelServer(lambda m, a: calls.append(m) or 0, ["allocate"], "right")

@@ -53,8 +53,11 @@ def test_calls_round_trip():
     mixed = [verify[0], prefill[0]]
     assert decode_call(joined(encode_call("verify", (mixed,)))) == ("verify", (mixed,))
     assert decode_call(joined(encode_call("allocate", ()))) == ("allocate", ())
+    # The partition travels; a call without one asks in the shared partition ("").
+    assert decode_call(joined(encode_call("allocate_prefix", ([1, 2], "tenant-a")))) == (
+        "allocate_prefix", ([1, 2], "tenant-a"))
     assert decode_call(joined(encode_call("allocate_prefix", ([1, 2],)))) == (
-        "allocate_prefix", ([1, 2],))
+        "allocate_prefix", ([1, 2], ""))
     assert decode_call(joined(encode_call("free", (3,)))) == ("free", (3,))
     assert decode_call(joined(encode_call("shutdown", ()))) == ("shutdown", ())
 
@@ -149,6 +152,10 @@ def test_encoding_refuses_what_the_format_does_not_carry():
         encode_call("free", ())
     with pytest.raises(ValueError):
         encode_call("shutdown", (1,))
+    with pytest.raises(TypeError, match="partition"):
+        encode_call("allocate_prefix", ([1], 7))
+    with pytest.raises(ValueError):
+        encode_call("allocate_prefix", ([1], "a", "b"))
 
 
 VERIFY = [1, 1, 7, [5, 6], [0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0], False]
@@ -168,6 +175,11 @@ VERIFY = [1, 1, 7, [5, 6], [0.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0], False]
     message(["verify", [[True, *VERIFY[1:]]]]),                        # a bool kind
     message(["verify", {"items": []}]),                               # a map
     message(["allocate", 1]),                                         # args for allocate
+    message(["allocate_prefix", [1, 2]]),                             # no partition
+    message(["allocate_prefix", [1, 2], 5]),                          # an int partition
+    message(["allocate_prefix", [1, 2], None]),                       # a None partition
+    message(["allocate_prefix", [1, 2], "a", "b"]),                   # a third argument
+    message(["allocate_prefix", [1.0, 2], "a"]),                      # a float token
     message(["shutdown", 1]),                                         # args for unknown
     message([7]),                                                     # no method name
     b"\x00\x00",                                                      # no header length
