@@ -193,7 +193,8 @@ def load_model(
             qwen2), a Hugging Face checkpoint directory (`target_worker.hf.ARCHITECTURES`), or
             ``"tiny-random[:vocab=V,seed=S,layers=L]"`` for a tiny random test model with a
             `target_worker.testing.TinyTokenizer` (see `target_worker.testing`).
-        dtype: the decoder's weights and compute dtype (`resolve_dtype`; default float32).
+        dtype: the decoder's weights and compute dtype (`resolve_dtype`; default "auto":
+            bfloat16 on a CPU with native bfloat16 dot products, else float32).
 
     Returns:
         ``(decoder, tokenizer)``; the tokenizer carries the source's ``eos_token_id`` and chat

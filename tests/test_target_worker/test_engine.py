@@ -20,7 +20,7 @@ from specd_core.step import PrefillItem, VerifyItem
 from target_worker.actor import TargetActor
 from target_worker.config import ModelConfig
 from target_worker.engine import TargetEngine
-from target_worker.loader import load_model
+from target_worker.loader import load_model, resolve_dtype
 from target_worker.model import Decoder
 from target_worker.testing import TinyTokenizer
 
@@ -287,7 +287,10 @@ def test_stats_count_forwards_and_tokens():
 
 def test_tiny_random_spec_loads_the_documented_decoder_and_tokenizer():
     decoder, tok = load_model("tiny-random:vocab=40,seed=3,layers=1")
-    want = Decoder.random(ModelConfig.tiny_test(40, n_layers=1), seed=3)
+    # In the machine's default dtype (`resolve_dtype`: bfloat16 where the CPU has native
+    # bfloat16 dot products), cast from the float32 weights the seed draws.
+    want = Decoder.random(ModelConfig.tiny_test(40, n_layers=1), seed=3).to(
+        resolve_dtype(None))
     assert decoder.config == want.config
     for (name, p), (_, q) in zip(decoder.state_dict().items(), want.state_dict().items(),
                                  strict=True):
