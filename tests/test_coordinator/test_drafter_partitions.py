@@ -131,3 +131,11 @@ def test_a_request_defaults_to_the_shared_partition_and_keeps_what_it_is_given(p
     # Run-ahead jobs (pipelined) carry it too.
     assert local.job_partitions and {p for _, p in local.job_partitions} == {partition}
     assert local.remembered == [partition] and req.decode.finished
+
+
+def test_the_service_config_accepts_0_and_refuses_a_negative_cache_size():
+    from coordinator.config import ServiceConfig
+
+    assert ServiceConfig(drafter="suffix", suffix_cache_requests=0).suffix_cache_requests == 0
+    with pytest.raises(ValueError, match="suffix_cache_requests must be an int >= 0"):
+        ServiceConfig(drafter="suffix+lookup", suffix_cache_requests=-1)
