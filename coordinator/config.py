@@ -50,8 +50,9 @@ class ServiceConfig:
             (`drafter_worker.registry.default_draft_len`, its adaptive cap with ``adaptive``).
         drafter_path: the EAGLE head file (None: the head shipped for SmolLM2).
         suffix_cache_requests: ``--drafter suffix`` / ``suffix+lookup``: previous outputs
-            each drafter worker's global cache keeps (None: 10,000); every finished output
-            goes to every drafter worker.
+            each drafter worker's global cache keeps, over all partitions (tenant and
+            ``cache_salt``) and in each (None: 10,000; 0: none, suffix drafting within each
+            request only); every finished output goes to every drafter worker.
         max_active: requests decoding at once per target replica; the rest wait.
         adaptive: choose each request's draft length per step (`Scheduler` ``adaptive``).
         tp: ranks (tensor-parallel degree) of each target replica.

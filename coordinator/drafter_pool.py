@@ -15,7 +15,8 @@ so the owner (`coordinator.router.Router`) can `stop_worker` it and `replace` it
 worker under the same name (its counters carry on).
 
 Cross-request caches (suffix decoding) are **replicated**: `remember` sends every finished
-output to every serving member, so no routing for locality is needed.
+output (with its partition: tenant and ``cache_salt``) to every serving member, so no
+routing for locality is needed.
 
 Moving a request is always safe: the new drafter's client does not know the id, so its first
 call sends the whole history (``known = 0``), and drafts never change a greedy output (the
@@ -76,9 +77,10 @@ class PoolMember:
         node its worker runs on, "" when unknown); the counters include
         the workers it replaced. From its worker's last `DrafterStats` (`DrafterPool.refresh`;
         zeros before one): ``has_cache``, ``cache_outputs``, ``cache_tokens``,
-        ``cache_nodes``, ``cache_bytes`` (approximate), ``cache_evicted`` (its current
-        worker's cache), ``proposals`` and ``global_hits`` (with the replaced workers' last
-        reported counts)."""
+        ``cache_nodes``, ``cache_bytes`` (approximate), ``cache_evicted``,
+        ``cache_partitions`` (its current worker's cache, totals over its partitions; their
+        number, never their names), ``proposals`` and ``global_hits`` (with the replaced
+        workers' last reported counts)."""
         s = self.stats()
         calls = int(s["calls"])
         r = self.reported or DrafterStats()
@@ -100,6 +102,7 @@ class PoolMember:
             "cache_nodes": r.cache_nodes,
             "cache_bytes": r.cache_bytes,
             "cache_evicted": r.cache_evicted,
+            "cache_partitions": r.cache_partitions,
             "proposals": r.proposals + self.retired_drafts["proposals"],
             "global_hits": r.global_hits + self.retired_drafts["global_hits"],
         }
@@ -314,15 +317,19 @@ class DrafterPool:
         for name, ids in by_member.items():
             await self.members[name].client.release(ids)
 
-    async def remember(self, outputs: Sequence[Sequence[int]]) -> None:
-        """Sends finished outputs to every serving member (best effort, never raises), so
-        each worker's cross-request cache (suffix decoding) holds every request's output
-        whichever worker drafted it: a request's hit rate does not depend on which worker it
-        lands on, and placement stays free for load balancing."""
+    async def remember(self, outputs: Sequence[Sequence[int]],
+                       partitions: Sequence[str] | None = None) -> None:
+        """Sends finished outputs, output ``i`` for partition ``partitions[i]`` (None: all
+        shared, ""), to every serving member (best effort, never raises), so each worker's
+        cross-request cache (suffix decoding) holds every request's output whichever worker
+        drafted it: a request's hit rate does not depend on which worker it lands on, and
+        placement stays free for load balancing."""
         if not outputs:
             return
+        partitions = [""] * len(outputs) if partitions is None else list(partitions)
         members = self.serving()
-        results = await asyncio.gather(*(m.client.remember(outputs) for m in members
+        results = await asyncio.gather(*(m.client.remember(outputs, partitions)
+                                         for m in members
                                          if callable(getattr(m.client, "remember", None))),
                                        return_exceptions=True)
         for result in results:

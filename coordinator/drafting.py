@@ -349,9 +349,11 @@ class DraftingPolicy:
 
     def _job(self, job_type, req: ServiceRequest, history, max_len: int, **extra):
         """A `ProposeJob` (``job_type``) for ``req`` over ``history``: its hidden rows when
-        the drafter wants them, its sampling and seed; ``extra``: the run-ahead fields."""
+        the drafter wants them, its sampling and seed, its partition (a drafter's
+        cross-request cache drafts only from that partition's outputs); ``extra``: the
+        run-ahead fields."""
         return job_type(
-            request_id=req.id, history=history, max_len=max_len,
+            request_id=req.id, history=history, max_len=max_len, partition=req.partition,
             hidden_log=req.decode.hidden_log() if self.wants_hidden else None,
             sampling=req.decode.sampling,
             seed=0 if req.decode.options.seed is None else req.decode.options.seed, **extra)

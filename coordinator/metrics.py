@@ -83,6 +83,8 @@ DRAFTER_METRICS = (
     ("cache_bytes", "cache_bytes", "Approximate memory of the worker's cache, bytes.", "gauge"),
     ("cache_evicted", "cache_evicted", "Outputs evicted from the worker's cache (FIFO).",
      "counter"),
+    ("cache_partitions", "cache_partitions",
+     "Partitions (tenant, cache_salt) holding outputs in the worker's cache.", "gauge"),
     ("proposals", "proposals", "Proposals the drafter made (one per request step drafted).",
      "counter"),
     ("global_hits", "global_hits",

@@ -751,7 +751,7 @@ class Scheduler(DraftingPolicy):
             output = remembered_tokens(req.decode.history, req.decode.num_prompt_tokens,
                                        req.decode.generated) if self.remember_outputs else None
             task = asyncio.get_running_loop().create_task(
-                self._release_drafter(req.id, pending, output))
+                self._release_drafter(req.id, pending, output, req.partition))
             self._releasing.add(task)
             task.add_done_callback(self._releasing.discard)
 
@@ -763,15 +763,16 @@ class Scheduler(DraftingPolicy):
             await asyncio.wait(set(self._releasing))
 
     async def _release_drafter(self, request_id: str, pending: asyncio.Future | None,
-                               output: list[int] | None = None) -> None:
+                               output: list[int] | None = None, partition: str = "") -> None:
         """Tells the drafter to forget ``request_id``, after its call in flight (a release
         that overtook it would leave state the call then re-creates); ``output``: the
-        request's tokens for the drafter's cross-request cache (`remember_outputs`)."""
+        request's tokens for the drafter's cross-request cache (`remember_outputs`), kept
+        in the request's ``partition`` only."""
         if pending is not None and not pending.done():
             await asyncio.wait({pending})
         await self.drafter.release([request_id])
         if output:
-            await self.drafter.remember([output])
+            await self.drafter.remember([output], [partition])
 
     async def _drop_cancelled(self) -> None:
         for req in [r for r in self.active if r.cancelled]:

@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"{SUFFIX_DRAFT_LEN} for the suffix drafters, "
                              f"{EAGLE_MAX_DRAFT_LEN} for EAGLE")
     parser.add_argument("--suffix-cache-requests", type=int, default=None, metavar="N",
-                        help="suffix drafters: previous outputs the global cache keeps")
+                        help="suffix drafters: previous outputs the global cache keeps (all "
+                             "partitions together and each; 0: none, within-request only)")
     parser.add_argument("--model", default=None,
                         help="EAGLE: the target .gguf whose embeddings it uses (default SmolLM2)")
     parser.add_argument("--drafter-path", default=None,

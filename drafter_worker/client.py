@@ -23,6 +23,7 @@ from specd_core.draft import DraftBlock
 
 from . import wire
 from .server import SECRET_METADATA_KEY, grpc_options
+from .sessions import MAX_PARTITION_CHARS
 
 if TYPE_CHECKING:  # annotation only: importing coordinator here would load the target model code
     from specd_core.sampling import SamplingParams
@@ -57,6 +58,10 @@ class ProposeJob:
             ``max_len`` counts it.
         assumed: with ``ahead``, the block being verified now, after ``history``; the worker
             stores only ``history``.
+        partition: the request's partition of the worker's cross-request state (an opaque
+            string of at most `sessions.MAX_PARTITION_CHARS` characters: the coordinator's
+            tenant and ``cache_salt``; "" shared): a suffix drafter drafts only from previous
+            outputs remembered in it. Sent with every job, the same for every job of an id.
     """
 
     request_id: str
@@ -68,6 +73,7 @@ class ProposeJob:
     hidden_log: torch.Tensor | None = None
     ahead: bool = False
     assumed: Sequence[int] = ()
+    partition: str = ""
 
     def delta(self, known: int) -> tuple[int, Sequence[int], torch.Tensor | None]:
         """What to send a worker that holds ``known`` history tokens of this id:
@@ -95,7 +101,8 @@ def check_jobs(jobs: Sequence[ProposeJob]) -> list[str]:
     """The jobs' request ids, after checking one call may carry them.
 
     Raises:
-        ValueError: a request id twice, or a negative ``max_len``.
+        ValueError: a request id twice, a negative ``max_len``, or a partition that is not a
+            str of at most `sessions.MAX_PARTITION_CHARS` characters.
     """
     ids = [job.request_id for job in jobs]
     if len(set(ids)) != len(ids):
@@ -103,6 +110,10 @@ def check_jobs(jobs: Sequence[ProposeJob]) -> list[str]:
     for job in jobs:
         if job.max_len < 0:
             raise ValueError(f"request {job.request_id!r}: max_len {job.max_len} < 0")
+        if not isinstance(job.partition, str) or len(job.partition) > MAX_PARTITION_CHARS:
+            raise ValueError(f"request {job.request_id!r}: partition must be a str of at "
+                             f"most {MAX_PARTITION_CHARS} characters, got "
+                             f"{type(job.partition).__name__} {str(job.partition)[:40]!r}")
     return ids
 
 
@@ -124,7 +135,8 @@ class DrafterStats:
     describe its cross-request cache (suffix decoding's global tree), when ``has_cache``:
     outputs and tokens held, tree nodes, approximate bytes, outputs evicted. ``proposals``:
     proposals made (one per request step drafted); ``global_hits``: those drafted from
-    previous requests' outputs. All 0 for a drafter without a cache or counters."""
+    previous requests' outputs; ``cache_partitions``: partitions holding an output (their
+    number only). All 0 for a drafter without a cache or counters."""
 
     has_cache: bool = False
     cache_outputs: int = 0
@@ -134,6 +146,7 @@ class DrafterStats:
     cache_evicted: int = 0
     proposals: int = 0
     global_hits: int = 0
+    cache_partitions: int = 0
 
     @property
     def global_hit_rate(self) -> float:
@@ -256,7 +269,7 @@ class DrafterClient:
                                      ) from e
         return DrafterStats(reply.has_cache, reply.cache_outputs, reply.cache_tokens,
                             reply.cache_nodes, reply.cache_bytes, reply.cache_evicted,
-                            reply.proposals, reply.global_hits)
+                            reply.proposals, reply.global_hits, reply.cache_partitions)
 
     def _item(self, job: ProposeJob) -> drafter_pb2.ProposeItem:
         known, append, rows = job.delta(self._known.get(job.request_id, 0))
@@ -267,6 +280,7 @@ class DrafterClient:
             max_len=job.max_len,
             ahead=job.ahead,
             assumed=[int(t) for t in job.assumed] if job.ahead else (),
+            partition=job.partition,
         )
         if rows is not None:
             item.hidden.CopyFrom(wire.tensor_to_proto(rows, self.hidden_dtype))
@@ -405,14 +419,26 @@ class DrafterClient:
         except Exception as e:  # best effort: a lost release only leaks worker memory
             log.warning("drafter %s: Release failed: %s", self.address, _describe(e))
 
-    async def remember(self, outputs: Sequence[Sequence[int]]) -> None:
+    async def remember(self, outputs: Sequence[Sequence[int]],
+                       partitions: Sequence[str] | None = None) -> None:
         """Sends finished requests' outputs (token ids, each after its prompt's last tokens)
-        to the worker's cross-request cache (a ``Release`` with ``outputs`` and no ids). Best
-        effort: errors are logged, never raised (a lost output only costs drafts)."""
+        to the worker's cross-request cache (a ``Release`` with ``outputs`` and no ids),
+        output ``i`` for partition ``partitions[i]`` (None: all shared, ""). Best effort:
+        errors are logged, never raised (a lost output only costs drafts).
+
+        Raises:
+            ValueError: ``partitions`` not one per output (nothing is sent).
+        """
+        if partitions is None:
+            partitions = [""] * len(outputs)
+        elif len(partitions) != len(outputs):
+            raise ValueError(f"remember: {len(partitions)} partitions for {len(outputs)} "
+                             "outputs (one each)")
         if not outputs:
             return
-        request = drafter_pb2.ReleaseRequest(
-            outputs=[drafter_pb2.TokenSequence(tokens=[int(t) for t in out]) for out in outputs])
+        request = drafter_pb2.ReleaseRequest(outputs=[
+            drafter_pb2.TokenSequence(tokens=[int(t) for t in out], partition=str(partition))
+            for out, partition in zip(outputs, partitions, strict=True)])
         try:
             await self._get_stub().Release(request, timeout=self.timeout_s,
                                            metadata=self._metadata)

@@ -57,13 +57,19 @@ class LocalDrafter:
             _, block = self.sessions.propose(
                 job.request_id, known, append, job.max_len,
                 lambda rows=rows: None if rows is None else rows.float(), sampling, job.seed,
-                job.assumed, job.ahead)
+                job.assumed, job.ahead, job.partition)
             blocks.append(block)  # a resync has forgotten the id: its next job resends all
         return blocks
 
     async def release(self, request_ids: Sequence[str]) -> None:
         self.sessions.release(list(request_ids))
 
-    async def remember(self, outputs: Sequence[Sequence[int]]) -> None:
-        """Finished outputs for a drafter with a cross-request cache (ignored otherwise)."""
-        self.sessions.remember(list(outputs))
+    async def remember(self, outputs: Sequence[Sequence[int]],
+                       partitions: Sequence[str] | None = None) -> None:
+        """Finished outputs for a drafter with a cross-request cache (ignored otherwise),
+        output ``i`` in partition ``partitions[i]`` (None: all shared, "").
+
+        Raises:
+            ValueError: ``partitions`` not one per output.
+        """
+        self.sessions.remember(list(outputs), None if partitions is None else list(partitions))

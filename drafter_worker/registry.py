@@ -62,7 +62,8 @@ class DrafterSpec:
         adaptive_draft_len: default cap when the adaptive chooser picks the length.
         has_head: it loads an EAGLE head (``drafter_path`` applies).
         capabilities: what every drafter it builds declares (its ``max_draft_len`` is set
-            per instance).
+            per instance; a suffix drafter built with ``suffix_cache_requests=0`` keeps no
+            cache, so it declares ``remembers`` False).
     """
 
     name: str
@@ -143,10 +144,7 @@ def check_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
         if name not in SUFFIX_DRAFTERS:
             raise ValueError(f"suffix_cache_requests: only the suffix drafters keep a "
                              f"cache; drafter {name!r} keeps none")
-        if isinstance(suffix_cache_requests, bool) or not isinstance(
-                suffix_cache_requests, int) or suffix_cache_requests < 1:
-            raise ValueError(f"suffix_cache_requests must be an int >= 1, got "
-                             f"{suffix_cache_requests!r}")
+        _check_cache_requests(suffix_cache_requests)
     if spec.has_head:
         from .eagle import DEFAULT_HEAD
 
@@ -179,8 +177,10 @@ def build_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
         stop_token_ids: a drafted stop token ends an EAGLE block.
         min_confidence: EAGLE's dynamic draft length threshold (`EagleDrafter`; default
             `EAGLE_MIN_CONFIDENCE`, 0 turns it off).
-        suffix_cache_requests: the suffix drafters' global cache size in previous outputs
-            (default `drafter_worker.suffix.DEFAULT_CACHE_REQUESTS`).
+        suffix_cache_requests: the suffix drafters' global cache size in previous outputs,
+            over all partitions and in each (default
+            `drafter_worker.suffix.DEFAULT_CACHE_REQUESTS`; 0 keeps none: suffix drafting
+            within each request only).
 
     Raises:
         ValueError: an unknown name (the message lists the choices), or sizes the drafter
@@ -214,8 +214,18 @@ def build_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
 SUFFIX_DRAFTERS: tuple[str, ...] = ("suffix", "suffix+lookup")
 
 
+def _check_cache_requests(value) -> None:
+    """Raises ValueError unless ``value`` is an int >= 0 (``--suffix-cache-requests``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"suffix_cache_requests must be an int >= 0 (0: draft from each "
+                         f"request's own context only, keep nothing across requests), got "
+                         f"{value!r}")
+
+
 def _suffix(name: str, ngram_size: int, max_draft_len: int,
             cache_requests: int | None, **kwargs) -> Drafter:
+    if cache_requests is not None:
+        _check_cache_requests(cache_requests)
     lookup = None if name == "suffix" else PromptLookupSpeculator(ngram_size, max_draft_len)
     return SuffixDrafter(max_draft_len=max_draft_len,
                          cache_requests=DEFAULT_CACHE_REQUESTS if cache_requests is None

@@ -188,7 +188,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def Release(self, request, context):  # noqa: N802
         await self._run(self.release_ids, list(request.request_ids))
         if request.outputs:
-            await self._run(self.sessions.remember, [list(o.tokens) for o in request.outputs])
+            await self._run(self.sessions.remember, [list(o.tokens) for o in request.outputs],
+                            [o.partition for o in request.outputs])
         return drafter_pb2.ReleaseResponse()
 
     async def Info(self, request, context):  # noqa: N802
@@ -215,11 +216,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         block, the others are unaffected.
 
         Raises:
-            ProposeRefused: an item whose history would exceed ``limits.max_history``
-                (checked before anything is applied).
+            ProposeRefused: an item whose history would exceed ``limits.max_history``, or
+                whose partition is longer than `sessions.MAX_PARTITION_CHARS` (checked
+                before anything is applied).
         """
         for i, item in enumerate(request.items):
             self.sessions.check_length(i, item.known, len(item.append) + len(item.assumed))
+            self.sessions.check_partition(i, item.partition)
         self.expire_idle()
         response = drafter_pb2.ProposeResponse()
         for item in request.items:
@@ -252,7 +255,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
         return self.sessions.propose(item.request_id, item.known, item.append, item.max_len,
                                      load_hidden, sampling, seed, item.assumed,
-                                     item.ahead)
+                                     item.ahead, item.partition)
 
     def stats(self) -> drafter_pb2.StatsResponse:
         """The drafter's counters (`DrafterSessions.stats`) as a ``StatsResponse``. Called

@@ -7,6 +7,15 @@ whenever a caller's ``known`` count disagrees with it the id is forgotten and th
 told to resync (resend the whole history), so a proposal always equals ``drafter.propose``
 on the full committed history. The gRPC servicer (`drafter_worker.server.DrafterServicer`)
 and the in-process adapter (`drafter_worker.local.LocalDrafter`) both use it.
+
+Partitions: every proposal names the request's partition of the cross-request state (an
+opaque string from the coordinator: its tenant and ``cache_salt``; "" shared). A drafter
+with a cross-request cache (`DrafterCapabilities.remembers`) gets it when the request's
+session is made (``drafter.session(sampling, seed, partition)``) and with every output
+(``drafter.remember(outputs, partitions)``). The partition travels with every item, not only
+the first: a session may be (re)made at any call (a resync, an expired id), and an item whose
+partition differs from the one the id's session was made for asks for a resync instead of
+drafting from another partition's outputs.
 """
 
 from __future__ import annotations
@@ -65,7 +74,12 @@ class SessionLimits:
 #: The counters `DrafterSessions.stats` reports (the drafter proto's ``StatsResponse``
 #: fields but ``has_cache``).
 DRAFTER_STATS = ("cache_outputs", "cache_tokens", "cache_nodes", "cache_bytes",
-                 "cache_evicted", "proposals", "global_hits")
+                 "cache_evicted", "proposals", "global_hits", "cache_partitions")
+
+#: The longest partition name accepted (characters): the coordinator sends a short digest;
+#: a longer one is refused (a Propose item) or its output dropped (remember), so names
+#: cannot grow a worker's memory past its output bound times this.
+MAX_PARTITION_CHARS = 256
 
 
 def _no_hidden() -> None:
@@ -94,6 +108,8 @@ class DrafterSessions:
         self._last_used: OrderedDict[str, float] = OrderedDict()
         # request id -> its own session of the drafter (`DrafterCapabilities.sessions`).
         self._sessions: dict[str, Drafter] = {}
+        # request id -> the partition its history and session belong to.
+        self._partitions: dict[str, str] = {}
 
     def check_length(self, index: int, known: int, appended: int) -> None:
         """Raises `ProposeRefused` when item ``index`` (``known`` held + ``appended`` new
@@ -104,6 +120,15 @@ class DrafterSessions:
                 f"items[{index}].append: a history of {total} tokens (known {known} + "
                 f"{appended} appended) exceeds max_history {self.limits.max_history}")
 
+    @staticmethod
+    def check_partition(index: int, partition: str) -> None:
+        """Raises `ProposeRefused` when item ``index``'s ``partition`` is longer than
+        `MAX_PARTITION_CHARS`."""
+        if len(partition) > MAX_PARTITION_CHARS:
+            raise ProposeRefused(
+                f"items[{index}].partition: {len(partition)} characters exceeds "
+                f"{MAX_PARTITION_CHARS}")
+
     def known(self, request_id: str) -> int:
         """History tokens held for the id (0 when none)."""
         stored = self._histories.get(request_id)
@@ -112,7 +137,8 @@ class DrafterSessions:
     def propose(self, request_id: str, known: int, append: Sequence[int], max_len: int,
                 load_hidden: Callable[[], torch.Tensor | None] = _no_hidden,
                 sampling: DraftSamplingParams | None = None, seed: int = 0,
-                assumed: Sequence[int] = (), ahead: bool = False) -> tuple[bool, DraftBlock]:
+                assumed: Sequence[int] = (), ahead: bool = False,
+                partition: str = "") -> tuple[bool, DraftBlock]:
         """One proposal for ``request_id``, whose caller believes ``known`` tokens are held and
         sends ``append`` after them. Returns ``(resync, block)``: ``resync`` asks the caller
         to resend the whole history (the id's view was dropped); ``block`` is at most
@@ -122,14 +148,18 @@ class DrafterSessions:
         history check; a ValueError from it drops the id's view). ``sampling`` and ``seed``
         configure a new per-request session. ``ahead``: a run-ahead proposal past
         ``assumed`` (`specd_core.draft.propose_ahead`); ``assumed`` is never stored, so the
-        id's view stays the committed history.
+        id's view stays the committed history. ``partition``: the request's partition of
+        the cross-request state (see the module); an id held for another partition asks for
+        a resync.
         """
         rid = request_id
+        partition = str(partition)
         stored = self._histories.get(rid)
         if known == 0:
             base: list[int] = []  # a fresh history: replaces any state of a reused id
             self._sessions.pop(rid, None)
-        elif stored is None or len(stored) != known:
+        elif stored is None or len(stored) != known or \
+                self._partitions.get(rid, "") != partition:
             self._forget(rid)
             return True, DraftBlock.empty()
         else:
@@ -149,9 +179,10 @@ class DrafterSessions:
             return False, DraftBlock.empty()
         # Committed before drafting: a drafter failure does not change what was committed.
         self._histories[rid] = history
+        self._partitions[rid] = partition
         self._touch(rid)
         max_len = int(max_len)
-        drafter = self._drafter_for(rid, sampling, seed)
+        drafter = self._drafter_for(rid, sampling, seed, partition)
         try:
             if ahead:
                 block = propose_ahead(drafter, history, hidden, [int(t) for t in assumed],
@@ -175,20 +206,25 @@ class DrafterSessions:
             block = DraftBlock(block.tokens[:max_len], block.dists[:max_len])
         return False, block
 
-    def _drafter_for(self, rid: str, sampling: DraftSamplingParams | None, seed: int
-                     ) -> Drafter:
+    def _drafter_for(self, rid: str, sampling: DraftSamplingParams | None, seed: int,
+                     partition: str = "") -> Drafter:
         """The shared drafter, or the id's own session of it (created on first use with the
-        request's sampling transforms and seed)."""
-        if not self.capabilities.sessions:
+        request's sampling transforms and seed, and its partition for a drafter with a
+        cross-request cache)."""
+        caps = self.capabilities
+        if not caps.sessions:
             return self.drafter
         session = self._sessions.get(rid)
         if session is None:
-            session = self._sessions[rid] = self.drafter.session(sampling, seed)
+            session = self._sessions[rid] = (
+                self.drafter.session(sampling, seed, partition) if caps.remembers
+                else self.drafter.session(sampling, seed))
         return session
 
     def _forget(self, rid: str) -> None:
         self._histories.pop(rid, None)
         self._sessions.pop(rid, None)
+        self._partitions.pop(rid, None)
         self._last_used.pop(rid, None)
 
     def _touch(self, rid: str) -> None:
@@ -223,25 +259,49 @@ class DrafterSessions:
         for rid in request_ids:
             self._forget(rid)
 
-    def remember(self, outputs: Sequence[Sequence[int]]) -> int:
+    def remember(self, outputs: Sequence[Sequence[int]],
+                 partitions: Sequence[str] | None = None) -> int:
         """Hands finished requests' outputs to a drafter with a cross-request cache
-        (`DrafterCapabilities.remembers`); returns how many it took (0 for a drafter without
-        one, which ignores them). A drafter failure is logged, never raised."""
+        (`DrafterCapabilities.remembers`), output ``i`` for partition ``partitions[i]``
+        (None: all shared, ""); returns how many it took (0 for a drafter without one, which
+        ignores them). An output whose partition is longer than `MAX_PARTITION_CHARS` is
+        dropped (logged). A drafter failure is logged, never raised.
+
+        Raises:
+            ValueError: ``partitions`` not one per output.
+        """
+        if partitions is None:
+            partitions = [""] * len(outputs)
+        elif len(partitions) != len(outputs):
+            raise ValueError(f"remember: {len(partitions)} partitions for {len(outputs)} "
+                             "outputs (one each)")
         if not outputs or not self.capabilities.remembers:
             return 0
+        kept, names = [], []
+        for out, partition in zip(outputs, partitions, strict=True):
+            partition = str(partition)
+            if len(partition) > MAX_PARTITION_CHARS:
+                log.warning("an output's partition has %d characters (> %d): not kept",
+                            len(partition), MAX_PARTITION_CHARS)
+                continue
+            kept.append([int(t) for t in out])
+            names.append(partition)
+        if not kept:
+            return 0
         try:
-            self.drafter.remember([[int(t) for t in out] for out in outputs])
+            self.drafter.remember(kept, names)
         except Exception:
             log.exception("drafter %s failed to remember %d outputs",
-                          type(self.drafter).__name__, len(outputs))
+                          type(self.drafter).__name__, len(kept))
             return 0
-        return len(outputs)
+        return len(kept)
 
     def stats(self) -> dict:
         """The drafter's counters as the ``StatsResponse`` fields (`DRAFTER_STATS`):
         ``has_cache`` (a cross-request cache, `DrafterCapabilities.remembers`), the cache's
         ``cache_outputs``, ``cache_tokens``, ``cache_nodes``, ``cache_bytes`` (approximate)
-        and ``cache_evicted``, and ``proposals`` / ``global_hits`` (proposals made, of which
+        and ``cache_evicted`` (totals over its partitions), ``cache_partitions`` (how many
+        partitions hold an output), and ``proposals`` / ``global_hits`` (proposals made, of which
         drafted from previous outputs), read from ``drafter.stats()`` in
         `drafter_worker.suffix.SuffixDrafter.stats`'s shape. A drafter without ``stats()``
         (or whose call fails, logged) reports zeros."""
@@ -258,6 +318,7 @@ class DrafterSessions:
                        cache_nodes=int(cache.get("nodes", 0)),
                        cache_bytes=int(cache.get("approx_bytes", 0)),
                        cache_evicted=int(cache.get("evicted", 0)),
+                       cache_partitions=int(cache.get("partitions", 0)),
                        proposals=int(s.get("proposals", 0)),
                        global_hits=int(s.get("global_wins", 0)))
         except Exception:

@@ -8,7 +8,9 @@ vLLM wraps that in PR #25784). Written from the paper's description, not from th
 - a **local tree** per request over its prompt and committed output, and a **global tree**
   over the outputs of previous requests (`SuffixCache`, FIFO-evicted past a request count
   or a node budget), both **depth-capped** (every substring of length ``<= depth`` is a
-  node), each node counting the occurrences of its substring;
+  node), each node counting the occurrences of its substring; the global tree is one per
+  **partition** (`PartitionedCache`: the coordinator's tenant and ``cache_salt``), so a
+  request drafts only from its own partition's previous outputs;
 - trees grow **incrementally**: a new token touches at most ``depth`` nodes (the open
   suffixes of the stream), never a rebuild;
 - to draft, the context's last ``m`` tokens are matched for ``m = 1, 2, ...`` while they
@@ -29,7 +31,7 @@ rule stays lossless at every temperature.
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -397,6 +399,12 @@ class SuffixCache:
         self.tokens -= len(old)
         self.evicted += 1
 
+    def evict_oldest(self) -> None:
+        """Takes out the oldest output held (none held: nothing happens)."""
+        with self._lock:
+            if self._outputs:
+                self._evict()
+
     def speculate(self, context: Sequence[int], max_tokens: int, max_spec_factor: float,
                   min_token_prob: float, min_match: int = 1) -> Draft:
         """`SuffixTree.speculate` over the cached outputs."""
@@ -416,12 +424,136 @@ class SuffixCache:
                     "approx_bytes": self.tree.nodes * SuffixTree.BYTES_PER_NODE}
 
 
-class SuffixDrafter:
-    """The ``--drafter suffix`` drafter: one per drafter worker, holding the global
-    `SuffixCache`; each request drafts through its own `SuffixSession` (its local tree).
+#: The partition of requests that name none (`PartitionedCache`).
+SHARED_PARTITION = ""
 
-    `remember` puts finished outputs into the cache (the scheduler sends every finished
-    request's output to every drafter worker). Proposals are deterministic point masses.
+
+class PartitionedCache:
+    """Previous requests' outputs, one `SuffixCache` per partition: a request drafts only
+    from its own partition's outputs, so what it drafts (and so its counters and timing)
+    never depends on another partition's text.
+
+    A partition is an opaque string (the coordinator derives it from the request's tenant
+    and ``cache_salt``; `SHARED_PARTITION`, "", for requests that name none). A partition
+    exists while it holds an output: it is made by its first `add` and dropped when its last
+    output goes.
+
+    Bounds: each partition holds at most ``partition_requests`` outputs and
+    ``partition_nodes`` nodes (its own FIFO, as `SuffixCache`), and all partitions together
+    at most ``max_requests`` outputs and ``max_nodes`` nodes: past a total bound, the oldest
+    output of the least recently used partition goes first (a partition is used when an
+    output is added to it or a request drafts from it), so a partition left empty is dropped
+    before any other loses an output; the output just added is never the one evicted. Memory
+    is therefore bounded as one `SuffixCache` of the total bounds, plus ~1 KB per partition
+    (at most ``max_requests`` of them). What another partition can still change is only
+    *whether* this one's oldest outputs are evicted (by filling the total), never what it
+    drafts from.
+
+    ``max_requests = 0`` keeps nothing: `add` ignores every output and nothing is drafted.
+    Thread-safe (one lock).
+
+    Raises:
+        ValueError: ``max_requests < 0``, another bound below 1, or a bad ``depth``.
+    """
+
+    def __init__(self, max_requests: int = DEFAULT_CACHE_REQUESTS,
+                 max_nodes: int = DEFAULT_CACHE_NODES, depth: int = DEFAULT_DEPTH,
+                 partition_requests: int | None = None, partition_nodes: int | None = None):
+        if isinstance(max_requests, bool) or not isinstance(max_requests, int) or \
+                max_requests < 0:
+            raise ValueError(f"max_requests must be an int >= 0 (0 keeps nothing), got "
+                             f"{max_requests!r}")
+        partition_requests = max(1, max_requests) if partition_requests is None \
+            else partition_requests
+        partition_nodes = max_nodes if partition_nodes is None else partition_nodes
+        for name, value in (("max_nodes", max_nodes), ("partition_requests", partition_requests),
+                            ("partition_nodes", partition_nodes)):
+            if isinstance(value, bool) or int(value) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        SuffixTree(depth)  # validates depth
+        self.depth = int(depth)
+        self.max_requests = int(max_requests)
+        self.max_nodes = int(max_nodes)
+        self.partition_requests = min(int(partition_requests), max(1, self.max_requests))
+        self.partition_nodes = min(int(partition_nodes), self.max_nodes)
+        # partition -> its cache, least recently used first.
+        self._parts: OrderedDict[str, SuffixCache] = OrderedDict()
+        self.outputs = 0
+        self.tokens = 0
+        self.nodes = 0
+        self.evicted = 0
+        self._lock = threading.Lock()
+
+    def add(self, output: Sequence[int], partition: str = SHARED_PARTITION) -> None:
+        """Caches one finished output in ``partition`` (empty outputs are ignored, and every
+        output when ``max_requests`` is 0), evicting past the bounds (see the class)."""
+        if self.max_requests == 0 or not output:
+            return
+        partition = str(partition)
+        with self._lock:
+            cache = self._parts.get(partition)
+            if cache is None:
+                cache = self._parts[partition] = SuffixCache(
+                    self.partition_requests, self.partition_nodes, self.depth)
+            self._parts.move_to_end(partition)
+            self._apply(cache, lambda: cache.add(output))
+            while self.outputs > self.max_requests or self.nodes > self.max_nodes:
+                name, victim = next(iter(self._parts.items()))
+                if victim is cache and len(cache) <= 1:
+                    break  # only the new output is left: it alone fits (it was cut to fit)
+                self._apply(victim, victim.evict_oldest)
+                if not len(victim):
+                    del self._parts[name]
+
+    def _apply(self, cache: SuffixCache, change) -> None:
+        """Runs ``change()`` on ``cache`` and carries its effect into the totals (caller
+        holds the lock)."""
+        before = (len(cache), cache.tokens, cache.tree.nodes, cache.evicted)
+        change()
+        self.outputs += len(cache) - before[0]
+        self.tokens += cache.tokens - before[1]
+        self.nodes += cache.tree.nodes - before[2]
+        self.evicted += cache.evicted - before[3]
+
+    def speculate(self, partition: str, context: Sequence[int], max_tokens: int,
+                  max_spec_factor: float, min_token_prob: float, min_match: int = 1) -> Draft:
+        """`SuffixCache.speculate` over ``partition``'s outputs only (an empty `Draft` for a
+        partition that holds none); marks the partition used."""
+        with self._lock:
+            cache = self._parts.get(partition)
+            if cache is None:
+                return Draft(source="global")
+            self._parts.move_to_end(partition)
+            return cache.speculate(context, max_tokens, max_spec_factor, min_token_prob,
+                                   min_match)
+
+    def partition(self, name: str) -> SuffixCache | None:
+        """``name``'s cache, or None when it holds nothing (tests, tools)."""
+        with self._lock:
+            return self._parts.get(name)
+
+    def __len__(self) -> int:
+        """Outputs held, over every partition."""
+        return self.outputs
+
+    def stats(self) -> dict:
+        """Totals over every partition: ``outputs``, ``tokens``, ``nodes``, ``evicted``,
+        ``approx_bytes``, and ``partitions`` (how many hold an output; never their names)."""
+        with self._lock:
+            return {"outputs": self.outputs, "tokens": self.tokens, "nodes": self.nodes,
+                    "evicted": self.evicted,
+                    "approx_bytes": self.nodes * SuffixTree.BYTES_PER_NODE,
+                    "partitions": len(self._parts)}
+
+
+class SuffixDrafter:
+    """The ``--drafter suffix`` drafter: one per drafter worker, holding the global cache
+    (`PartitionedCache`: one `SuffixCache` per partition); each request drafts through its
+    own `SuffixSession` (its local tree) and its own partition's cache.
+
+    `remember` puts finished outputs into their partitions' caches (the scheduler sends
+    every finished request's output to every drafter worker). Proposals are deterministic
+    point masses.
 
     Args:
         max_draft_len: the most tokens one proposal drafts (>= 1).
@@ -432,8 +564,12 @@ class SuffixDrafter:
         cache_min_match: the shortest context match a global-cache draft needs (>= 1).
         local_prompt_tokens: the most tokens of a request's first history (its prompt) its
             own tree indexes, the last ones (>= 1); later tokens are all indexed.
-        cache_requests: previous outputs the global cache keeps (FIFO, >= 1).
-        cache_nodes: the global cache's node budget (>= 1; see `SuffixCache`).
+        cache_requests: previous outputs the global cache keeps, over all partitions
+            together and in each (FIFO within a partition; >= 0: 0 keeps none, so a request
+            drafts from its own context only and `capabilities` declares no cache).
+        cache_nodes: the global cache's node budget, likewise (>= 1; see `SuffixCache`).
+        partition_requests, partition_nodes: tighter bounds for each partition (default:
+            the totals; see `PartitionedCache`).
         lookup: a `drafter_worker.prompt_lookup.PromptLookupSpeculator` ("suffix+lookup"):
             when its block over the whole context starts with the suffix draft and is longer
             (a copy longer than the trees' depth allows), its block is proposed instead.
@@ -449,7 +585,8 @@ class SuffixDrafter:
                  cache_min_match: int = DEFAULT_CACHE_MIN_MATCH,
                  local_prompt_tokens: int = DEFAULT_LOCAL_PROMPT_TOKENS,
                  cache_requests: int = DEFAULT_CACHE_REQUESTS,
-                 cache_nodes: int = DEFAULT_CACHE_NODES, lookup=None):
+                 cache_nodes: int = DEFAULT_CACHE_NODES, lookup=None,
+                 partition_requests: int | None = None, partition_nodes: int | None = None):
         if isinstance(max_draft_len, bool) or int(max_draft_len) < 1:
             raise ValueError(f"max_draft_len must be at least 1, got {max_draft_len!r}")
         if not max_spec_factor > 0:
@@ -469,7 +606,8 @@ class SuffixDrafter:
         self.cache_min_token_prob = float(cache_min_token_prob)
         self.cache_min_match = int(cache_min_match)
         self.local_prompt_tokens = int(local_prompt_tokens)
-        self.cache = SuffixCache(cache_requests, cache_nodes, depth)
+        self.cache = PartitionedCache(cache_requests, cache_nodes, depth, partition_requests,
+                                      partition_nodes)
         self.lookup = lookup
         #: Proposals made, and how many of them came from the local / global tree / lookup.
         self.proposals = 0
@@ -480,34 +618,50 @@ class SuffixDrafter:
     @property
     def capabilities(self) -> DrafterCapabilities:
         """No hidden rows, point masses, a session per request (its local tree), and a
-        cross-request cache fed by `remember`."""
+        cross-request cache fed by `remember` (none with ``cache_requests=0``)."""
         return DrafterCapabilities(wants_hidden=False, max_draft_len=self.max_draft_len,
-                                   sessions=True, samples=False, remembers=True)
+                                   sessions=True, samples=False,
+                                   remembers=self.cache.max_requests > 0)
 
-    def session(self, sampling=None, seed: int = 0) -> SuffixSession:
-        """A request's own drafter (its local tree); ``sampling`` and ``seed`` are unused:
-        suffix drafts are deterministic."""
-        return SuffixSession(self)
+    def session(self, sampling=None, seed: int = 0,
+                partition: str = SHARED_PARTITION) -> SuffixSession:
+        """A request's own drafter (its local tree), drafting from ``partition``'s cache only;
+        ``sampling`` and ``seed`` are unused: suffix drafts are deterministic."""
+        return SuffixSession(self, partition)
 
-    def remember(self, outputs: Iterable[Sequence[int]]) -> None:
+    def remember(self, outputs: Iterable[Sequence[int]],
+                 partitions: Sequence[str] | None = None) -> None:
         """Adds finished requests' outputs (token ids; the scheduler sends each after the last
         `coordinator.drafting.REMEMBER_PROMPT_TAIL` tokens of its prompt, so answers' first
-        tokens can be drafted from how earlier prompts ended) to the global cache."""
-        for output in outputs:
-            self.cache.add(output)
+        tokens can be drafted from how earlier prompts ended) to the global cache, output
+        ``i`` to partition ``partitions[i]`` (None: all to the shared partition "").
+
+        Raises:
+            ValueError: ``partitions`` not one per output (nothing is added).
+        """
+        outputs = list(outputs)
+        if partitions is None:
+            partitions = [SHARED_PARTITION] * len(outputs)
+        elif len(partitions) != len(outputs):
+            raise ValueError(f"remember: {len(partitions)} partitions for {len(outputs)} "
+                             "outputs (one each)")
+        for output, partition in zip(outputs, partitions, strict=True):
+            self.cache.add(output, partition)
 
     def propose(self, history: Sequence[int], target_hidden: torch.Tensor | None,
                 max_len: int) -> DraftBlock:
         """`Drafter.propose` without a session: builds a throwaway local tree over
-        ``history`` (O(len x depth)); the service always drafts through sessions."""
+        ``history`` (O(len x depth)), drafting from the shared partition's cache; the service
+        always drafts through sessions."""
         return SuffixSession(self).propose(history, target_hidden, max_len)
 
     def choose(self, local: Draft, context: Sequence[int], max_len: int,
-               full_context: Sequence[int] | None = None) -> tuple[int, ...]:
-        """The tokens to propose: the better of ``local`` and the global cache's draft for
-        ``context`` (ties: local), or prompt lookup's longer block over ``full_context``
+               full_context: Sequence[int] | None = None,
+               partition: str = SHARED_PARTITION) -> tuple[int, ...]:
+        """The tokens to propose: the better of ``local`` and ``partition``'s cached draft
+        for ``context`` (ties: local), or prompt lookup's longer block over ``full_context``
         (default ``context``) when it extends that draft; counted in the statistics."""
-        glob = self.cache.speculate(context, max_len, self.max_spec_factor,
+        glob = self.cache.speculate(partition, context, max_len, self.max_spec_factor,
                                     self.cache_min_token_prob, self.cache_min_match)
         best = glob if glob.score > local.score else local
         tokens = best.tokens
@@ -529,7 +683,8 @@ class SuffixDrafter:
 
     def stats(self) -> dict:
         """``proposals``, ``local_wins``, ``global_wins``, ``global_hit_rate`` (global wins
-        per proposal) and the cache's `SuffixCache.stats` under ``cache``."""
+        per proposal) and the cache's `PartitionedCache.stats` (totals over partitions, and
+        their number) under ``cache``."""
         return {"proposals": self.proposals, "local_wins": self.local_wins,
                 "global_wins": self.global_wins, "lookup_wins": self.lookup_wins,
                 "global_hit_rate": self.global_wins / self.proposals if self.proposals else 0.0,
@@ -546,14 +701,16 @@ class SuffixDrafter:
 
 class SuffixSession:
     """One request's suffix drafter: its local tree over the committed history (grown by the
-    new tokens of each call), drafting against it and the shared global cache.
+    new tokens of each call), drafting against it and its ``partition``'s cache of previous
+    outputs (no other partition's).
 
     The history a caller passes must be append-only between calls (`DrafterSessions`
     guarantees it); a shorter one rebuilds the tree.
     """
 
-    def __init__(self, parent: SuffixDrafter):
+    def __init__(self, parent: SuffixDrafter, partition: str = SHARED_PARTITION):
         self.parent = parent
+        self.partition = str(partition)
         self.tree = SuffixTree(parent.depth)
         self._seen: list[int] = []
 
@@ -579,7 +736,8 @@ class SuffixSession:
             return DraftBlock.empty()
         local = self.tree.speculate(context, max_len, p.max_spec_factor, p.min_token_prob,
                                     open_stream=True, source="local")
-        return DraftBlock.deterministic(p.choose(local, context, max_len, full_context))
+        return DraftBlock.deterministic(p.choose(local, context, max_len, full_context,
+                                                 self.partition))
 
     def propose(self, history: Sequence[int], target_hidden: torch.Tensor | None,
                 max_len: int) -> DraftBlock:

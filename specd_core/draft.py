@@ -191,9 +191,13 @@ class DrafterCapabilities:
             per-request `Drafter` that samples with the request's transforms and seed.
         samples: its drafts are sampled (an honest ``q`` wider than a point mass), not looked
             up; with a point-mass drafter, seeded output does not depend on the draft length.
-        remembers: it keeps a cache across requests: ``drafter.remember(outputs)`` (an
-            iterable of token-id sequences, finished requests' outputs without their prompts)
-            adds to it; callers then send every finished output (suffix decoding).
+        remembers: it keeps a cache across requests: ``drafter.remember(outputs,
+            partitions)`` (an iterable of token-id sequences, finished requests' outputs
+            without their prompts, and one partition str per output: the requests' tenant
+            and ``cache_salt``, "" shared) adds to it; callers then send every finished
+            output (suffix decoding). With ``sessions`` too, its sessions are made with
+            ``drafter.session(sampling, seed, partition)`` and draft only from that
+            partition's outputs.
 
     The defaults are what a drafter that declares nothing gets: hidden rows are passed (it
     may ignore them), no cap, one shared instance, treated as sampling.

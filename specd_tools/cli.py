@@ -657,7 +657,9 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
                         "shipped for SmolLM2; train one with 'specd train-drafter')")
     p.add_argument("--suffix-cache-requests", type=int, default=None, metavar="N",
                    help="--drafter suffix / suffix+lookup: previous outputs each drafter "
-                        f"worker's global cache keeps, FIFO (default {DEFAULT_CACHE_REQUESTS})")
+                        "worker's global cache keeps, in all partitions (tenant, cache_salt) "
+                        "together and in each, FIFO; 0 keeps none: suffix drafting within "
+                        f"each request only (default {DEFAULT_CACHE_REQUESTS})")
 
 
 #: Configuration names whose flag is not the name with dashes.

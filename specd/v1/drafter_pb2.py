@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/drafter.proto\x12\x08specd.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"*\n\tDraftDist\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"@\n\nDraftBlock\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\"\n\x05\x64ists\x18\x02 \x03(\x0b\x32\x13.specd.v1.DraftDist\"P\n\rDraftSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xbe\x01\n\x0bProposeItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05known\x18\x02 \x01(\r\x12\x0e\n\x06\x61ppend\x18\x03 \x03(\x05\x12 \n\x06hidden\x18\x04 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x0f\n\x07max_len\x18\x05 \x01(\r\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.specd.v1.DraftSampling\x12\x0f\n\x07\x61ssumed\x18\x07 \x03(\x05\x12\r\n\x05\x61head\x18\x08 \x01(\x08\"6\n\x0eProposeRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.specd.v1.ProposeItem\"D\n\rProposeResult\x12#\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x14.specd.v1.DraftBlock\x12\x0e\n\x06resync\x18\x02 \x01(\x08\";\n\x0fProposeResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.specd.v1.ProposeResult\"\x1f\n\rTokenSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"O\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12(\n\x07outputs\x18\x02 \x03(\x0b\x32\x17.specd.v1.TokenSequence\"\x11\n\x0fReleaseResponse\"\r\n\x0bInfoRequest\"d\n\x0cInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cwants_hidden\x18\x02 \x01(\x08\x12\x15\n\rmax_draft_len\x18\x03 \x01(\r\x12\x19\n\x11remembers_outputs\x18\x04 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xb8\x01\n\rStatsResponse\x12\x11\n\thas_cache\x18\x01 \x01(\x08\x12\x15\n\rcache_outputs\x18\x02 \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_tokens\x18\x03 \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_nodes\x18\x04 \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x05 \x01(\x04\x12\x15\n\rcache_evicted\x18\x06 \x01(\x04\x12\x11\n\tproposals\x18\x07 \x01(\x04\x12\x13\n\x0bglobal_hits\x18\x08 \x01(\x04\x32\xc4\x02\n\x07\x44rafter\x12>\n\x07Propose\x12\x18.specd.v1.ProposeRequest\x1a\x19.specd.v1.ProposeResponse\x12H\n\rProposeStream\x12\x18.specd.v1.ProposeRequest\x1a\x19.specd.v1.ProposeResponse(\x01\x30\x01\x12>\n\x07Release\x12\x18.specd.v1.ReleaseRequest\x1a\x19.specd.v1.ReleaseResponse\x12\x35\n\x04Info\x12\x15.specd.v1.InfoRequest\x1a\x16.specd.v1.InfoResponse\x12\x38\n\x05Stats\x12\x16.specd.v1.StatsRequest\x1a\x17.specd.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specd/v1/drafter.proto\x12\x08specd.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"*\n\tDraftDist\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"@\n\nDraftBlock\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\"\n\x05\x64ists\x18\x02 \x03(\x0b\x32\x13.specd.v1.DraftDist\"P\n\rDraftSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xd1\x01\n\x0bProposeItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05known\x18\x02 \x01(\r\x12\x0e\n\x06\x61ppend\x18\x03 \x03(\x05\x12 \n\x06hidden\x18\x04 \x01(\x0b\x32\x10.specd.v1.Tensor\x12\x0f\n\x07max_len\x18\x05 \x01(\r\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.specd.v1.DraftSampling\x12\x0f\n\x07\x61ssumed\x18\x07 \x03(\x05\x12\r\n\x05\x61head\x18\x08 \x01(\x08\x12\x11\n\tpartition\x18\t \x01(\t\"6\n\x0eProposeRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.specd.v1.ProposeItem\"D\n\rProposeResult\x12#\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x14.specd.v1.DraftBlock\x12\x0e\n\x06resync\x18\x02 \x01(\x08\";\n\x0fProposeResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.specd.v1.ProposeResult\"2\n\rTokenSequence\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x11\n\tpartition\x18\x02 \x01(\t\"O\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12(\n\x07outputs\x18\x02 \x03(\x0b\x32\x17.specd.v1.TokenSequence\"\x11\n\x0fReleaseResponse\"\r\n\x0bInfoRequest\"d\n\x0cInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cwants_hidden\x18\x02 \x01(\x08\x12\x15\n\rmax_draft_len\x18\x03 \x01(\r\x12\x19\n\x11remembers_outputs\x18\x04 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd2\x01\n\rStatsResponse\x12\x11\n\thas_cache\x18\x01 \x01(\x08\x12\x15\n\rcache_outputs\x18\x02 \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_tokens\x18\x03 \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_nodes\x18\x04 \x01(\x04\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x05 \x01(\x04\x12\x15\n\rcache_evicted\x18\x06 \x01(\x04\x12\x11\n\tproposals\x18\x07 \x01(\x04\x12\x13\n\x0bglobal_hits\x18\x08 \x01(\x04\x12\x18\n\x10\x63\x61\x63he_partitions\x18\t \x01(\x04\x32\xc4\x02\n\x07\x44rafter\x12>\n\x07Propose\x12\x18.specd.v1.ProposeRequest\x1a\x19.specd.v1.ProposeResponse\x12H\n\rProposeStream\x12\x18.specd.v1.ProposeRequest\x1a\x19.specd.v1.ProposeResponse(\x01\x30\x01\x12>\n\x07Release\x12\x18.specd.v1.ReleaseRequest\x1a\x19.specd.v1.ReleaseResponse\x12\x35\n\x04Info\x12\x15.specd.v1.InfoRequest\x1a\x16.specd.v1.InfoResponse\x12\x38\n\x05Stats\x12\x16.specd.v1.StatsRequest\x1a\x17.specd.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,27 +40,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTSAMPLING']._serialized_start=200
   _globals['_DRAFTSAMPLING']._serialized_end=280
   _globals['_PROPOSEITEM']._serialized_start=283
-  _globals['_PROPOSEITEM']._serialized_end=473
-  _globals['_PROPOSEREQUEST']._serialized_start=475
-  _globals['_PROPOSEREQUEST']._serialized_end=529
-  _globals['_PROPOSERESULT']._serialized_start=531
-  _globals['_PROPOSERESULT']._serialized_end=599
-  _globals['_PROPOSERESPONSE']._serialized_start=601
-  _globals['_PROPOSERESPONSE']._serialized_end=660
-  _globals['_TOKENSEQUENCE']._serialized_start=662
-  _globals['_TOKENSEQUENCE']._serialized_end=693
-  _globals['_RELEASEREQUEST']._serialized_start=695
-  _globals['_RELEASEREQUEST']._serialized_end=774
-  _globals['_RELEASERESPONSE']._serialized_start=776
-  _globals['_RELEASERESPONSE']._serialized_end=793
-  _globals['_INFOREQUEST']._serialized_start=795
-  _globals['_INFOREQUEST']._serialized_end=808
-  _globals['_INFORESPONSE']._serialized_start=810
-  _globals['_INFORESPONSE']._serialized_end=910
-  _globals['_STATSREQUEST']._serialized_start=912
-  _globals['_STATSREQUEST']._serialized_end=926
-  _globals['_STATSRESPONSE']._serialized_start=929
-  _globals['_STATSRESPONSE']._serialized_end=1113
-  _globals['_DRAFTER']._serialized_start=1116
-  _globals['_DRAFTER']._serialized_end=1440
+  _globals['_PROPOSEITEM']._serialized_end=492
+  _globals['_PROPOSEREQUEST']._serialized_start=494
+  _globals['_PROPOSEREQUEST']._serialized_end=548
+  _globals['_PROPOSERESULT']._serialized_start=550
+  _globals['_PROPOSERESULT']._serialized_end=618
+  _globals['_PROPOSERESPONSE']._serialized_start=620
+  _globals['_PROPOSERESPONSE']._serialized_end=679
+  _globals['_TOKENSEQUENCE']._serialized_start=681
+  _globals['_TOKENSEQUENCE']._serialized_end=731
+  _globals['_RELEASEREQUEST']._serialized_start=733
+  _globals['_RELEASEREQUEST']._serialized_end=812
+  _globals['_RELEASERESPONSE']._serialized_start=814
+  _globals['_RELEASERESPONSE']._serialized_end=831
+  _globals['_INFOREQUEST']._serialized_start=833
+  _globals['_INFOREQUEST']._serialized_end=846
+  _globals['_INFORESPONSE']._serialized_start=848
+  _globals['_INFORESPONSE']._serialized_end=948
+  _globals['_STATSREQUEST']._serialized_start=950
+  _globals['_STATSREQUEST']._serialized_end=964
+  _globals['_STATSRESPONSE']._serialized_start=967
+  _globals['_STATSRESPONSE']._serialized_end=1177
+  _globals['_DRAFTER']._serialized_start=1180
+  _globals['_DRAFTER']._serialized_end=1504
 # @@protoc_insertion_point(module_scope)

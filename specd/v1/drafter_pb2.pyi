@@ -45,7 +45,7 @@ class DraftSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("request_id", "known", "append", "hidden", "max_len", "sampling", "assumed", "ahead")
+    __slots__ = ("request_id", "known", "append", "hidden", "max_len", "sampling", "assumed", "ahead", "partition")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class ProposeItem(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     known: int
     append: _containers.RepeatedScalarFieldContainer[int]
@@ -62,7 +63,8 @@ class ProposeItem(_message.Message):
     sampling: DraftSampling
     assumed: _containers.RepeatedScalarFieldContainer[int]
     ahead: bool
-    def __init__(self, request_id: _Optional[str] = ..., known: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., max_len: _Optional[int] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., assumed: _Optional[_Iterable[int]] = ..., ahead: _Optional[bool] = ...) -> None: ...
+    partition: str
+    def __init__(self, request_id: _Optional[str] = ..., known: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., max_len: _Optional[int] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., assumed: _Optional[_Iterable[int]] = ..., ahead: _Optional[bool] = ..., partition: _Optional[str] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("items",)
@@ -85,10 +87,12 @@ class ProposeResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[ProposeResult, _Mapping]]] = ...) -> None: ...
 
 class TokenSequence(_message.Message):
-    __slots__ = ("tokens",)
+    __slots__ = ("tokens", "partition")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    partition: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., partition: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_ids", "outputs")
@@ -123,7 +127,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("has_cache", "cache_outputs", "cache_tokens", "cache_nodes", "cache_bytes", "cache_evicted", "proposals", "global_hits")
+    __slots__ = ("has_cache", "cache_outputs", "cache_tokens", "cache_nodes", "cache_bytes", "cache_evicted", "proposals", "global_hits", "cache_partitions")
     HAS_CACHE_FIELD_NUMBER: _ClassVar[int]
     CACHE_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +136,7 @@ class StatsResponse(_message.Message):
     CACHE_EVICTED_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     has_cache: bool
     cache_outputs: int
     cache_tokens: int
@@ -140,4 +145,5 @@ class StatsResponse(_message.Message):
     cache_evicted: int
     proposals: int
     global_hits: int
-    def __init__(self, has_cache: _Optional[bool] = ..., cache_outputs: _Optional[int] = ..., cache_tokens: _Optional[int] = ..., cache_nodes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_evicted: _Optional[int] = ..., proposals: _Optional[int] = ..., global_hits: _Optional[int] = ...) -> None: ...
+    cache_partitions: int
+    def __init__(self, has_cache: _Optional[bool] = ..., cache_outputs: _Optional[int] = ..., cache_tokens: _Optional[int] = ..., cache_nodes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_evicted: _Optional[int] = ..., proposals: _Optional[int] = ..., global_hits: _Optional[int] = ..., cache_partitions: _Optional[int] = ...) -> None: ...

@@ -280,7 +280,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., used_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., requests_placed: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_emitted: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ..., forward_seconds_per_call: _Optional[float] = ..., bytes_sent_per_step: _Optional[float] = ..., bytes_received_per_step: _Optional[float] = ..., drafter_failures: _Optional[int] = ..., restarts: _Optional[int] = ..., failed: _Optional[int] = ..., draft_wait_seconds_per_step: _Optional[float] = ..., runahead_hits: _Optional[int] = ..., runahead_misses: _Optional[int] = ..., target_busy_fraction: _Optional[float] = ..., pipeline: _Optional[bool] = ..., prefilling_requests: _Optional[int] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p90_seconds: _Optional[float] = ..., itl_p50_seconds: _Optional[float] = ..., itl_p90_seconds: _Optional[float] = ..., prefill_p50_seconds: _Optional[float] = ..., prefix_hits: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., node: _Optional[str] = ..., warm_positions: _Optional[int] = ..., warm_bytes: _Optional[int] = ...) -> None: ...
 
 class DrafterStatus(_message.Message):
-    __slots__ = ("name", "address", "state", "calls", "errors", "mean_latency_seconds", "assigned_requests", "in_flight", "restarts", "node", "has_cache", "cache_outputs", "cache_tokens", "cache_nodes", "cache_bytes", "cache_evicted", "proposals", "global_hits")
+    __slots__ = ("name", "address", "state", "calls", "errors", "mean_latency_seconds", "assigned_requests", "in_flight", "restarts", "node", "has_cache", "cache_outputs", "cache_tokens", "cache_nodes", "cache_bytes", "cache_evicted", "proposals", "global_hits", "cache_partitions")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +299,7 @@ class DrafterStatus(_message.Message):
     CACHE_EVICTED_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     state: str
@@ -317,7 +318,8 @@ class DrafterStatus(_message.Message):
     cache_evicted: int
     proposals: int
     global_hits: int
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., calls: _Optional[int] = ..., errors: _Optional[int] = ..., mean_latency_seconds: _Optional[float] = ..., assigned_requests: _Optional[int] = ..., in_flight: _Optional[int] = ..., restarts: _Optional[int] = ..., node: _Optional[str] = ..., has_cache: _Optional[bool] = ..., cache_outputs: _Optional[int] = ..., cache_tokens: _Optional[int] = ..., cache_nodes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_evicted: _Optional[int] = ..., proposals: _Optional[int] = ..., global_hits: _Optional[int] = ...) -> None: ...
+    cache_partitions: int
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., calls: _Optional[int] = ..., errors: _Optional[int] = ..., mean_latency_seconds: _Optional[float] = ..., assigned_requests: _Optional[int] = ..., in_flight: _Optional[int] = ..., restarts: _Optional[int] = ..., node: _Optional[str] = ..., has_cache: _Optional[bool] = ..., cache_outputs: _Optional[int] = ..., cache_tokens: _Optional[int] = ..., cache_nodes: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., cache_evicted: _Optional[int] = ..., proposals: _Optional[int] = ..., global_hits: _Optional[int] = ..., cache_partitions: _Optional[int] = ...) -> None: ...
 
 class TenantStatus(_message.Message):
     __slots__ = ("name", "requests", "prompt_tokens", "generation_tokens")

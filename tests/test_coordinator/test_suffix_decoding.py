@@ -97,10 +97,10 @@ class RecordingSuffixDrafter(SuffixDrafter):
         super().__init__(**kwargs)
         self.remembered: list[list[int]] = []
 
-    def remember(self, outputs):
+    def remember(self, outputs, partitions=None):
         outputs = [list(o) for o in outputs]
         self.remembered.extend(outputs)
-        super().remember(outputs)
+        super().remember(outputs, partitions)
 
 
 def test_the_cache_gets_each_outputs_prompt_tail_before_it_so_answers_first_tokens_draft():
@@ -304,10 +304,10 @@ def test_the_pool_sends_finished_outputs_to_every_serving_worker():
         def __init__(self, fail=False):
             self.got, self.fail, self.stats = [], fail, {}
 
-        async def remember(self, outputs):
+        async def remember(self, outputs, partitions):
             if self.fail:
                 raise RuntimeError("down")
-            self.got.extend(outputs)
+            self.got.extend(zip(map(tuple, outputs), partitions, strict=True))
 
     async def go():
         pool = DrafterPool()
@@ -317,7 +317,9 @@ def test_the_pool_sends_finished_outputs_to_every_serving_worker():
         pool.members["c"].state = "unhealthy"
         await pool.remember([[1, 2, 3]])  # a failing member costs nothing to the others
         await pool.remember([])
+        await pool.remember([[4], [5, 6]], ["tenant-a", ""])  # each with its partition
         return a, b, c
 
     a, b, c = asyncio.run(go())
-    assert a.got == b.got == [[1, 2, 3]] and c.got == []
+    assert a.got == b.got == [((1, 2, 3), ""), ((4,), "tenant-a"), ((5, 6), "")]
+    assert c.got == []

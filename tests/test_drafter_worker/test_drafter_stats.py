@@ -47,12 +47,12 @@ def test_a_suffix_workers_cache_size_and_proposals_reach_the_client():
     empty, hit, miss, stats = run(go())
     assert empty == DrafterStats(has_cache=True)
     assert list(hit.tokens) == OUTPUTS[0][8:12] and len(miss) == 0
-    nodes = drafter.cache.tree.nodes
+    nodes = drafter.cache.partition("").tree.nodes
     assert nodes > 0
     assert stats == DrafterStats(
         has_cache=True, cache_outputs=3, cache_tokens=sum(map(len, OUTPUTS)), cache_nodes=nodes,
         cache_bytes=nodes * SuffixTree.BYTES_PER_NODE, cache_evicted=0, proposals=2,
-        global_hits=1)
+        global_hits=1, cache_partitions=1)
     assert stats.global_hit_rate == 0.5
 
 
@@ -94,7 +94,7 @@ class BlockingDrafter:
         self.go.wait(_SAFETY_S)
         return DraftBlock.empty()
 
-    def remember(self, outputs):
+    def remember(self, outputs, partitions):
         pass
 
     def stats(self):

@@ -369,7 +369,7 @@ def test_the_registry_builds_and_checks_the_suffix_drafters():
         assert drafter.cache.max_requests == 7
         check_drafter(name, suffix_cache_requests=3)
         with pytest.raises(ValueError):
-            check_drafter(name, suffix_cache_requests=0)
+            check_drafter(name, suffix_cache_requests=-1)
     with pytest.raises(ValueError, match="suffix"):
         check_drafter("prompt-lookup", suffix_cache_requests=5)
 
