@@ -186,7 +186,13 @@ class CoordinatorActor:
         return self._max_seq_len
 
     async def start(self) -> int:
-        """Starts the drafters, the replicas, then the API; returns the bound API port."""
+        """Starts the drafters, the replicas, then the API; returns the bound API port.
+
+        Raises:
+            ValueError: an API port cannot be bound (taken since `Service.start` checked
+                it), the message starting with its setting: ``port:``, ``http_port:`` or
+                ``metrics_port:``.
+        """
         from .grpc_api import GenerationServicer, start_generation_server
         from .router import Router
 
@@ -211,8 +217,11 @@ class CoordinatorActor:
             max_prompt_bytes=cfg.max_prompt_bytes)
         cert = Path(cfg.tls_cert).read_bytes() if cfg.tls_cert else None
         key = Path(cfg.tls_key).read_bytes() if cfg.tls_key else None
-        self.server, port = await start_generation_server(
-            servicer, cfg.host, cfg.port, cert, key, self._tenants())
+        try:
+            self.server, port = await start_generation_server(
+                servicer, cfg.host, cfg.port, cert, key, self._tenants())
+        except ValueError as exc:  # taken since `Service.start` checked it: name the setting
+            raise ValueError(f"port: {exc}") from None
         registry = None
         if cfg.metrics_port is not None or cfg.http_port is not None:
             import asyncio
@@ -228,8 +237,13 @@ class CoordinatorActor:
         if cfg.metrics_port is not None:
             from .metrics import start_exporter
 
-            self.metrics_server, self.metrics_port = start_exporter(
-                self.router, asyncio.get_running_loop(), cfg.host, cfg.metrics_port, registry)
+            try:
+                self.metrics_server, self.metrics_port = start_exporter(
+                    self.router, asyncio.get_running_loop(), cfg.host, cfg.metrics_port,
+                    registry)
+            except OSError as exc:
+                raise ValueError(f"metrics_port: cannot listen on {cfg.host}:"
+                                 f"{cfg.metrics_port}: {exc.strerror}") from None
         if self.http_api is not None:
             self.http_api.registry = registry
             self.http_api.servicer = servicer  # /health and /v1 answer from now on
@@ -238,12 +252,16 @@ class CoordinatorActor:
     async def _start_http(self) -> None:
         """Starts the OpenAI HTTP API before the replicas: 503 until they serve."""
         from .http_api import OpenAIApi
-        from .http_server import start_http_server
+        from .http_server import HttpLimits, start_http_server
 
         cfg = self.config
-        self.http_api = OpenAIApi(auth_token=self._tenants())
-        self.http_server, self.http_port = await start_http_server(
-            self.http_api, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
+        self.http_api = OpenAIApi(auth_token=self._tenants(), limits=HttpLimits(
+            max_connections_per_peer=cfg.http_max_connections_per_peer))
+        try:
+            self.http_server, self.http_port = await start_http_server(
+                self.http_api, cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key)
+        except ValueError as exc:  # taken since `Service.start` checked it: name the setting
+            raise ValueError(f"http_port: {exc}") from None
 
     def _tenants(self):
         """The one token table both APIs share (made on first use)."""

@@ -94,6 +94,10 @@ class ServiceConfig:
         http_port: serve the OpenAI-compatible HTTP API (`coordinator.http_api`) on
             ``host:http_port`` (0 picks a port; None: off), same token and TLS as gRPC. It
             listens from the start of the coordinator, answering 503 until the replicas serve.
+        http_max_connections_per_peer: HTTP connections one client IP may hold at once
+            (`coordinator.http_server.HttpLimits.max_connections_per_peer`); one more is
+            answered 429 and closed. 0: no per-peer cap (behind a proxy that is every
+            client's address). Below the total cap, so one peer cannot hold all of it.
         target_resource: a Ray custom resource every target rank needs 1 of
             (`create_target_replica` ``resource``), or None: Ray's GPU/CPU accounting
             places them.
@@ -106,7 +110,8 @@ class ServiceConfig:
 
     Raises:
         ValueError: an invalid setting, named (unknown drafter, TLS half configured, bad
-            counts, threads, timeout, dtype, prefill budget, prompt cap or resource name, or
+            counts, threads, timeout, dtype, prefill budget, prompt cap, per-peer connection
+            cap or resource name, or
             two of ``port``, ``http_port`` and ``metrics_port`` the same fixed port).
     """
 
@@ -138,6 +143,7 @@ class ServiceConfig:
     pipeline: bool = True
     drafter_threads: int | None = None
     http_port: int | None = None
+    http_max_connections_per_peer: int = 64
     max_batched_tokens: int | None = DEFAULT_MAX_BATCHED_TOKENS
     max_partial_prefills: int = 1
     prefix_caching: bool = True
@@ -190,6 +196,10 @@ class ServiceConfig:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
             raise ValueError(f"max_prompt_bytes must be a positive integer, got {value!r}")
+        value = self.http_max_connections_per_peer
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"http_max_connections_per_peer must be an integer >= 0 "
+                             f"(0: no per-peer cap), got {value!r}")
         # Every API listens on `host`: two on one port would fail only once Ray is up.
         for name, other in (("http_port", "port"), ("metrics_port", "port"),
                             ("metrics_port", "http_port")):

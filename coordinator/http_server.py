@@ -38,6 +38,10 @@ class HttpLimits:
         max_connections: HTTP connections held at once; one more is answered 503 and closed
             at once (idle connections count: each holds a file descriptor in the process
             that also serves gRPC).
+        max_connections_per_peer: HTTP connections one client IP address may hold at once
+            (0: no per-peer cap); one more is answered 429 and closed at once, so one peer's
+            idle connections cannot take the whole ``max_connections`` from everyone else.
+            Behind a reverse proxy every client has the proxy's address: raise it or use 0.
         keep_alive_s: an idle keep-alive connection is closed after this many seconds
             (uvicorn's ``timeout_keep_alive``).
         max_header_bytes: the request line and headers, bytes: over it is a 431 (or, while
@@ -48,6 +52,7 @@ class HttpLimits:
     body_timeout_s: float = 30.0
     header_timeout_s: float = 10.0
     max_connections: int = 256
+    max_connections_per_peer: int = 64
     keep_alive_s: int = 5
     max_header_bytes: int = 16 * 1024
 
@@ -133,8 +138,9 @@ async def _send_error(send, exc: ApiError, close: bool = False) -> None:
 
 
 def _protocol_class(limits: HttpLimits):
-    """uvicorn's h11 protocol with the connection cap, the header timeout and
-    OpenAI-shaped answers to malformed HTTP (uvicorn's own are plain text)."""
+    """uvicorn's h11 protocol with the connection caps (in all and per client IP), the
+    header timeout and OpenAI-shaped answers to malformed HTTP (uvicorn's own are plain
+    text). Each call makes a class with its own per-peer counts: one per server."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -145,19 +151,35 @@ def _protocol_class(limits: HttpLimits):
                     (b"content-length", str(len(data)).encode())]),
                 h11.Data(data=data), h11.EndOfMessage()]
 
+    per_peer: dict[str, int] = {}  # open connections by client IP, this server's
+
     class GuardedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _peer: str | None = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            peer = transport.get_extra_info("peername")
+            # Counted from here to connection_lost (asyncio calls it once for each).
+            self._peer = peer[0] if isinstance(peer, tuple) and peer else "?"
+            per_peer[self._peer] = per_peer.get(self._peer, 0) + 1
             if len(self.connections) > limits.max_connections:
-                # Answered before any request: the client reads it when it sends one.
-                exc = unavailable(f"too many connections (at most {limits.max_connections})")
-                for event in raw_response(503, b"Service Unavailable", exc):
-                    transport.write(self.conn.send(event))
-                transport.close()
+                self._refuse(503, b"Service Unavailable", unavailable(
+                    f"too many connections (at most {limits.max_connections})"))
+                return
+            cap = limits.max_connections_per_peer
+            if cap and per_peer[self._peer] > cap:
+                self._refuse(429, b"Too Many Requests", ApiError(
+                    429, f"too many connections from {self._peer} (at most {cap} per client "
+                         f"address)", "rate_limit_error", code="too_many_connections"))
                 return
             self._arm_header_timer()
+
+        def _refuse(self, status: int, reason: bytes, exc: ApiError) -> None:
+            # Answered before any request: the client reads it when it sends one.
+            for event in raw_response(status, reason, exc):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
         def _arm_header_timer(self) -> None:
             self._disarm_header_timer()
@@ -187,6 +209,11 @@ def _protocol_class(limits: HttpLimits):
 
         def connection_lost(self, exc) -> None:
             self._disarm_header_timer()
+            if self._peer is not None:
+                left = per_peer.pop(self._peer) - 1
+                if left:
+                    per_peer[self._peer] = left
+                self._peer = None
             super().connection_lost(exc)
 
         def send_400_response(self, msg: str) -> None:
@@ -248,10 +275,14 @@ async def start_http_server(api: OpenAIApi, host: str = "127.0.0.1", port: int =
         ``(server, bound port)``; stop with ``await server.stop()``.
 
     Raises:
-        ValueError: the address cannot be bound.
+        ValueError: the address cannot be bound (another listener holds it).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
+    # A stopped server's TIME_WAIT connections must not block a restart on its port; Linux
+    # allows it only when both the old and the new socket set this (a live listener on the
+    # port still refuses the bind).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:

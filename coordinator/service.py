@@ -61,6 +61,16 @@ def init_embedded_ray(attempts: int = 2) -> None:
     loopback too (README, "Ports"). Ray's usage-stats report (an hourly upload from that
     process) is off unless ``RAY_USAGE_STATS_ENABLED`` says otherwise.
 
+    Nothing of it outlives this process, ``kill -9`` included: Ray's parent-death signal
+    ends the GCS and raylet, but not the raylet's agents (``ray::DashboardAgent``,
+    ``ray::RuntimeEnvAgent``, ~200 MB), which would run on. So each Ray process started here
+    leads a process group owned by a reaper (`_Reaper`: a tiny child in a session of its own,
+    holding a pipe whose other end only this process holds), which SIGKILLs what is left of
+    those groups (the agents are in the raylet's) once the pipe closes: when this process
+    exits or dies, or at `shutdown_embedded_ray`. It forgets a group as soon as it sees it
+    empty, so a reused group ID is never signalled; a marker in the Ray processes'
+    environment also catches any that left its group.
+
     A start that fails (Ray raises a bare ``Exception`` "The current node timed out during
     startup" when its raylet has not registered within 30 s, seen on a 2-core machine under
     load) leaves Ray's GCS, monitor and API server running: `ray.init` does not stop what it
@@ -76,6 +86,7 @@ def init_embedded_ray(attempts: int = 2) -> None:
 
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
+    global _reaper
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # inherited by Ray's processes
     for attempt in range(1, attempts + 1):
         started: list = []
@@ -83,7 +94,9 @@ def init_embedded_ray(attempts: int = 2) -> None:
         saved_popen = getattr(services, "ConsolePopen", None)
         ray_constants.ENABLE_RAY_CLUSTER = False  # read by services.get_node_ip_address
         if saved_popen is not None:
-            services.ConsolePopen = _own_process_group(saved_popen, started)
+            if _reaper is None:
+                _reaper = _Reaper()
+            services.ConsolePopen = _own_process_group(saved_popen, started, _reaper)
         else:
             log.warning("Ray's processes share this process group (ray._private.services has "
                         "no ConsolePopen): a signal to the group reaches them too")
@@ -108,17 +121,127 @@ def init_embedded_ray(attempts: int = 2) -> None:
                 services.ConsolePopen = saved_popen
 
 
-def _own_process_group(popen_cls: type, started: list) -> type:
-    """``popen_cls`` whose children each start a process group of their own; each one started
-    is appended to ``started``."""
+def _own_process_group(popen_cls: type, started: list, reaper: _Reaper) -> type:
+    """``popen_cls`` whose children each start a process group of their own, owned by
+    ``reaper``, with its marker set in their environment; each one started is appended to
+    ``started``."""
 
     class Popen(popen_cls):
         def __init__(self, *args, **kwargs):
             kwargs.setdefault("process_group", 0)  # setpgid(0, 0) in the child (Python 3.11+)
+            env = kwargs.get("env")
+            name, value = reaper.marker
+            kwargs["env"] = {**(os.environ if env is None else env), name: value}
             super().__init__(*args, **kwargs)
             started.append(self)
+            reaper.own(self.pid)
 
     return Popen
+
+
+#: The reaper's program (``python -S -c``; argv[1] is ``NAME=VALUE``). stdin brings process
+#: group IDs, one a line; a group seen empty is forgotten at once (checked at each line and
+#: every second: its ID may be reused later, by anyone). At EOF it SIGKILLs the groups still
+#: alive and every process whose environment holds the entry, until none is left. The
+#: environment alone is not enough: Ray's agents set their process title over it.
+_REAPER_CODE = """
+import os, select, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+mark = sys.argv[1].encode()
+groups, pending = set(), b""
+def prune():
+    for group in list(groups):
+        try:
+            os.killpg(group, 0)
+        except OSError:
+            groups.discard(group)
+while True:
+    if select.select([0], [], [], 1.0)[0]:
+        data = os.read(0, 4096)
+        if not data:
+            break
+        *lines, pending = (pending + data).split(b"\\n")
+        groups.update(int(line) for line in lines if line.strip())
+    prune()
+def marked():
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open("/proc/" + name + "/environ", "rb") as f:
+                    if mark in f.read().split(b"\\0"):
+                        yield int(name)
+            except OSError:
+                pass
+for _ in range(20):
+    prune()
+    pids = list(marked())
+    if not groups and not pids:
+        break
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except OSError:
+            pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+"""
+
+#: The reaper of this process's embedded Ray (`init_embedded_ray`), None when none runs.
+_reaper: _Reaper | None = None
+
+
+class _Reaper:
+    """A child process that SIGKILLs the process groups it was given (`own`) that are still
+    alive, and every process carrying ``marker`` in its environment, once its stdin pipe
+    closes: at `release`, or when this process exits or dies (the kernel closes the pipe's
+    write end, which only this process holds: Python's descriptors are not inherited by
+    other children). It runs in a session of its own and ignores SIGINT and SIGHUP, so a
+    Ctrl-C or a closed terminal that ends this process does not end it first.
+    """
+
+    def __init__(self):
+        import secrets
+        import subprocess
+        import sys
+
+        self.marker = ("SPECD_EMBEDDED_RAY", f"{os.getpid()}-{secrets.token_hex(8)}")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-S", "-c", _REAPER_CODE, "=".join(self.marker)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+
+    def own(self, pgid: int) -> None:
+        """Adds a process group (one this process started) to those ended at the close."""
+        try:
+            self.proc.stdin.write(f"{pgid}\n".encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):  # the reaper is gone or released
+            log.warning("the embedded Ray's reaper is gone: process group %d is not "
+                        "watched", pgid)
+
+    def release(self, timeout_s: float = 30.0) -> None:
+        """Closes the pipe and waits (up to ``timeout_s``) until the reaper has killed what
+        is left of the marked processes and exited."""
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - it still runs: it ends on its own once done
+            log.warning("the embedded Ray's reaper (pid %d) is still running", self.proc.pid)
+
+
+def shutdown_embedded_ray() -> None:
+    """`ray.shutdown`, then ends whatever of the embedded Ray (`init_embedded_ray`) is still
+    running (its reaper kills the marked processes left and exits)."""
+    import ray
+
+    global _reaper
+    ray.shutdown()
+    if _reaper is not None:
+        reaper, _reaper = _reaper, None
+        reaper.release()
 
 
 def _kill_process_groups(procs: list) -> None:
@@ -136,19 +259,28 @@ def _kill_process_groups(procs: list) -> None:
             log.warning("Ray process %d did not exit after SIGKILL", p.pid)
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """Fails fast, before Ray and the model start, when the API port is taken.
+def check_port_free(host: str, port: int, name: str = "port") -> None:
+    """Fails fast, before Ray and the model start, when an API port is taken.
+
+    The probe binds with ``SO_REUSEADDR``, as the servers themselves do (gRPC sets it, and
+    `coordinator.http_server`, prometheus_client's server): a stopped server's connections
+    in TIME_WAIT (~60 s after it closed them) do not block a restart, while a live listener
+    on the port still fails it (Linux refuses a bind beside a listening socket even with
+    ``SO_REUSEADDR``, and over a TIME_WAIT one unless both sockets set it).
 
     Raises:
-        ValueError: naming the address.
+        ValueError: ``"{name}: cannot listen on host:port: <reason>"`` (``name``: the
+            setting, e.g. ``http_port``, which the CLI shows as its flag).
     """
     import socket
 
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:
-            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+            raise ValueError(f"{name}: cannot listen on {host}:{port}: {exc.strerror}") \
+                from exc
 
 
 class Service:
@@ -158,13 +290,16 @@ class Service:
     Raises:
         ValueError: from `start`, a model or TP degree the model cannot be split into
             (checked before any actor starts; the rest of the configuration is checked by
-            `ServiceConfig` itself).
+            `ServiceConfig` itself), or an API port that cannot be bound, the message
+            starting with its setting (``port:``, ``http_port:``, ``metrics_port:``), whether
+            found taken before Ray starts or only when the coordinator binds it.
     """
 
     def __init__(self, config: ServiceConfig):
         self.config = config
         self.port: int | None = None
         self._owns_ray = False
+        self._embedded = False  # the Ray this service started is the embedded one
         self.coordinator = None
 
     @property
@@ -187,10 +322,9 @@ class Service:
         from target_worker.tp import validate_tp
 
         cfg = self.config
-        if cfg.port != 0:
-            _check_port_free(cfg.host, cfg.port)
-        if cfg.http_port:
-            _check_port_free(cfg.host, cfg.http_port)
+        for name in ("port", "http_port", "metrics_port"):
+            if getattr(cfg, name):  # 0 picks a free port; None: off
+                check_port_free(cfg.host, getattr(cfg, name), name)
         if cfg.model is None:
             # Fetch the default model here, once, with the progress bar in this terminal (the
             # actors' output is not forwarded), rather than racing in several actors.
@@ -207,6 +341,7 @@ class Service:
         if not ray.is_initialized():
             if cfg.address is None:
                 init_embedded_ray()
+                self._embedded = True
             else:
                 ray.init(address=cfg.address, log_to_driver=False)
             self._owns_ray = True
@@ -223,6 +358,11 @@ class Service:
             if progress is not None:
                 self._report_startup(starting, progress, workers)
             self.port = ray.get(starting)
+        except ray.exceptions.RayTaskError as exc:
+            self.stop()
+            if isinstance(exc.cause, ValueError):  # e.g. a port taken since the check
+                raise ValueError(str(exc.cause)) from None  # its message, not Ray's trace
+            raise
         except BaseException:
             self.stop()
             raise
@@ -327,8 +467,11 @@ class Service:
             ray.kill(self.coordinator)  # its child actors die with it
         self.coordinator = None
         if self._owns_ray:
-            ray.shutdown()
-            self._owns_ray = False
+            if self._embedded:
+                shutdown_embedded_ray()
+            else:
+                ray.shutdown()
+            self._owns_ray = self._embedded = False
 
     def __enter__(self) -> Service:
         self.start()

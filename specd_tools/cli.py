@@ -306,7 +306,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         auth_token=_serve_tokens(args), admin_token=args.admin_token or None,
         auth_tokens_file=args.auth_tokens_file,
         max_prompt_bytes=args.max_prompt_bytes, pipeline=not args.no_pipeline,
-        http_port=args.http_port, **prefill_config(args),
+        http_port=args.http_port,
+        http_max_connections_per_peer=args.http_max_connections_per_peer,
+        **prefill_config(args),
     ))
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
@@ -433,6 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, "
                             "/v1/completions, /v1/models, /health, /metrics) on --host:PORT, "
                             "with the same auth token and TLS (0 picks a port; default: off)")
+    serve.add_argument("--http-max-connections-per-peer", type=int, default=64, metavar="N",
+                       help="HTTP connections one client IP address may hold at once (of "
+                            "256 in all); one more is answered 429 and closed. 0: no "
+                            "per-peer cap (behind a reverse proxy every client has its "
+                            "address)")
     serve.add_argument("--metrics-port", type=port, default=None, metavar="PORT",
                        help="serve Prometheus /metrics on --host:PORT (0 picks one; default: off)")
     serve.add_argument("--max-prompt-bytes", type=int, default=None, metavar="BYTES",

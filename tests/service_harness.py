@@ -189,7 +189,8 @@ def serve_process(*args: str, new_session: bool = False):
             proc.startup_output.append(line)
             if "serving specd.v1.Generation on" in line:
                 break
-        assert "serving" in line, "the server never came up"
+        assert "serving" in line, "the server never came up:\n" + "".join(
+            proc.startup_output)[-3000:]
         yield proc, line.rsplit(" on ", 1)[1].split()[0], tmp
     finally:
         if proc.poll() is None:

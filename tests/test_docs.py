@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -319,3 +320,63 @@ def test_slow_recipes(page, shell_env, tmp_path):
                            check=True, timeout=600)
         else:
             run_shell(body, shell_env, tmp_path, 600)
+
+
+def head_recipe() -> str:
+    """docs/cluster.md's local-head recipe up to the head answering (its ``until ray job
+    list`` line): the head is started exactly as the page says."""
+    (recipe,) = [r for r in ALL if r.page == DOCS / "cluster.md" and "ray start --head" in
+                 r.body and "--node-ip-address 127.0.0.1" in r.body]
+    lines = recipe.body.splitlines()
+    (ready,) = [i for i, line in enumerate(lines) if line.startswith("until ray job list")]
+    return "\n".join(lines[:ready + 1])
+
+
+@pytest.mark.slow
+def test_the_local_head_recipe_listens_on_loopback_only(shell_env, tmp_path):
+    import ipaddress
+
+    import psutil
+
+    body = head_recipe()
+    for port in HEAD_PORTS:  # free ones, as for the recipe itself
+        body = re.sub(rf"\b{port}\b", str(free_port()), body)
+    env = dict(shell_env)
+    if "RAY_AUTH_TOKEN" not in env and not (Path.home() / ".ray" / "auth_token").exists():
+        import secrets
+
+        env["RAY_AUTH_TOKEN"] = secrets.token_hex(16)  # the token the head and `ray` share
+    log = tmp_path / "head.log"
+    with log.open("w") as out:  # `wait`: the shell stays while its head runs
+        shell = subprocess.Popen(["bash", "-euo", "pipefail", "-c", body + "\necho READY\nwait"],
+                                 env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    tree: list = []
+    try:
+        wait_until(lambda: "READY" in log.read_text() or shell.poll() is not None, 240,
+                   "the head's job API answering")
+        assert shell.poll() is None, log.read_text()[-3000:]
+        root = psutil.Process(shell.pid)
+        tree = [root, *root.children(recursive=True)]
+        rows = []
+        for proc in tree:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                name = " ".join(proc.cmdline())[:60]
+                rows += [(c.laddr.ip, c.laddr.port, name) for c in proc.net_connections("inet")
+                         if c.status == psutil.CONN_LISTEN or c.type == socket.SOCK_DGRAM]
+
+        def loopback(ip: str) -> bool:
+            address = ipaddress.ip_address(ip)
+            if address.version == 6 and address.ipv4_mapped is not None:
+                address = address.ipv4_mapped
+            return address.is_loopback
+
+        # The GCS, raylet, dashboard, job agent at least.
+        assert len(rows) >= 4, rows
+        exposed = [row for row in rows if not loopback(row[0])]
+        assert not exposed, f"the head listens beyond loopback: {exposed}"
+    finally:
+        stop_group(shell.pid)  # SIGTERM: `ray start --block` shuts its head down
+        for proc in tree:  # anything of it that left the group: this test's own PIDs
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()

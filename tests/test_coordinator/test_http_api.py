@@ -5,6 +5,7 @@ the gRPC API, OpenAI-shaped errors, and a disconnect freeing the request's slot.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import openai
@@ -629,6 +630,40 @@ def test_slow_headers_are_cut_and_connections_are_capped(service):
         assert status == 200
     finally:
         for s in idle:
+            s.close()
+        service.call(server.stop())
+
+
+def test_one_peer_cannot_hold_every_connection(service):
+    import socket
+
+    server, port = _limited_server(service, max_connections=8, max_connections_per_peer=3,
+                                   header_timeout_s=120)
+    hog = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    try:
+        # One more from the same address: answered 429 and closed, before any request.
+        extra = socket.create_connection(("127.0.0.1", port))
+        hog.append(extra)
+        head, _, body = _read_until_closed(extra).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 429"), head
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        # Another client address is served meanwhile (all of 127/8 is loopback).
+        other = socket.socket()
+        other.bind(("127.0.0.2", 0))
+        other.connect(("127.0.0.1", port))
+        with other:
+            other.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert _read_until_closed(other).startswith(b"HTTP/1.1 200")
+        # The hog's connections still held are unharmed, and one closed makes room again.
+        hog[0].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert _read_until_closed(hog[0]).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 20  # the server notices the close asynchronously
+        while (status := httpx.get(f"http://127.0.0.1:{port}/health").status_code) != 200 \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status == 200
+    finally:
+        for s in hog:
             s.close()
         service.call(server.stop())
 

@@ -97,6 +97,7 @@ def test_generate_constrains_the_answer_to_a_json_schema_or_a_regex(capsys, tmp_
     (["serve", "--drafters", "-1"], "--drafters"),
     (["serve", "--max-batched-tokens", "-5"], "--max-batched-tokens"),
     (["serve", "--max-partial-prefills", "0"], "--max-partial-prefills"),
+    (["serve", "--http-max-connections-per-peer", "-1"], "--http-max-connections-per-peer"),
     (["generate", "x", "--max-batched-tokens", "-1"], "--max-batched-tokens"),
     (["generate", "x", "--in-process", "--seed", "-1"], "--seed"),
 ])
