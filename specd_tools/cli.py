@@ -179,18 +179,44 @@ def _generate_in_process(args: argparse.Namespace, options: GenerateOptions) -> 
     if drafter is not None and not o.no_adaptive:
         from coordinator.adaptive import AdaptiveDraftLength, calibrate_for
 
+        # Silent otherwise: ~1 s on a quiet 2-core machine, 10-25 s beside busy processes.
+        print("[specd] timing the model's forward for adaptive drafting...", file=sys.stderr,
+              flush=True)
         adaptive = AdaptiveDraftLength(calibrate_for(decoder))
+    fallback = None if o.target_threads else in_process_fallback_threads()
+    _make_batch_invariant(decoder, fallback)
     start = time.perf_counter()
     result = speculative_decode_with(decoder, prompt, decoder.new_cache(), drafter, options,
                                      on_tokens=on_tokens, adaptive=adaptive,
-                                     fallback_threads=None if o.target_threads
-                                     else in_process_fallback_threads())
+                                     fallback_threads=fallback)
     seconds = time.perf_counter() - start
     tail = stream.flush()  # never ends inside a UTF-8 character
     if not args.json:
         print(tail)
     _report(args, "".join(parts) + tail, result, len(prompt), seconds)
     return 0
+
+
+def _make_batch_invariant(decoder, fallback_threads: int | None) -> None:
+    """Plans ``decoder``'s batch-invariant matmuls for this process's threads (and
+    ``fallback_threads``), as `target_worker.engine.TargetEngine` would (which then finds
+    them made), but before the clock of the metrics line starts and with a line on stderr
+    when that means checking this machine's kernels (the first start on a machine, or after
+    a torch upgrade: ~15 s on 2 cores, `target_worker.invariant`)."""
+    import torch
+
+    from target_worker.invariant import announce_checks, verdict_path
+
+    threads = torch.get_num_threads()
+    counts = (threads,) if fallback_threads is None else (threads, fallback_threads)
+
+    def announce() -> None:
+        print(f"[specd] checking this machine's matmul kernels for batch invariance (once per "
+              f"machine and torch build, ~15 s on 2 cores; verdicts kept in {verdict_path()})"
+              "...", file=sys.stderr, flush=True)
+
+    with announce_checks(announce):
+        decoder.make_batch_invariant(counts)
 
 
 def _generate_via_service(args: argparse.Namespace, options: GenerateOptions) -> int:

@@ -171,3 +171,22 @@ def test_top_k_minus_one_is_off_as_over_http(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["generate", "x", "--model", TINY, "--in-process", "--top-k", "-2"])
     assert info.value.code == 2 and "--top-k" in capsys.readouterr().err
+
+
+def test_in_process_says_when_it_checks_this_machines_kernels(monkeypatch, tmp_path, capsys):
+    import target_worker.invariant as inv
+
+    monkeypatch.setenv("SPECD_CACHE", str(tmp_path))  # no verdicts stored yet
+    monkeypatch.setattr(inv, "_VERDICTS", {})
+    monkeypatch.setattr(inv, "_DISK_LOADED", False)
+    monkeypatch.setattr(inv, "_CONFIRMED", set())
+    argv = ["generate", "abcabc", "--model", TINY, "--in-process", "--max-new-tokens", "2"]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "[specd] checking this machine's matmul kernels for batch invariance" in err
+    assert str(tmp_path / "batch_invariance.json") in err
+    monkeypatch.setattr(inv, "_VERDICTS", {})  # a later start: every verdict is stored
+    monkeypatch.setattr(inv, "_DISK_LOADED", False)
+    monkeypatch.setattr(inv, "_CONFIRMED", set())
+    assert cli.main(argv) == 0
+    assert "checking this machine's" not in capsys.readouterr().err
