@@ -68,7 +68,8 @@ def check_chat_role(role: str, where: str) -> None:
     ``chat.messages[0].role`` over gRPC, ``messages[0].role`` over HTTP) unless ``role`` is
     one of `CHAT_ROLES` (an empty role included)."""
     if role not in CHAT_ROLES:
-        raise RequestInvalid("{field}: " + literal(f"{role!r} is not a chat role; expected one "
+        shown = repr(role) if len(role) <= 40 else f"{role[:40]!r}... ({len(role)} characters)"
+        raise RequestInvalid("{field}: " + literal(f"{shown} is not a chat role; expected one "
                                                    f"of {', '.join(CHAT_ROLES)}"), where)
 
 
