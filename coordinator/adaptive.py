@@ -196,9 +196,9 @@ def restarted_cost_model(calibrated: ForwardCostModel | None,
     Why the lower: a restart's calibration runs in a new process beside the restart's own
     work (the re-placed requests, a fresh drafter channel), so its larger sizes can read
     several times too slow, which prices drafting out, and a size no longer chosen is never
-    measured again (`ForwardCostModel.observe`): drafting stayed off for minutes after a
-    restart. A price too low is corrected by the very steps it makes the policy choose,
-    one too high never, so the error to avoid is the high one.
+    measured again (`ForwardCostModel.observe`): the likely cause of drafting staying off
+    for minutes after a restart. A price too low is corrected by the very steps it makes the
+    policy choose, one too high never, so the error to avoid is the high one.
     """
     if calibrated is None or previous is None:
         return calibrated if calibrated is not None else previous
