@@ -187,6 +187,29 @@ def calibrate_for(decoder, cache_len: int = CALIBRATION_CACHE_LEN, repeats: int 
     return calibrate(decoder, cache_len=cache_len, sizes=sizes, repeats=repeats, alpha=alpha)
 
 
+def restarted_cost_model(calibrated: ForwardCostModel | None,
+                         previous: ForwardCostModel | None) -> ForwardCostModel | None:
+    """The cost model a re-created replica starts with: per size, the lower of its fresh
+    calibration and what its previous incarnation had learnt (``previous``: None for a
+    first start), made non-decreasing; the fresh one's ``alpha``.
+
+    Why the lower: a restart's calibration runs in a new process beside the restart's own
+    work (the re-placed requests, a fresh drafter channel), so its larger sizes can read
+    several times too slow, which prices drafting out, and a size no longer chosen is never
+    measured again (`ForwardCostModel.observe`): the likely cause of drafting staying off
+    for minutes after a restart. A price too low is corrected by the very steps it makes the
+    policy choose, one too high never, so the error to avoid is the high one.
+    """
+    if calibrated is None or previous is None:
+        return calibrated if calibrated is not None else previous
+    sizes = sorted({*calibrated.points(), *previous.points()})
+    points, floor = {}, 0.0
+    for n in sizes:
+        floor = max(floor, min(calibrated.cost(n), previous.cost(n)))
+        points[n] = floor
+    return ForwardCostModel(points, alpha=calibrated.alpha)
+
+
 def _monotone(times: Mapping[int, list[float]]) -> dict[int, float]:
     """Median per size, made non-decreasing in size (feeding more tokens never costs less;
     a lower reading for a larger size is noise)."""

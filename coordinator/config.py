@@ -57,7 +57,8 @@ class ServiceConfig:
         adaptive: choose each request's draft length per step (`Scheduler` ``adaptive``).
         tp: ranks (tensor-parallel degree) of each target replica.
         target_replicas: target replicas (data parallel) at start, >= 1.
-        drafters: drafter workers at start, >= 0 (ignored with ``drafter="none"``).
+        drafters: drafter workers at start, >= 0; with ``drafter="none"`` none start, and
+            more than 1 is refused (`ValueError`: a count that cannot mean anything).
         target_threads: torch threads per target rank, every step; None: this machine's
             cores divided among all ranks, each step falling back to the cores less one so
             divided (`default_target_threads`) where that measures cheaper
@@ -175,6 +176,9 @@ class ServiceConfig:
                                default_draft_len(self.drafter, adaptive=self.adaptive))
         check_count("target_replicas", self.target_replicas, 1)
         check_count("drafters", self.drafters, 0)
+        if self.drafter == "none" and self.drafters is not None and self.drafters > 1:
+            raise ValueError(f"drafters: drafter 'none' runs no drafter workers, got "
+                             f"{self.drafters} (drop --drafters, or name a --drafter)")
         if isinstance(self.target_timeout_s, bool) or not isinstance(
                 self.target_timeout_s, int | float) or not self.target_timeout_s > 0:
             raise ValueError(

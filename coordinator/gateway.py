@@ -40,6 +40,8 @@ from .errors import (
 )
 from .generation_request import (
     GenerationRequest,
+    check_chat_role,
+    check_max_draft_len,
     check_stops,
     default_max_prompt_bytes,
     sampling_params,
@@ -246,6 +248,9 @@ class Gateway:
         blocking (the server calls it in a worker thread). ``default_max_new_tokens``: an
         unset (0) ``max_new_tokens`` takes the rest of the model's context."""
         check_stops(request)  # cheap, before tokenizing
+        for i, message in enumerate(request.chat or ()):
+            check_chat_role(message.get("role"), f"chat.messages[{i}].role")
+        check_max_draft_len(request.max_draft_len)
         prompt = self._prompt_tokens(request)
         sampling = sampling_params(request.sampling)
         logprobs = top_count(request, "logprobs")

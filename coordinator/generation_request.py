@@ -1,7 +1,8 @@
 """A generation request as the service takes it, whatever the API (`GenerationRequest`), and
 the checks of its fields that need no tokenizer: caps on what a client controls (stop lists,
 prompt bytes, `default_max_prompt_bytes`), sampling values (`sampling_params`), alternatives
-counts. `coordinator.gateway.Gateway` parses and admits it. A bad field raises
+counts, chat roles (`check_chat_role`), a draft cap (`check_max_draft_len`).
+`coordinator.gateway.Gateway` parses and admits it. A bad field raises
 `coordinator.errors.RequestInvalid` naming it by its gRPC path."""
 
 from __future__ import annotations
@@ -56,6 +57,32 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_BYTES = 1024
 #: Most stop token ids per request.
 MAX_STOP_TOKEN_IDS = 1024
+
+#: Chat roles the service takes, over either API (OpenAI's; ``developer`` is its newer name
+#: for ``system``).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def check_chat_role(role: str, where: str) -> None:
+    """Raises `RequestInvalid` naming ``where`` (the front end's path of the field, e.g.
+    ``chat.messages[0].role`` over gRPC, ``messages[0].role`` over HTTP) unless ``role`` is
+    one of `CHAT_ROLES` (an empty role included)."""
+    if role not in CHAT_ROLES:
+        shown = repr(role) if len(role) <= 40 else f"{role[:40]!r}... ({len(role)} characters)"
+        raise RequestInvalid("{field}: " + literal(f"{shown} is not a chat role; expected one "
+                                                   f"of {', '.join(CHAT_ROLES)}"), where)
+
+
+def check_max_draft_len(value: int | None, where: str = "speculation.max_draft_len") -> None:
+    """Raises `RequestInvalid` naming ``where`` unless ``value`` (a request's cap on drafts
+    per step) is None or an integer >= 1, as ``specd generate/serve --max-draft-len`` takes
+    it: a cap of 0 would be a second way to turn drafting off, which
+    ``speculation.enabled: false`` says (values above the drafter's own cap mean its cap)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise RequestInvalid(f"{{field}}: must be >= 1, got {value!r} (to decode without "
+                             "drafts, set speculation.enabled to false)", where)
+
 
 #: The sampling fields that are floats (float32 on the gRPC wire); ``top_k`` is an integer.
 SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -141,7 +168,8 @@ def check_stops(request: GenerationRequest) -> None:
 
 def sampling_params(values: dict[str, float | int]) -> SamplingParams:
     """`SamplingParams` from the fields a client set (``values``: `SAMPLING_FLOATS` and
-    ``top_k`` by name), unset fields taking their defaults.
+    ``top_k`` by name), unset fields taking their defaults; ``top_k`` -1 (vLLM's "off") is
+    0.
 
     Each float is taken as float32 (what the gRPC API carries) and written back as the shortest
     decimal that round-trips it (0.01 arrives over gRPC as 0.0099999998): the value the client
@@ -152,6 +180,10 @@ def sampling_params(values: dict[str, float | int]) -> SamplingParams:
         RequestInvalid: naming the out-of-range field (``sampling.<name>``).
     """
     kwargs: dict[str, float | int] = {}
+    if values.get("top_k") == -1:
+        # vLLM's "off" (its OpenAI server's long-standing default), taken over either API
+        # and by `specd generate --top-k`; specd's own spelling is 0.
+        values = {**values, "top_k": 0}
     with np.errstate(over="ignore"):  # a float beyond float32's range is inf, as on the wire
         for name, value in values.items():
             kwargs[name] = (float(np.format_float_positional(np.float32(value), unique=True))
@@ -181,8 +213,11 @@ __all__ = [
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_BYTES",
     "MAX_STOP_TOKEN_IDS",
+    "CHAT_ROLES",
     "SAMPLING_FLOATS",
     "GenerationRequest",
+    "check_chat_role",
+    "check_max_draft_len",
     "check_stops",
     "default_max_prompt_bytes",
     "sampling_params",

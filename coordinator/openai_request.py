@@ -15,7 +15,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .errors import RequestError, RequestInvalid, client_status
-from .generation_request import GenerationRequest
+from .generation_request import (
+    GenerationRequest,
+    check_chat_role,
+    check_max_draft_len,
+)
 from .openai_structured import constraint_of
 
 #: ``max_tokens`` when a completion request does not set it (OpenAI's default).
@@ -97,8 +101,6 @@ class Body(_Strict):
     logit_bias: Any = None
 
 
-#: Chat roles OpenAI defines (``developer`` is its newer name for ``system``).
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 #: The most choices (``n``) one request may ask for: each takes a decoding slot.
 MAX_CHOICES = 16
 #: Alternatives per position: chat ``top_logprobs`` and completions ``logprobs`` (OpenAI's
@@ -159,6 +161,15 @@ def _int_field(name: str, value: int | None, low: int, high: int) -> int | None:
     return value
 
 
+def _checked(check, value, where: str) -> None:
+    """Runs a shared `coordinator.generation_request` check (the gRPC API's too), its
+    `RequestInvalid` as a 400 naming ``where``."""
+    try:
+        check(value, where)
+    except RequestInvalid as exc:
+        raise ApiError(400, str(exc), param=where) from None
+
+
 def _chat_content(i: int, content: str | list[dict] | None) -> str:
     """A message's text: a string, or the ``text`` parts of a content list."""
     if content is None or isinstance(content, str):
@@ -203,10 +214,7 @@ def generation_request(body: Body) -> tuple[GenerationRequest, str]:
             raise ApiError(400, "messages: at least one message is required", param="messages")
         req.chat = []
         for i, m in enumerate(body.messages):
-            if m.role not in CHAT_ROLES:
-                raise ApiError(400, f"messages[{i}].role: {m.role!r} is not a chat role; "
-                                    f"expected one of {', '.join(CHAT_ROLES)}",
-                               param=f"messages[{i}].role")
+            _checked(check_chat_role, m.role, f"messages[{i}].role")
             content = _chat_content(i, m.content)
             if m.tool_calls:
                 calls = json.dumps([c.get("function", c) for c in m.tool_calls],
@@ -250,9 +258,8 @@ def generation_request(body: Body) -> tuple[GenerationRequest, str]:
         if value is not None:
             req.sampling[name] = value
     if body.top_k is not None:
-        # -1 is OpenAI-side tooling's (vLLM's) "off"; the gRPC API says 0.
-        req.sampling["top_k"] = 0 if body.top_k == -1 else _int_field("top_k", body.top_k, 0,
-                                                                       2**31 - 1)
+        # -1 is vLLM's "off", as over gRPC (`sampling_params` makes it 0).
+        req.sampling["top_k"] = _int_field("top_k", body.top_k, -1, 2**31 - 1)
     if body.seed is not None:
         req.seed = _int_field("seed", body.seed, 0, 2**64 - 1)
     req.stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -265,7 +272,8 @@ def generation_request(body: Body) -> tuple[GenerationRequest, str]:
         spec = body.speculation
         req.speculate = spec.enabled
         if spec.max_draft_len is not None:
-            req.max_draft_len = _int_field("speculation.max_draft_len", spec.max_draft_len, 0,
+            _checked(check_max_draft_len, spec.max_draft_len, "speculation.max_draft_len")
+            req.max_draft_len = _int_field("speculation.max_draft_len", spec.max_draft_len, 1,
                                            _UINT32_MAX)
         if spec.drafter is not None:
             req.drafter = spec.drafter

@@ -17,7 +17,14 @@ from specd_core.step import payload_bytes
 from .errors import REPLICA_FAILED, ReplicaUnavailable
 from .scheduler import Scheduler, ServiceRequest, Target
 from .step_plan import ChunkPolicy
-from .supervisor import STALL_FACTOR, STALL_FLOOR_S, ReplicaFailed, StallWatchdog, is_replica_death
+from .supervisor import (
+    STALL_FACTOR,
+    STALL_FLOOR_S,
+    ReplicaFailed,
+    StallWatchdog,
+    death_summary,
+    is_replica_death,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +133,8 @@ class MeteredTarget:
         except Exception as exc:
             if not is_replica_death(exc):
                 raise
-            self.mark_failed(f"{kind} failed: the replica died: {exc!r}")
+            log.debug("a %s call found its replica dead: %s", kind, exc)  # Ray's raw report
+            self.mark_failed(f"a {kind} call failed: {death_summary(exc)}")
             raise ReplicaFailed(self.failure) from exc
 
     async def _metered(self, kind: str, call, items: list) -> list:
@@ -168,13 +176,14 @@ class ReplicaScheduler(Scheduler):
         on_failure: called once, as ``on_failure(scheduler, unstarted)``, when the target
             turns out dead or unresponsive (`MeteredTarget.failed`); ``unstarted`` are the
             requests it held but had not prefilled, for the router to place elsewhere (the
-            rest fail with `ReplicaUnavailable`: `_on_target_failure`).
+            rest fail with `ReplicaUnavailable`: `_on_target_failure`); it may return
+            what happens to the replica next ("re-creating it"), for the failure's log line.
     """
 
     def __init__(self, name: str, target: MeteredTarget, drafter, ids: itertools.count,
                  max_active: int = 32, wants_hidden: bool = False, adaptive: bool = False,
                  cost_model=None, pipeline: bool = False,
-                 on_failure: Callable[[ReplicaScheduler, list[ServiceRequest]], None]
+                 on_failure: Callable[[ReplicaScheduler, list[ServiceRequest]], str | None]
                  | None = None, chunking: ChunkPolicy | None = None,
                  prefix_caching: bool = True):
         super().__init__(target, drafter, max_active=max_active, wants_hidden=wants_hidden,
@@ -258,7 +267,6 @@ class ReplicaScheduler(Scheduler):
         self._failure_handled = True
         self._closed = True
         self._wakeup.set()
-        log.error("replica %s is out of service: %s", self.name, self.target.failure)
         in_call = {*requests, *self.active}
         lost = [r for r in self.requests if r in in_call or r.decode.result.forward_calls > 0]
         unstarted = [r for r in self.requests if r not in in_call and
@@ -268,8 +276,14 @@ class ReplicaScheduler(Scheduler):
         for req in unstarted:  # a slot allocated on the dead replica dies with it
             self._take_slot(req)
         self._admitting = []
+        after = None
         if self.on_failure is not None:
-            self.on_failure(self, sorted(unstarted, key=lambda r: r.submitted_at))
+            after = self.on_failure(self, sorted(unstarted, key=lambda r: r.submitted_at))
+        # One line (Ray's raw report went to DEBUG where it was caught): which replica, what
+        # happened, what the requests and the replica itself get now.
+        log.error("replica %s is out of service: %s; %d request(s) in flight failed, %d "
+                  "not yet started re-placed; %s", self.name, self.target.failure, len(lost),
+                  len(unstarted), after or "it is not restarted")
         for req in lost:
             await self._fail(req, exc, ReplicaUnavailable(REPLICA_FAILED))
         self.active = []

@@ -74,6 +74,7 @@ from .errors import (
 )
 from .latency import LatencyHistograms
 from .step_plan import ChunkPolicy, plan_prefill_chunks
+from .supervisor import ReplicaFailed
 
 log = logging.getLogger(__name__)
 
@@ -685,7 +686,13 @@ class Scheduler(DraftingPolicy):
             error = RequestInvalid(literal(str(exc)))
         if error is None:
             error = exc if isinstance(exc, RequestError) else RequestFailed(REQUEST_FAILED)
-        log.error("request %s failed: %r", req.id, exc, exc_info=exc)
+        if isinstance(exc, ReplicaFailed):
+            # Its replica's death has its own one-line ERROR (`ReplicaScheduler`); the
+            # traceback (with Ray's raw report as its cause) is for DEBUG.
+            log.warning("request %s failed: %s", req.id, exc)
+            log.debug("request %s failed", req.id, exc_info=exc)
+        else:
+            log.error("request %s failed: %r", req.id, exc, exc_info=exc)
         self._push(req)  # what it committed before failing still reaches its client
         req.cause = exc
         self.stats.failed += 1

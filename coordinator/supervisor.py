@@ -60,6 +60,25 @@ def is_replica_death(exc: BaseException | None) -> bool:
     return False
 
 
+def death_summary(exc: BaseException) -> str:
+    """A short, readable why for a replica death ``exc`` (`is_replica_death`), for its
+    one-line log: ``"its Ray actor died (ActorDiedError)"``, a closed channel's or a
+    `ReplicaFailed` 's own text; never Ray's raw multi-line report (pid, actor id, node
+    address, worker id), which callers log at DEBUG."""
+    ray_errors = sys.modules.get("ray.exceptions")
+    seen = exc
+    for _ in range(8):
+        if seen is None:
+            break
+        if isinstance(seen, ReplicaFailed | ChannelClosed):
+            return str(seen).splitlines()[0][:200] if str(seen) else type(seen).__name__
+        if ray_errors is not None and isinstance(seen, ray_errors.RayActorError):
+            return f"its Ray actor died ({type(seen).__name__})"
+        seen = getattr(seen, "cause", None) or seen.__cause__
+    first = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 #: A target call may take this many times its predicted cost before the replica is taken for
 #: stalled (`StallWatchdog`), but never less than `STALL_FLOOR_S` seconds.
 STALL_FACTOR = 10.0
@@ -152,7 +171,8 @@ class Supervision:
                 if replica.target is not target:
                     return  # replaced meanwhile
                 if is_replica_death(exc):
-                    target.mark_failed(f"status probe: the replica died: {exc!r}")
+                    log.debug("replica %s: status probe found it dead: %s", replica.name, exc)
+                    target.mark_failed(f"status probe: {death_summary(exc)}")
                     await self._found_dead(replica)
                 elif isinstance(exc, TimeoutError):
                     await self._silent(replica, time.monotonic() - timeout_s)
@@ -163,12 +183,15 @@ class Supervision:
                                if not r.target.failed))
 
     def _on_replica_failure(self, scheduler: ReplicaScheduler,
-                            unstarted: list[ServiceRequest]) -> None:
+                            unstarted: list[ServiceRequest]) -> str:
         """`ReplicaScheduler` ``on_failure``: out of placement now, re-created in the
-        background, its unstarted requests placed on serving replicas (or failed)."""
+        background, its unstarted requests placed on serving replicas (or failed). Returns
+        what happens to the replica, for its failure's log line."""
+        after = "it was draining: it is removed"
         replica = self.replicas.get(scheduler.name)
         if replica is not None and replica.scheduler is scheduler and \
                 replica.state == "serving":
+            after = "re-creating it"
             replica.state = "restarting"
             self._restarts[replica.name] = asyncio.get_running_loop().create_task(
                 self._restart_replica(replica))
@@ -185,6 +208,7 @@ class Supervision:
             self._placement[req] = other
             log.info("request %s moved from failed replica %s to %s", req.id, scheduler.name,
                      other.name)
+        return after
 
     async def _silent(self, replica: Replica, since: float) -> None:
         """A status probe of ``replica`` sent at ``since`` went unanswered: an idle replica
@@ -256,6 +280,14 @@ class Supervision:
 
             target, stop, info = await self._recreate(replica.name, self.replica_factory,
                                                       attempt_failed)
+            from .adaptive import restarted_cost_model
+
+            # Its fresh calibration ran beside the restart's own work: per size, the lower of
+            # it and what the dead incarnation had learnt (why: `restarted_cost_model`).
+            previous = replica.scheduler.cost_model
+            if info.get("cost_model") is not None and previous is not None:
+                info = {**info, "cost_model": restarted_cost_model(info["cost_model"],
+                                                                   previous)}
             self._retire(replica.scheduler)
             replica.target, replica.scheduler = self._new_scheduler(replica.name, target, info)
             replica.stop, replica.info, replica.reported = stop, dict(info), {}
@@ -264,7 +296,8 @@ class Supervision:
             replica.restarts += 1
             replica.state = "serving"
             replica.scheduler.start()
-            log.warning("replica %s restarted", replica.name)
+            log.warning("replica %s restarted (restart %d), serving again", replica.name,
+                        replica.restarts)
             self._health_changed()
         finally:
             self._restarts.pop(replica.name, None)

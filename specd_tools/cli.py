@@ -8,6 +8,7 @@ its replica and drafter counts."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ from .generate import (
     in_process_fallback_threads,
     in_process_threads,
     prefill_config,
+    server_flags_refused,
 )
 
 #: `specd serve --shutdown-grace` default, seconds: long enough for a typical answer
@@ -177,18 +179,44 @@ def _generate_in_process(args: argparse.Namespace, options: GenerateOptions) -> 
     if drafter is not None and not o.no_adaptive:
         from coordinator.adaptive import AdaptiveDraftLength, calibrate_for
 
+        # Silent otherwise: ~1 s on a quiet 2-core machine, 10-25 s beside busy processes.
+        print("[specd] timing the model's forward for adaptive drafting...", file=sys.stderr,
+              flush=True)
         adaptive = AdaptiveDraftLength(calibrate_for(decoder))
+    fallback = None if o.target_threads else in_process_fallback_threads()
+    _make_batch_invariant(decoder, fallback)
     start = time.perf_counter()
     result = speculative_decode_with(decoder, prompt, decoder.new_cache(), drafter, options,
                                      on_tokens=on_tokens, adaptive=adaptive,
-                                     fallback_threads=None if o.target_threads
-                                     else in_process_fallback_threads())
+                                     fallback_threads=fallback)
     seconds = time.perf_counter() - start
     tail = stream.flush()  # never ends inside a UTF-8 character
     if not args.json:
         print(tail)
     _report(args, "".join(parts) + tail, result, len(prompt), seconds)
     return 0
+
+
+def _make_batch_invariant(decoder, fallback_threads: int | None) -> None:
+    """Plans ``decoder``'s batch-invariant matmuls for this process's threads (and
+    ``fallback_threads``), as `target_worker.engine.TargetEngine` would (which then finds
+    them made), but before the clock of the metrics line starts and with a line on stderr
+    when that means checking this machine's kernels (the first start on a machine, or after
+    a torch upgrade: ~15 s on 2 cores, `target_worker.invariant`)."""
+    import torch
+
+    from target_worker.invariant import announce_checks, verdict_path
+
+    threads = torch.get_num_threads()
+    counts = (threads,) if fallback_threads is None else (threads, fallback_threads)
+
+    def announce() -> None:
+        print(f"[specd] checking this machine's matmul kernels for batch invariance (once per "
+              f"machine and torch build, ~15 s on 2 cores; verdicts kept in {verdict_path()})"
+              "...", file=sys.stderr, flush=True)
+
+    with announce_checks(announce):
+        decoder.make_batch_invariant(counts)
 
 
 def _generate_via_service(args: argparse.Namespace, options: GenerateOptions) -> int:
@@ -206,6 +234,16 @@ def _generate_via_service(args: argparse.Namespace, options: GenerateOptions) ->
                   o.suffix_cache_requests)
     service = None
     address = args.server
+    drafter = ""  # the embedded service runs --drafter itself
+    if address is not None:
+        given = getattr(args, "given", set())
+        # A running server has its drafter: --drafter asks for it (the server refuses
+        # another), else the request takes the server's; --max-draft-len caps it only when
+        # given (this client's default for --drafter is not the server's).
+        if "drafter" in given and o.drafter != "none":
+            drafter = o.drafter
+        if "max_draft_len" not in given:
+            o = dataclasses.replace(o, max_draft_len=None)
     if address is None:
         service = Service(embedded_service_config(o))
         print("[specd] starting an embedded service (Ray + gRPC)...", file=sys.stderr,
@@ -213,7 +251,7 @@ def _generate_via_service(args: argparse.Namespace, options: GenerateOptions) ->
         with StartupReport() as report:
             address = service.start(progress=report)
     try:
-        request = generate_request(o, o.sampling())
+        request = generate_request(o, o.sampling(), drafter)
         start = time.perf_counter()
         tokens: list[int] = []
         text_parts: list[str] = []
@@ -266,6 +304,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.in_process and args.server is not None:
         raise ValueError("--in-process and --server exclude each other: --in-process runs the "
                          "model in this process, --server asks a running service")
+    if args.server is not None:
+        server_flags_refused(getattr(args, "given", set()),
+                             lambda dest: _FLAG_OF.get(dest, f"--{dest.replace('_', '-')}"))
     options = GenerateOptions.from_args(args)
     if args.in_process:
         return _generate_in_process(args, options)
@@ -382,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                      type=positive_int, default=None, metavar="N",
                      help="torch threads of the target model, every step (default: this "
                           "machine's cores, falling back to one fewer where that measures "
-                          "cheaper, as beside a busy process; ignored with --server)")
+                          "cheaper, as beside a busy process; refused with --server, as are "
+                          "the other flags that configure a service)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead")
     gen.add_argument("--raw", action="store_true", help="no chat template")
     constrain = gen.add_mutually_exclusive_group()
@@ -504,12 +546,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Prints the Status RPC's answer as tables (or JSON)."""
     import grpc
 
-    from .client import get_status, no_server_message, status_dict, status_table
+    from .client import (
+        get_status,
+        no_server_message,
+        status_dict,
+        status_table,
+        unauthenticated_message,
+    )
 
     try:
         status = get_status(args.server, args.auth_token, args.tls_ca, args.timeout)
     except grpc.RpcError as exc:
-        message = no_server_message(args.server, exc)
+        message = no_server_message(args.server, exc) or unauthenticated_message(exc)
         if message is None and exc.code() in (grpc.StatusCode.UNAVAILABLE,
                                               grpc.StatusCode.DEADLINE_EXCEEDED):
             message = (f"no specd service answered at {args.server} ({exc.code().name}); "
@@ -527,7 +575,8 @@ def _add_scale_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-replicas", type=int, default=1, metavar="M",
                    help="target replicas (data parallel)")
     p.add_argument("--drafters", type=int, default=1, metavar="N",
-                   help="drafter workers (ignored with --drafter none)")
+                   help="drafter workers (--drafter none runs none: more than 1 is "
+                        "refused)")
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -699,9 +748,31 @@ def user_flags(message: str, parser: argparse.ArgumentParser,
                   flag, message)
 
 
+def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str],
+                command: str) -> set[str]:
+    """The destinations of the options ``argv`` sets for ``command`` (a subcommand of
+    ``parser``), whatever their value: a flag left at its default is not among them, one
+    given with the default's value is."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    parser_of = sub.choices[command]
+    rest = list(argv)[list(argv).index(command) + 1:]
+    saved = {action: action.default for action in parser_of._actions}
+    try:
+        for action in saved:
+            action.default = argparse.SUPPRESS  # an option not given stays out of the result
+        given, _ = parser_of.parse_known_args(rest)
+    finally:
+        for action, default in saved.items():
+            action.default = default
+    return set(vars(given)) - set(parser_of._defaults)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if args.command == "generate":  # which flags it was given decides what --server takes
+        args.given = given_flags(parser, argv, args.command)
     if getattr(args, "max_draft_len", 0) is None:
         args.max_draft_len = default_draft_len(args.drafter, adaptive=not args.no_adaptive)
     # Keep stderr to specd's own lines: Ray's start-up notices are not for this terminal.
@@ -718,10 +789,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         import grpc
 
         if isinstance(exc, grpc.RpcError):
-            from .client import no_server_message
+            from .client import no_server_message, unauthenticated_message
 
             server = getattr(args, "server", None)  # None: generate's embedded service
-            message = no_server_message(server, exc) if server else None
+            message = (no_server_message(server, exc) if server else None) or \
+                unauthenticated_message(exc)
             parser.exit(1, f"specd: error: {message}\n" if message else
                            f"specd: error: {exc.code().name}: "
                            f"{user_flags(exc.details() or '', parser, args)}\n")

@@ -99,12 +99,51 @@ def no_server_message(address: str, exc: grpc.RpcError) -> str | None:
     return f"no specd server at {address} ({exc.code().name}: {reason}); {hint}"
 
 
+#: What a client tool says to do when the service refused its credentials.
+AUTH_HINT = ("pass the service's bearer token with --auth-token, or in $SPECD_AUTH_TOKEN "
+             "(which keeps it out of ps)")
+
+
+def unauthenticated_message(exc: grpc.RpcError) -> str | None:
+    """One line for a call the service refused as ``UNAUTHENTICATED`` (no token, or not one
+    it takes), e.g. ``UNAUTHENTICATED: missing or invalid bearer token; pass the service's
+    bearer token with --auth-token, ...``; None for any other status."""
+    if exc.code() != grpc.StatusCode.UNAUTHENTICATED:
+        return None
+    return f"UNAUTHENTICATED: {exc.details() or 'no valid bearer token'}; {AUTH_HINT}"
+
+
 def status_dict(status: generation_pb2.StatusResponse) -> dict:
-    """``status`` as plain JSON types, every field present (proto field names)."""
+    """``status`` as plain JSON types, every field present (proto field names), counters
+    as numbers (`json_numbers`)."""
     from google.protobuf.json_format import MessageToDict
 
-    return MessageToDict(status, preserving_proto_field_name=True,
-                         always_print_fields_with_no_presence=True)
+    return json_numbers(status, MessageToDict(status, preserving_proto_field_name=True,
+                                              always_print_fields_with_no_presence=True))
+
+
+def json_numbers(message, value: dict) -> dict:
+    """``value`` (``message`` as protobuf's ``MessageToDict`` gives it, proto field names)
+    with every 64-bit integer field, repeated and nested ones included, an ``int`` again:
+    protobuf's JSON mapping writes them as strings (``"steps": "42"``), which a JSON reader
+    would have to know to convert."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    wide = (F.TYPE_INT64, F.TYPE_UINT64, F.TYPE_SINT64, F.TYPE_FIXED64, F.TYPE_SFIXED64)
+    for field in message.DESCRIPTOR.fields:
+        if field.name not in value:
+            continue
+        repeated = field.is_repeated
+        if field.type in wide:
+            value[field.name] = ([int(v) for v in value[field.name]] if repeated
+                                 else int(value[field.name]))
+        elif field.type == F.TYPE_MESSAGE and not field.message_type.GetOptions().map_entry:
+            items = getattr(message, field.name)
+            for sub, sub_value in zip(items if repeated else [items],
+                                      value[field.name] if repeated else [value[field.name]],
+                                      strict=True):
+                json_numbers(sub, sub_value)
+    return value
 
 
 def _table(headers: list[str], rows: list[list]) -> list[str]:

@@ -16,6 +16,7 @@ from drafter_worker.registry import DEFAULT_DRAFTER, DEFAULT_NGRAM_SIZE
 from specd_core.sampling import SamplingParams
 
 __all__ = [
+    "SERVICE_FLAGS",
     "GenerateOptions",
     "constraint_spec",
     "embedded_service_config",
@@ -23,6 +24,7 @@ __all__ = [
     "in_process_fallback_threads",
     "in_process_threads",
     "prefill_config",
+    "server_flags_refused",
 ]
 
 
@@ -86,6 +88,8 @@ class GenerateOptions:
     def sampling(self) -> SamplingParams:
         """The validated decoding fields.
 
+        ``top_k`` -1 is 0 (off), as the HTTP and gRPC APIs take it.
+
         Raises:
             ValueError: naming the bad flag (seed, max-new-tokens, prompt, or a sampling field).
         """
@@ -96,7 +100,9 @@ class GenerateOptions:
         if not self.prompt.strip():
             raise ValueError("the prompt must not be empty")
         return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+            # -1 is vLLM's "off", as over HTTP and gRPC (`coordinator.generation_request`).
+            temperature=self.temperature, top_k=0 if self.top_k == -1 else self.top_k,
+            top_p=self.top_p, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
         )
@@ -131,9 +137,39 @@ def constraint_spec(options: GenerateOptions):
         raise ValueError(str(exc)) from None
 
 
-def generate_request(options: GenerateOptions, sampling: SamplingParams):
+#: ``specd generate`` flags (their destinations) that configure the service a request runs
+#: on, not the request: refused with ``--server`` (`server_flags_refused`), whose service
+#: has its own.
+SERVICE_FLAGS = ("model", "dtype", "no_pipeline", "no_adaptive", "ngram_size",
+                 "max_batched_tokens", "max_partial_prefills", "no_prefix_caching",
+                 "drafter_path", "suffix_cache_requests", "target_threads")
+
+
+def server_flags_refused(given: set[str], flag_of) -> None:
+    """Raises for ``specd generate --server`` given service flags (`SERVICE_FLAGS`):
+    ``given`` holds the destinations the user set, ``flag_of`` names each one's flag.
+
+    Raises:
+        ValueError: naming the flags, e.g. ``--model, --no-pipeline configure a service,
+            not a request: ...``.
+    """
+    flags = [flag_of(dest) for dest in SERVICE_FLAGS if dest in given]
+    if flags:
+        raise ValueError(f"{', '.join(flags)} configure{'s' if len(flags) == 1 else ''} a "
+                         "service, not a request: the one at --server has its own (set "
+                         f"{'it' if len(flags) == 1 else 'them'} on its 'specd serve'); drop "
+                         f"{'it' if len(flags) == 1 else 'them'}, or leave out --server to run an "
+                         "embedded service (or --in-process) with "
+                         f"{'it' if len(flags) == 1 else 'them'}")
+
+
+def generate_request(options: GenerateOptions, sampling: SamplingParams,
+                     drafter: str = ""):
     """The gRPC ``specd.v1.GenerateRequest`` of ``options`` with ``sampling`` (their
-    validated `GenerateOptions.sampling`): one user turn, or the raw text with ``raw``."""
+    validated `GenerateOptions.sampling`): one user turn, or the raw text with ``raw``.
+    ``drafter``: the ``speculation.drafter`` to ask for (``""``: the service's; the server
+    refuses one it does not run); ``options.drafter`` "none" turns speculation off.
+    ``options.max_draft_len`` None leaves the cap unset (the drafter's own)."""
     from specd.v1 import generation_pb2
 
     request = generation_pb2.GenerateRequest(
@@ -145,7 +181,8 @@ def generate_request(options: GenerateOptions, sampling: SamplingParams):
         max_new_tokens=options.max_new_tokens,
         stop=options.stop,
         speculation=generation_pb2.SpeculationOptions(
-            enabled=options.drafter != "none", max_draft_len=options.max_draft_len),
+            enabled=options.drafter != "none", max_draft_len=options.max_draft_len,
+            drafter=drafter),
     )
     if options.seed is not None:
         request.seed = options.seed

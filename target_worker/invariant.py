@@ -54,6 +54,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "CALL_ROWS",
+    "announce_checks",
+    "verdict_path",
     "GRAIN",
     "InvariancePlan",
     "call_rows",
@@ -327,6 +329,31 @@ _VERDICTS: dict[str, InvariancePlan] = {}
 #: Keys whose verdict this process decided or spot-checked (`_spot_check`).
 _CONFIRMED: set[str] = set()
 _DISK_LOADED = False
+#: Callbacks `announce_checks` registered: each is called once, before the next full check.
+_ANNOUNCE: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def announce_checks(callback: Callable[[], None]) -> Iterator[None]:
+    """Within the block, ``callback()`` runs once (on the checking thread), just before the
+    first full check: a verdict neither on disk nor decided in this process, or one whose
+    spot check failed. A start that finds every verdict stored (~1 s of spot checks for
+    SmolLM2) never calls it, so a caller can say what the first start on a machine spends
+    its time on (~15 s on 2 cores) without printing it every time."""
+    with _LOCK:
+        _ANNOUNCE.append(callback)
+    try:
+        yield
+    finally:
+        with _LOCK:
+            if callback in _ANNOUNCE:
+                _ANNOUNCE.remove(callback)
+
+
+def verdict_path() -> Path:
+    """The file the verdicts are kept in (``batch_invariance.json`` under
+    `target_worker.disk_cache.cache_dir`)."""
+    return _verdict_path()
 
 
 def _verdict_path() -> Path:
@@ -392,6 +419,8 @@ def _decide(key: str, candidates: Sequence[tuple[str, bool, Callable[[int, tuple
                 "batch invariance: the stored verdict %s for %s failed its spot check; "
                 "checking again", plan, key)
             del _VERDICTS[key]
+        while _ANNOUNCE:  # under _LOCK
+            _ANNOUNCE.pop(0)()
 
         def least(name, per_row, check, counts, below=None):
             for min_rows in (1,) if per_row else _MIN_ROWS:

@@ -289,6 +289,10 @@ async def first_model(client, base_url: str) -> str:
 
     try:
         page = await client.models.list()
+    except openai.AuthenticationError as exc:  # 401: no key, or not one it takes
+        raise RuntimeError(f"--base-url {base_url}: GET /models was refused (401: {exc}); "
+                           "pass the server's key with --api-key or $OPENAI_API_KEY "
+                           "(specd serve's --auth-token)") from None
     except openai.APIError as exc:
         raise RuntimeError(f"--base-url {base_url}: GET /models failed ({exc}); is the server "
                            f"up, and is the URL its .../v1?") from None

@@ -372,3 +372,28 @@ def test_a_stalled_step_does_not_price_drafting_out_for_good():
     for _ in range(40):  # a lasting slowdown still comes through
         model.observe(1, 0.27)
     assert model.cost(1) == pytest.approx(0.27, rel=1e-3)
+
+
+def test_a_restarted_replicas_slow_calibration_does_not_price_drafting_out_for_good():
+    """After a restart the fresh process's calibration read larger sizes ~3x slow: alone it
+    prices every draft out, and undrafted steps (one size) never correct the others; the
+    lower of it and the previous incarnation's model drafts as before the restart."""
+    from coordinator.adaptive import choose_draft_len, restarted_cost_model
+
+    previous = ForwardCostModel({1: 0.030, 2: 0.032, 4: 0.035, 8: 0.040, 16: 0.050, 32: 0.070})
+    slow = ForwardCostModel({1: 0.030, 2: 0.090, 4: 0.100, 8: 0.120, 16: 0.150, 32: 0.200})
+    rates = [0.7] * 8
+    before = choose_draft_len(rates, previous, 8)
+    assert before > 0
+    assert choose_draft_len(rates, slow, 8) == 0
+    for _ in range(200):  # what follows alone: undrafted steps measure size 1 only
+        slow.observe(1, 0.030)
+    assert choose_draft_len(rates, slow, 8) == 0  # stuck: the bug
+    merged = restarted_cost_model(slow, previous)
+    assert choose_draft_len(rates, merged, 8) == before
+    assert all(merged.cost(n) <= min(slow.cost(n), previous.cost(n)) + 1e-12
+               for n in (1, 2, 4, 8, 16, 32))
+    costs = [merged.cost(n) for n in range(1, 33)]
+    assert costs == sorted(costs)  # still never cheaper for more tokens
+    assert restarted_cost_model(slow, None) is slow  # a first start: its own calibration
+    assert restarted_cost_model(None, previous) is previous

@@ -158,6 +158,9 @@ def test_greedy_and_seeded_text_equal_the_grpc_apis(service, client):
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "", "content": "x"}]},
      "messages[1].role"),
     ({"messages": [{"role": "user", "content": "hi", "name": 3}]}, "messages[0].name"),
+    # The rules the gRPC API and `specd generate` apply too (`coordinator.generation_request`).
+    ({"extra_body": {"speculation": {"max_draft_len": 0}}}, "speculation.max_draft_len"),
+    ({"extra_body": {"top_k": -2}}, "top_k"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}, "tools"),

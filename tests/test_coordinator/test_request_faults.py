@@ -522,13 +522,16 @@ def test_a_prompt_over_the_size_cap_is_refused_before_tokenizing(gated):
                     stub.GenerateUnary(chat, timeout=30)
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert err.value.details().startswith("chat: the prompt is over 1000 bytes")
-                # Roles are text the template renders too: they count.
+                # A role is one of a few short names, refused otherwise (as over HTTP),
+                # before tokenizing, its echo cut short.
                 role = generation_pb2.GenerateRequest(max_new_tokens=2)
                 role.chat.messages.add(role=over, content="hi")
                 with pytest.raises(grpc.RpcError) as err:
                     stub.GenerateUnary(role, timeout=30)
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert err.value.details().startswith("chat: the prompt is over 1000 bytes")
+                assert err.value.details().startswith("chat.messages[0].role: ")
+                assert "is not a chat role" in err.value.details()
+                assert len(err.value.details()) < 200
             assert tok.encodes == before, "an over-cap prompt was tokenized"
             ok = stub.GenerateUnary(generation_pb2.GenerateRequest(
                 max_new_tokens=2, text="é" * 100, ignore_eos=True), timeout=30)

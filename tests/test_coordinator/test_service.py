@@ -122,7 +122,13 @@ def test_same_seed_same_tokens_alone_or_batched_and_unseeded_requests_differ(ser
         (lambda r: setattr(r.sampling, "temperature", -0.5), "temperature"),
         (lambda r: setattr(r.sampling, "top_p", 0.0), "top_p"),
         (lambda r: setattr(r.sampling, "top_p", 1.5), "top_p"),
-        (lambda r: setattr(r.sampling, "top_k", -1), "top_k"),
+        (lambda r: setattr(r.sampling, "top_k", -2), "top_k"),
+        # HTTP's rules (`coordinator.generation_request`): a chat role, a draft cap >= 1.
+        (lambda r: r.chat.messages.add(role="bogus", content="hi"), "chat.messages[0].role"),
+        (lambda r: r.chat.messages.extend([generation_pb2.ChatMessage(role="user", content="a"),
+                                           generation_pb2.ChatMessage(role="", content="b")]),
+         "chat.messages[1].role"),
+        (lambda r: setattr(r.speculation, "max_draft_len", 0), "speculation.max_draft_len"),
         (lambda r: setattr(r, "max_new_tokens", 0), "max_new_tokens"),
         (lambda r: setattr(r, "max_new_tokens", 100_000), "max_new_tokens"),
         (lambda r: setattr(r.speculation, "drafter", "medusa"), "drafter"),
@@ -155,6 +161,15 @@ def test_a_second_server_on_a_busy_port_is_refused(service):
                                   "prompt-lookup", "tiny")
     with pytest.raises(ValueError, match="cannot listen"):
         service.call(start_generation_server(servicer, "127.0.0.1", port))
+
+
+def test_top_k_minus_one_is_off_over_grpc_as_over_http(service):
+    # vLLM's "off" (-1) is 0 over either API (`coordinator.generation_request.sampling_params`).
+    assert sampling_from_proto(generation_pb2.SamplingParams(top_k=-1)).top_k == 0
+    minus_one = stream_tokens(service, request(REPEATING, seed=5, temperature=1.0, top_k=-1,
+                                               max_new=12))[0]
+    assert minus_one == stream_tokens(service, request(REPEATING, seed=5, temperature=1.0,
+                                                       top_k=0, max_new=12))[0]
 
 
 def test_unary_equals_streaming(service):

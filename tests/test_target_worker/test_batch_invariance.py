@@ -340,3 +340,23 @@ def test_pointwise_gives_a_row_the_same_bits_whatever_the_rows_around_it():
             assert torch.equal(inv.pointwise(torch.exp, x[:n]), alone[:n]), n
     finally:
         torch.set_num_threads(before)
+
+
+def test_announce_checks_calls_back_once_before_a_full_check_never_for_stored_verdicts(
+        monkeypatch):
+    """What lets ``specd generate --in-process`` say why its first start on a machine is
+    slow, and stay quiet on the others."""
+    gen = torch.Generator().manual_seed(7)
+    weights = [torch.randn(32, 16, generator=gen), torch.randn(48, 16, generator=gen)]
+    calls = []
+    with inv.announce_checks(lambda: calls.append("checking")):
+        plans = [inv.plan_linear(w, None, (1,)) for w in weights]
+    assert calls == ["checking"]  # once, though two shapes were checked
+    inv.plan_linear(torch.randn(24, 16, generator=gen), None, (1,))
+    assert calls == ["checking"]  # not after the block
+    monkeypatch.setattr(inv, "_VERDICTS", {})  # a new process: the verdicts are on disk
+    monkeypatch.setattr(inv, "_DISK_LOADED", False)
+    monkeypatch.setattr(inv, "_CONFIRMED", set())
+    with inv.announce_checks(lambda: calls.append("again")):
+        assert [inv.plan_linear(w, None, (1,)) for w in weights] == plans
+    assert calls == ["checking"]
