@@ -14,12 +14,14 @@ invariant by fixing their tiling; here the kernels are the libraries', so their 
 measured instead of assumed):
 
 - a call of ``n`` rows is zero-padded up to the least of `CALL_ROWS` that is at least
-  ``max(n, plan.min_rows)`` (calls above the largest are split into chunks of it), so a
-  kernel only ever sees row counts the check has proven;
+  ``max(n, plan.min_rows)`` (calls above ``plan.max_rows``, the largest size proven, are
+  split into chunks of it), so a kernel only ever sees row counts the check has proven;
 - the kernel and ``min_rows`` are the first of a preference list (`LINEAR_KERNELS`,
   `BMM_KERNELS`; ``min_rows`` 1, 2, 4, 8, 16) for which `check_linear` / `check_bmm`
-  find every proven row count giving probe rows bitwise equal to the probe computed alone,
-  at every probed position; calls below the least size that is also equal across the
+  find every row count from ``min_rows`` up to at least `MIN_PROVEN_ROWS` giving *every*
+  row bitwise equal to that row computed alone (a kernel may change its order past some
+  size: oneDNN's bfloat16 GEMM on an AMX CPU does above 32 rows, in about one output in
+  10^4, which rounding to bfloat16 hides from a few probe rows); calls below the least size that is also equal across the
   thread counts the engine may use run on one thread (`InvariancePlan.threaded_rows`).
   The last kernel of each list, one call per row, is invariant by construction (every
   call has the same shape); it is what is left when nothing faster passes, never a
@@ -58,6 +60,7 @@ __all__ = [
     "verdict_path",
     "GRAIN",
     "InvariancePlan",
+    "MIN_PROVEN_ROWS",
     "call_rows",
     "check_bmm",
     "check_linear",
@@ -84,10 +87,12 @@ CALL_ROWS = (*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 16
 GRAIN = 32768
 
 #: Bump when a kernel, the check or `CALL_ROWS` changes: older verdicts are then ignored.
-_CHECK_VERSION = 1
+_CHECK_VERSION = 2
 
-#: Probe rows placed in each checked call.
-_PROBES = 4
+#: The fewest rows a kernel must be proven up to (from its ``min_rows``) to be used: a
+#: kernel that changes its order at fewer rows loses to the next one (the "tiles" kernel
+#: runs every call at 8 rows).
+MIN_PROVEN_ROWS = 16
 
 
 def call_rows(n: int) -> int:
@@ -174,6 +179,14 @@ def _onednn_run(x, packed, weight, bias):
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+#: Rows of every call the "onednn-tiles" kernel makes.
+ONEDNN_TILE_ROWS = 32
+
+
+def _onednn_tiles_run(x, packed, weight, bias):
+    return _tiles(lambda a: _onednn_run(a, packed, weight, bias), x, 0, ONEDNN_TILE_ROWS)
+
+
 def _aten_run(x, _prepared, weight, bias):
     return F.linear(x, weight, bias)
 
@@ -207,6 +220,17 @@ LINEAR_KERNELS = (
     _Kernel("tiles", lambda w: None, _tiles_run),
     _Kernel("rows", lambda w: None, _rows_run, per_row=True),
 )
+#: The same for bfloat16 and float16 weights on the CPU. There oneDNN's GEMM (an AMX or
+#: AVX512-BF16 path) takes another path by the call's rows, and the paths round apart on
+#: some data only: above 32 rows about one output in 10^4 on random rows, and at 32 rows
+#: against one a row of real activations (products near the denormal range) where random
+#: rows agreed. So no variable-size reduced-precision GEMM is planned: oneDNN runs every
+#: call at `ONEDNN_TILE_ROWS` rows (zero-padded), one shape, one path.
+REDUCED_LINEAR_KERNELS = (
+    _Kernel("onednn-tiles", _onednn_prepare, _onednn_tiles_run),
+    _Kernel("tiles", lambda w: None, _tiles_run),
+    _Kernel("rows", lambda w: None, _rows_run, per_row=True),
+)
 
 
 def _bmm_aten(a, b, out=None):
@@ -215,6 +239,24 @@ def _bmm_aten(a, b, out=None):
 
 def _bmm_tiles(a, b, out=None):
     y = _tiles(lambda t: torch.bmm(t, b), a, 1, 2 * TILE_ROWS)
+    return y if out is None else out.copy_(y)
+
+
+def _bmm_fixed(a, b, out=None):
+    """``bmm`` as calls of one shape only, ``[1, 16, k] @ [1, k, n]`` (each batch entry and
+    each 16-row tile alone, the last tile zero-padded): invariant by construction. The plain
+    ``bmm`` of a bfloat16 (and float16) CPU build changes its path with the whole call's size
+    (batch entries times rows), so its bits for a row depend on how many key blocks and
+    query rows share the call: measured on an AMX CPU, one row in a few hundred."""
+    count, m, rows = a.shape[0], a.shape[1], 2 * TILE_ROWS
+    padded = -(-m // rows) * rows
+    if padded != m:
+        a = torch.cat([a, a.new_zeros(count, padded - m, a.shape[2])], dim=1)
+    y = torch.empty(count, padded, b.shape[2], dtype=torch.result_type(a, b), device=a.device)
+    for i in range(count):
+        for lo in range(0, padded, rows):
+            torch.bmm(a[i:i + 1, lo:lo + rows], b[i:i + 1], out=y[i:i + 1, lo:lo + rows])
+    y = y[:, :m]
     return y if out is None else out.copy_(y)
 
 
@@ -227,6 +269,10 @@ def _bmm_rows(a, b, out=None):
 #: per_row)``.
 BMM_KERNELS = (("aten", _bmm_aten, False), ("tiles", _bmm_tiles, False),
                ("rows", _bmm_rows, True))
+#: Reduced-precision attention on the CPU: plain ``bmm`` changes its path with the call's
+#: whole size (`_bmm_fixed`), which no check over a few batch counts can cover, so only a
+#: kernel of one call shape is planned.
+FIXED_BMM_KERNELS = (("fixed", _bmm_fixed, False), ("rows", _bmm_rows, True))
 
 #: ``min_rows`` tried per kernel, least padding first.
 _MIN_ROWS = (1, 2, 4, 8, 16)
@@ -246,9 +292,11 @@ class InvariancePlan:
     kernel: str
     min_rows: int
     threaded_rows: int | None = 1
+    #: The largest call proven (one of `CALL_ROWS`): larger ones are split into its chunks.
+    max_rows: int = CALL_ROWS[-1]
 
     def padded_rows(self, n: int) -> int:
-        """Rows a call of ``1 <= n <= CALL_ROWS[-1]`` rows is run with."""
+        """Rows a call of ``1 <= n <= max_rows`` rows is run with."""
         return call_rows(max(n, self.min_rows))
 
     def threads_for(self, rows: int) -> int | None:
@@ -274,35 +322,40 @@ def _padded_call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, ro
 
 
 def _run_check(fn: Callable[[torch.Tensor], torch.Tensor], make: Callable[[int], torch.Tensor],
-               min_rows: int, threads: Sequence[int], per_row: bool, quick: bool = False
-               ) -> tuple[bool, bool]:
-    """Whether ``fn`` (rows along dim 0, or dim 1 for a batched 3-D input) gives each probe
-    row the same bits inside every proven call as alone: ``(invariant at each thread count,
-    and the same across them)``. ``make(n)`` draws ``n`` random input rows. ``quick``: only
-    a few call sizes (`QUICK_ROWS`), the spot check of a verdict read from disk."""
-    probes = make(_PROBES)
-    dim = 0 if probes.dim() == 2 else 1
+               min_rows: int, threads: Sequence[int], per_row: bool, quick: bool = False,
+               max_rows: int | None = None) -> tuple[int, bool]:
+    """The calls of ``fn`` (rows along dim 0, or dim 1 for a batched 3-D input) in which
+    every row has the same bits as that row computed alone (zero-padded to ``min_rows``'s
+    call size): ``(proven, same)``, ``proven`` the largest of `CALL_ROWS` (up to
+    ``max_rows``) such that every size from ``min_rows``'s up to it passes at each thread
+    count (0: not even the first), ``same`` whether the rows alone are equal across the
+    thread counts. ``make(n)`` draws ``n`` random input rows. ``quick``: only a few call
+    sizes (`QUICK_ROWS`, and ``max_rows``), the spot check of a verdict read from disk."""
+    top = CALL_ROWS[-1] if max_rows is None else max_rows
     first = call_rows(min_rows)
     # One call per row: only determinism is left to check.
-    sizes = [first, CALL_ROWS[-1]] if per_row else [s for s in CALL_ROWS if s >= first]
+    sizes = [first, top] if per_row else [s for s in CALL_ROWS if first <= s <= top]
     if quick:
-        sizes = [s for s in sizes if s == first or s in QUICK_ROWS]
-    refs = []
+        sizes = sorted({s for s in sizes if s in (first, top) or s in QUICK_ROWS})
+    sizes = sorted(set(sizes))
+    pool = make(sizes[-1])
+    dim = 0 if pool.dim() == 2 else 1
+    proven, refs = sizes[-1], []
     for count in threads:
         with torch_threads(count):
-            ref = [_padded_call(fn, probes.narrow(dim, p, 1), first) for p in range(_PROBES)]
+            ref = torch.cat([_padded_call(fn, pool.narrow(dim, i, 1), first)
+                             for i in range(sizes[-1])], dim=dim)
             refs.append(ref)
             for size in sizes:
-                x = make(size)
-                at = sorted({0, size - 1, size // 2, size // 3})[:_PROBES]
-                for j, pos in enumerate(at):
-                    x.narrow(dim, pos, 1).copy_(probes.narrow(dim, j, 1))
-                y = fn(x)
-                for j, pos in enumerate(at):
-                    if not torch.equal(y.narrow(dim, pos, 1), ref[j]):
-                        return False, False
-    same = all(torch.equal(a, b) for r in refs[1:] for a, b in zip(refs[0], r, strict=True))
-    return True, same
+                if size > proven:
+                    break
+                if not torch.equal(fn(pool.narrow(dim, 0, size).contiguous()),
+                                   ref.narrow(dim, 0, size)):
+                    passed = [s for s in sizes if s < size]
+                    proven = passed[-1] if passed else 0
+                    break
+    same = all(torch.equal(refs[0], r) for r in refs[1:])
+    return proven, same
 
 
 @cache
@@ -391,7 +444,7 @@ def _save_disk(key: str, plan: InvariancePlan) -> None:
         except (OSError, ValueError):
             stored = {}
         stored[key] = {"kernel": plan.kernel, "min_rows": plan.min_rows,
-                       "threaded_rows": plan.threaded_rows}
+                       "threaded_rows": plan.threaded_rows, "max_rows": plan.max_rows}
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(stored, indent=0, sort_keys=True))
         os.replace(tmp, path)
@@ -422,25 +475,33 @@ def _decide(key: str, candidates: Sequence[tuple[str, bool, Callable[[int, tuple
         while _ANNOUNCE:  # under _LOCK
             _ANNOUNCE.pop(0)()
 
-        def least(name, per_row, check, counts, below=None):
+        def least(per_row, check, counts, below=None):
+            """``(min_rows, proven)``: the least ``min_rows`` proven up to at least
+            `MIN_PROVEN_ROWS` (or every size, for a kernel of one call per row), or None."""
             for min_rows in (1,) if per_row else _MIN_ROWS:
                 if below is not None and min_rows > below:
                     return None
                 try:
-                    ok, same = check(min_rows, counts)
+                    proven, same = check(min_rows, counts)
                 except RuntimeError:
                     return None  # the kernel cannot run this call here
-                if ok and same:
-                    return min_rows
+                enough = proven == CALL_ROWS[-1] if per_row else proven >= max(
+                    MIN_PROVEN_ROWS, call_rows(min_rows))
+                if enough and same:
+                    return min_rows, proven
             return None
 
+        plan = None
         for name, per_row, check in candidates:
-            every = least(name, per_row, check, counts) if counts != (1,) else None
-            alone = least(name, per_row, check, (1,), below=every)
+            every = least(per_row, check, counts) if counts != (1,) else None
+            alone = least(per_row, check, (1,), below=every and every[0])
             if alone is None and every is None:
                 continue
-            plan = InvariancePlan(name, alone if alone is not None else every,
-                                  every if counts != (1,) else 1)
+            tops = [found[1] for found in (alone, every) if found is not None]
+            plan = InvariancePlan(name, (alone or every)[0],
+                                  every[0] if every is not None else (
+                                      1 if counts == (1,) else None),
+                                  max_rows=min(tops))
             break
         if plan is None:
             raise RuntimeError(f"no batch-invariant kernel for {key}: even one row per call "
@@ -462,15 +523,17 @@ def _spot_check(plan: InvariancePlan, candidates, counts: tuple[int, ...]) -> bo
     allowed = (1,) if per_row else _MIN_ROWS
     if not (isinstance(plan.min_rows, int) and plan.min_rows in allowed
             and (plan.threaded_rows is None or (isinstance(plan.threaded_rows, int)
-                                                and plan.threaded_rows in _MIN_ROWS))):
+                                                and plan.threaded_rows in _MIN_ROWS))
+            and plan.max_rows in CALL_ROWS and plan.max_rows >= call_rows(plan.min_rows)):
         return False
     try:
-        ok, same = check(plan.min_rows, (1,), True)
-        if ok and same and plan.threaded_rows is not None and counts != (1,):
-            ok, same = check(plan.threaded_rows, counts, True)
+        proven, same = check(plan.min_rows, (1,), True, plan.max_rows)
+        if proven == plan.max_rows and same and plan.threaded_rows is not None \
+                and counts != (1,):
+            proven, same = check(plan.threaded_rows, counts, True, plan.max_rows)
     except RuntimeError:
         return False
-    return ok and same
+    return proven == plan.max_rows and same
 
 
 def _scale_rows(gen: torch.Generator, shape: Sequence[int], dtype: torch.dtype,
@@ -479,10 +542,11 @@ def _scale_rows(gen: torch.Generator, shape: Sequence[int], dtype: torch.dtype,
 
 
 def check_linear(kernel: _Kernel, weight: torch.Tensor, bias: torch.Tensor | None,
-                 min_rows: int, threads: Sequence[int], quick: bool = False
-                 ) -> tuple[bool, bool]:
+                 min_rows: int, threads: Sequence[int], quick: bool = False,
+                 max_rows: int | None = None) -> tuple[int, bool]:
     """`_run_check` of ``kernel`` multiplying ``weight [out, in]`` (+ ``bias``) at
-    ``min_rows``: ``(invariant at each of threads, equal across them)``.
+    ``min_rows``: ``(largest call size proven at each of threads, rows alone equal across
+    them)``.
 
     Raises:
         RuntimeError: the kernel cannot run on this weight here (e.g. oneDNN's bf16 packing
@@ -498,7 +562,7 @@ def check_linear(kernel: _Kernel, weight: torch.Tensor, bias: torch.Tensor | Non
     def make(n):
         return _scale_rows(gen, (n, k_in), weight.dtype, weight.device)
 
-    return _run_check(fn, make, min_rows, threads, kernel.per_row, quick)
+    return _run_check(fn, make, min_rows, threads, kernel.per_row, quick, max_rows)
 
 
 def _key(*parts) -> str:
@@ -512,10 +576,14 @@ def plan_linear(weight: torch.Tensor, bias: torch.Tensor | None, threads: Sequen
     threads = tuple(dict.fromkeys(int(t) for t in threads))
     key = _key("linear", tuple(weight.shape), weight.dtype, weight.device.type,
                bias is not None, threads)
+    kernels = LINEAR_KERNELS
+    if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
+        kernels = REDUCED_LINEAR_KERNELS
     candidates = [
         (k.name, k.per_row,
-         lambda m, counts, quick=False, k=k: check_linear(k, weight, bias, m, counts, quick))
-        for k in LINEAR_KERNELS
+         lambda m, counts, quick=False, top=None, k=k: check_linear(k, weight, bias, m,
+                                                                    counts, quick, top))
+        for k in kernels
     ]
     return _decide(key, candidates, threads)
 
@@ -523,10 +591,11 @@ def plan_linear(weight: torch.Tensor, bias: torch.Tensor | None, threads: Sequen
 def check_bmm(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], per_row: bool,
               batch: int, k: int, n: int, b_transposed: bool, dtype: torch.dtype,
               device: torch.device, min_rows: int, threads: Sequence[int],
-              quick: bool = False) -> tuple[bool, bool]:
+              quick: bool = False, max_rows: int | None = None) -> tuple[int, bool]:
     """`_run_check` of ``fn(a [batch, m, k], b [batch, k, n])`` over the rows ``m`` of
     ``a``, with ``b`` a transposed view of ``[batch, n, k]`` when ``b_transposed`` (the
-    layout attention multiplies keys in), checked at two batch counts."""
+    layout attention multiplies keys in), checked at three batch counts: the least proven
+    size over them, and whether each was the same across thread counts."""
     gen = torch.Generator().manual_seed(1)
     for count in (batch, 3 * batch, 17 * batch):
         if b_transposed:
@@ -537,11 +606,12 @@ def check_bmm(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], per_row:
         def make(m, count=count):
             return _scale_rows(gen, (count, m, k), dtype, device)
 
-        ok, same = _run_check(lambda a, b=b: fn(a, b), make, min_rows, threads, per_row,
-                              quick)
-        if not (ok and same):
-            return ok, same
-    return True, True
+        proven, same = _run_check(lambda a, b=b: fn(a, b), make, min_rows, threads, per_row,
+                                  quick, max_rows)
+        if not (proven and same):
+            return proven, same
+        max_rows = proven
+    return max_rows, True
 
 
 def plan_bmm(batch: int, k: int, n: int, b_transposed: bool, dtype: torch.dtype,
@@ -551,11 +621,14 @@ def plan_bmm(batch: int, k: int, n: int, b_transposed: bool, dtype: torch.dtype,
     threads = tuple(dict.fromkeys(int(t) for t in threads))
     device = torch.device(device)
     key = _key("bmm", batch, k, n, b_transposed, dtype, device.type, threads)
+    kernels = BMM_KERNELS
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        kernels = FIXED_BMM_KERNELS
     candidates = [
         (name, per_row,
-         lambda m, counts, quick=False, fn=fn, per_row=per_row: check_bmm(
-             fn, per_row, batch, k, n, b_transposed, dtype, device, m, counts, quick))
-        for name, fn, per_row in BMM_KERNELS
+         lambda m, counts, quick=False, top=None, fn=fn, per_row=per_row: check_bmm(
+             fn, per_row, batch, k, n, b_transposed, dtype, device, m, counts, quick, top))
+        for name, fn, per_row in kernels
     ]
     return _decide(key, candidates, threads)
 
@@ -565,8 +638,8 @@ def plan_bmm(batch: int, k: int, n: int, b_transposed: bool, dtype: torch.dtype,
 #: weight -> (plan, prepared operand, (weight._version, weight.data_ptr())): weights a
 #: planned decoder multiplies (`prepare_linear`). A weight changed since is prepared again.
 _PLANNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_KERNELS = {k.name: k for k in LINEAR_KERNELS}
-_BMMS = {name: fn for name, fn, _ in BMM_KERNELS}
+_KERNELS = {k.name: k for k in (*LINEAR_KERNELS, *REDUCED_LINEAR_KERNELS)}
+_BMMS = {name: fn for name, fn, _ in (*BMM_KERNELS, *FIXED_BMM_KERNELS)}
 
 
 def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
@@ -626,9 +699,9 @@ def invariant_bmm(a: torch.Tensor, b: torch.Tensor, plan: InvariancePlan | None
 def _chunked(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, plan: InvariancePlan
              ) -> torch.Tensor:
     """``fn`` over the rows of ``x`` (dim 0 of a 2-D, dim 1 of a 3-D tensor) in proven call
-    sizes (`InvariancePlan.padded_rows`; above the largest, chunks of it)."""
+    sizes (`InvariancePlan.padded_rows`; above its ``max_rows``, chunks of it)."""
     dim = 0 if x.dim() == 2 else 1
-    n, top = x.shape[dim], CALL_ROWS[-1]
+    n, top = x.shape[dim], plan.max_rows
     if n <= top:
         rows = plan.padded_rows(n)
         if plan.threads_for(rows) == 1:

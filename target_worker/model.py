@@ -468,6 +468,11 @@ class AttentionPlans:
     def padded_rows(self, rows: int) -> int:
         return max(self.scores.padded_rows(rows), self.values.padded_rows(rows))
 
+    @property
+    def max_rows(self) -> int:
+        """The most (folded) query rows one call of either matmul is proven at."""
+        return min(self.scores.max_rows, self.values.max_rows)
+
     def threads_for(self, rows: int) -> int | None:
         """1 when either matmul must run ``rows`` padded rows on one thread, else None."""
         return 1 if 1 in (self.scores.threads_for(rows), self.values.threads_for(rows)) \
@@ -489,10 +494,10 @@ class Rows:
 def query_chunks(lo: int, hi: int, start: int, group: int, plans: AttentionPlans | None,
                  device: torch.device | None = None) -> list[QueryChunk]:
     """`QueryChunk` s for a segment's activation rows ``[lo, hi)`` fed at ``start``: at most
-    ``CALL_ROWS[-1] // group`` tokens each (a proven call size once folded), each reading
-    the key blocks up to its own last position (a long prompt's causal chunks skip the
-    blocks after them)."""
-    step = max(1, CALL_ROWS[-1] // group)
+    ``plans.max_rows // group`` tokens each (``CALL_ROWS[-1]`` without plans: a proven call
+    size once folded), each reading the key blocks up to its own last position (a long
+    prompt's causal chunks skip the blocks after them)."""
+    step = max(1, (CALL_ROWS[-1] if plans is None else plans.max_rows) // group)
     chunks = []
     for a in range(lo, hi, step):
         b = min(hi, a + step)

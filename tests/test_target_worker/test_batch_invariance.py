@@ -39,7 +39,7 @@ def _fresh_verdicts(monkeypatch, tmp_path):
 def _decoder(spec: str, dtype: torch.dtype, threads=(1, 2), context: int | None = None):
     """The tiny test model (``context``: with a longer one, for sequences of several key
     blocks), batch invariant in ``dtype`` for ``threads``."""
-    decoder, _ = load_model(SPECS[spec])
+    decoder, _ = load_model(SPECS[spec], dtype="float32")
     if context is not None:
         longer = Decoder(dataclasses.replace(decoder.config, max_seq_len=context))
         longer.load_state_dict(decoder.state_dict())
@@ -180,11 +180,12 @@ def test_engine_rows_and_logprobs_of_a_verify_block_equal_those_of_single_token_
 
 
 def _shape_dependent_kernel(name: str, below: int | None = None) -> inv._Kernel:
-    """F.linear whose rows pick up a row-count-dependent rounding: what MKL's GEMM does, made
-    deterministic here (``below``: only calls of fewer rows than that)."""
+    """A linear whose rows pick up a row-count-dependent rounding: what MKL's GEMM does, made
+    deterministic here (``below``: only calls of fewer rows than that). Built on one call
+    per row, so nothing but that rounding depends on the call."""
 
     def run(x, _prepared, weight, bias):
-        y = F.linear(x, weight, bias)
+        y = inv._rows_run(x, None, weight, bias)
         if below is None or x.shape[0] < below:
             y = y + x.shape[0] * 1e-6
         return y
@@ -194,28 +195,75 @@ def _shape_dependent_kernel(name: str, below: int | None = None) -> inv._Kernel:
 
 def test_the_check_refuses_a_kernel_whose_rows_depend_on_the_call_and_passes_honest_ones():
     weight = torch.randn(48, 40, generator=torch.Generator().manual_seed(0))
+    top = inv.CALL_ROWS[-1]
     bad = _shape_dependent_kernel("bad")
-    assert inv.check_linear(bad, weight, None, 1, (1,)) == (False, False)
+    proven, _ = inv.check_linear(bad, weight, None, 1, (1,))
+    assert proven < inv.MIN_PROVEN_ROWS  # only a call of one row gives the row alone's bits
     for kernel in inv.LINEAR_KERNELS:
         if kernel.name == "onednn" and not torch.backends.mkldnn.is_available():
             continue
         # A padded floor only hides differences the kernel has below it, so every honest
-        # kernel must pass at some floor; per-row always passes at 1.
-        assert any(inv.check_linear(kernel, weight, None, m, (1,)) == (True, True)
+        # kernel must pass at some floor (up to where it changes its order, at least
+        # MIN_PROVEN_ROWS: oneDNN's bfloat16 on AMX); per-row always passes at 1.
+        assert any(inv.check_linear(kernel, weight, None, m, (1,))[0] >= inv.MIN_PROVEN_ROWS
                    for m in inv._MIN_ROWS), kernel.name
     # Padding to a floor fixes a kernel that only misbehaves on few rows.
     few = _shape_dependent_kernel("few", below=4)
-    assert inv.check_linear(few, weight, None, 1, (1,)) == (False, False)
-    assert inv.check_linear(few, weight, None, 4, (1,)) == (True, True)
+    assert inv.check_linear(few, weight, None, 1, (1,))[0] < inv.MIN_PROVEN_ROWS
+    assert inv.check_linear(few, weight, None, 4, (1,)) == (top, True)
+
+
+def _rare_above(name: str, above: int) -> inv._Kernel:
+    """F.linear that, in calls of more than ``above`` rows, gives one output of one row other
+    bits (one ulp): what oneDNN's bfloat16 GEMM does on an AMX CPU past 32 rows, about one
+    output in 10^4."""
+
+    def run(x, _prepared, weight, bias):
+        y = inv._rows_run(x, None, weight, bias)  # invariant but for what follows
+        if x.shape[0] > above:
+            y[x.shape[0] // 3, 5] = torch.nextafter(y[x.shape[0] // 3, 5],
+                                                    torch.tensor(float("inf")))
+        return y
+
+    return inv._Kernel(name, lambda w: None, run)
+
+
+def test_a_kernel_that_changes_one_output_past_some_size_is_used_only_below_it(monkeypatch):
+    """Every row of every checked call is compared (a few probe rows would miss one output
+    in 10^4), and the plan splits larger calls into the largest size proven."""
+    weight = torch.randn(24, 16, generator=torch.Generator().manual_seed(7))
+    rare = _rare_above("rare", 32)
+    assert inv.check_linear(rare, weight, None, 1, (1,)) == (32, True)
+    monkeypatch.setattr(inv, "LINEAR_KERNELS", (rare,))
+    monkeypatch.setattr(inv, "_KERNELS", {"rare": rare})
+    plan = inv.plan_linear(weight, None, (1,))
+    assert (plan.kernel, plan.min_rows, plan.max_rows) == ("rare", 1, 32)
+    inv.prepare_linear(weight, plan)
+    x = torch.randn(100, 16, generator=torch.Generator().manual_seed(8))
+    alone = torch.cat([F.linear(x[i:i + 1], weight) for i in range(100)])
+    assert torch.equal(inv.invariant_linear(x, weight), alone)
+    below = _rare_above("below", 8)  # changes its order too soon: not used
+    assert inv.check_linear(below, weight, None, 1, (1,))[0] == 8 < inv.MIN_PROVEN_ROWS
 
 
 def test_the_plan_falls_back_to_the_next_kernel_and_at_last_to_one_row_per_call(monkeypatch):
     weight = torch.randn(48, 40, generator=torch.Generator().manual_seed(1))
     rows = next(k for k in inv.LINEAR_KERNELS if k.name == "rows")
-    monkeypatch.setattr(inv, "LINEAR_KERNELS", (_shape_dependent_kernel("bad"), rows))
-    monkeypatch.setattr(inv, "_KERNELS", {"bad": None, "rows": rows})
+    noise = torch.Generator().manual_seed(9)
+
+    def noisy_run(x, _prepared, weight, bias):  # other bits at every call: never proven
+        return inv._rows_run(x, None, weight, bias) + torch.rand(1, generator=noise) * 1e-6
+
+    noisy = inv._Kernel("noisy", lambda w: None, noisy_run)
+    monkeypatch.setattr(inv, "LINEAR_KERNELS", (noisy, rows))
+    monkeypatch.setattr(inv, "_KERNELS", {"noisy": noisy, "rows": rows})
     plan = inv.plan_linear(weight, None, (1,))
     assert plan.kernel == "rows" and plan.min_rows == 1
+    # A kernel whose rows depend on the call's size is still invariant run at one size:
+    # padded to MIN_PROVEN_ROWS rows and split into calls of as many.
+    monkeypatch.setattr(inv, "LINEAR_KERNELS", (_shape_dependent_kernel("bad"), rows))
+    plan = inv.plan_linear(torch.randn(40, 40, generator=noise), None, (1,))
+    assert (plan.kernel, plan.min_rows, plan.max_rows) == ("bad", 16, 16)
     few = _shape_dependent_kernel("few", below=4)
     monkeypatch.setattr(inv, "LINEAR_KERNELS", (few, rows))
     weight2 = torch.randn(40, 48, generator=torch.Generator().manual_seed(2))
@@ -260,15 +308,17 @@ def test_verdicts_are_kept_on_disk_and_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(inv, "_DISK_LOADED", False)
     monkeypatch.setattr(inv, "_CONFIRMED", set())
     calls = []
-    monkeypatch.setattr(inv, "check_linear", lambda *a: calls.append(a) or (True, True))
+    monkeypatch.setattr(inv, "check_linear",
+                        lambda *a: calls.append(a) or (a[-1] or inv.CALL_ROWS[-1], True))
     assert inv.plan_linear(weight, None, (1,)) == plan
-    # Read back and spot-checked once (the quick sizes only), not decided again.
-    assert len(calls) == 1 and calls[0][-1] is True
+    # Read back and spot-checked once (the quick sizes, up to its largest), not decided again.
+    assert len(calls) == 1 and calls[0][-2] is True and calls[0][-1] == plan.max_rows
     assert inv.plan_linear(weight, None, (1,)) == plan and len(calls) == 1
 
 
 @pytest.mark.parametrize("edit", [
     {"kernel": "bad", "min_rows": 1, "threaded_rows": 1},       # a call-dependent kernel
+    {"kernel": "bad", "min_rows": 16, "threaded_rows": 1, "max_rows": 256},  # beyond proof
     {"kernel": "renamed", "min_rows": 1, "threaded_rows": 1},   # unknown to this build
     {"kernel": "rows", "min_rows": 0, "threaded_rows": -3},     # row counts never proven
     {"kernel": "rows", "min_rows": "x", "threaded_rows": None},
@@ -283,7 +333,9 @@ def test_a_stored_verdict_that_fails_its_spot_check_is_decided_again(tmp_path, m
     monkeypatch.setattr(inv, "LINEAR_KERNELS", (bad, rows))
     monkeypatch.setattr(inv, "_KERNELS", {"bad": bad, "rows": rows})
     weight = torch.randn(32, 16, generator=torch.Generator().manual_seed(6))
-    assert inv.plan_linear(weight, None, (1,)).kernel == "rows"
+    decided = inv.plan_linear(weight, None, (1,))
+    # "bad" proven only at one size: run at exactly that size (padded and split), exact.
+    assert (decided.kernel, decided.min_rows, decided.max_rows) == ("bad", 16, 16)
     path = tmp_path / "batch_invariance.json"
     stored = json.loads(path.read_text())
     (key,) = stored
@@ -291,9 +343,8 @@ def test_a_stored_verdict_that_fails_its_spot_check_is_decided_again(tmp_path, m
     monkeypatch.setattr(inv, "_VERDICTS", {})
     monkeypatch.setattr(inv, "_DISK_LOADED", False)
     monkeypatch.setattr(inv, "_CONFIRMED", set())
-    plan = inv.plan_linear(weight, None, (1,))
-    assert (plan.kernel, plan.min_rows) == ("rows", 1)
-    assert json.loads(path.read_text())[key]["kernel"] == "rows"  # the file is corrected
+    assert inv.plan_linear(weight, None, (1,)) == decided
+    assert inv.InvariancePlan(**json.loads(path.read_text())[key]) == decided  # corrected
 
 
 def test_a_planned_weight_changed_in_place_or_moved_is_multiplied_as_it_is_now():
@@ -303,7 +354,7 @@ def test_a_planned_weight_changed_in_place_or_moved_is_multiplied_as_it_is_now()
     with torch.no_grad():
         decoder.layers[0].ffn.w_down.weight.mul_(-1.0)  # in place: its version moves on
     flipped = decoder.forward_batch(tokens, 0, decoder.new_cache())
-    plain, _ = load_model(SPECS["dense"])  # unplanned: F.linear on the weights as they are
+    plain, _ = load_model(SPECS["dense"], dtype="float32")  # unplanned: F.linear on the weights as they are
     with torch.no_grad():
         plain.layers[0].ffn.w_down.weight.mul_(-1.0)
     assert not torch.allclose(before, flipped, atol=1e-3)
