@@ -638,7 +638,9 @@ def load_target_head_weights(model: str | os.PathLike | None
                 return embed, head
         except (AttributeError, KeyError, OSError):  # a changed cache layout: load it all
             pass
-    decoder = load_decoder(model)
+    # float32 as promised (and as the cache path reads): "auto" is bfloat16 on a CPU with
+    # native bf16 dot products, which would round the tables.
+    decoder = load_decoder(model, "float32")
     return decoder.embed_tokens.weight, decoder.lm_head.weight
 
 

@@ -27,3 +27,14 @@ def smollm2():
     torch.set_num_threads(2)
     yield load_model(dtype="float32")  # the tests that want bfloat16 cast a copy
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def smollm2_float32():
+    """`smollm2` pinned to float32, for tests against transformers' float32 load or with
+    float32 bounds: ``auto`` (`smollm2`) is bfloat16 on a CPU with native bf16 dot products."""
+    from target_worker.loader import load_model
+
+    torch.set_num_threads(2)
+    yield load_model(dtype="float32")
+    torch.set_num_threads(1)

@@ -18,8 +18,10 @@ def _quiet_hf(hf):
 
 def load_hf_model(model: str | None, decoder=None):
     """transformers' own load of the GGUF file (``from_pretrained(dir, gguf_file=...)``) or of
-    a Hugging Face directory, float32, eval mode. A tiny-random model has no GGUF file: with
-    its ``decoder`` given and dense, its `hf_twin`; else None.
+    a Hugging Face directory, eval mode, in ``decoder``'s dtype when it is given (both sides
+    of the bench then compute in the same dtype: ``auto`` is bfloat16 on a CPU with native
+    bf16 dot products), else float32. A tiny-random model has no GGUF file: with its
+    ``decoder`` given and dense, its `hf_twin`; else None.
 
     Raises:
         ImportError: transformers cannot load GGUF files here (accelerate missing).
@@ -37,18 +39,20 @@ def load_hf_model(model: str | None, decoder=None):
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     path = model_path(model)
+    dtype = torch.float32 if decoder is None else decoder.dtype
     if path.is_dir():  # a Hugging Face checkpoint directory: transformers reads it as is
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     else:
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                  dtype=torch.float32)
+                                                  dtype=dtype)
     return _quiet_hf(hf)
 
 
 def hf_twin(decoder):
-    """A transformers ``LlamaForCausalLM`` (float32, eval) holding ``decoder``'s weights:
-    fused ``wqkv`` / ``w_gate_up`` split back into ``q/k/v_proj`` / ``gate/up_proj``. For
-    tests with tiny random models, which have no checkpoint transformers can load.
+    """A transformers ``LlamaForCausalLM`` (eval, in ``decoder.dtype``) holding ``decoder``'s
+    weights bit for bit: fused ``wqkv`` / ``w_gate_up`` split back into ``q/k/v_proj`` /
+    ``gate/up_proj``. For tests with tiny random models, which have no checkpoint
+    transformers can load.
 
     Raises:
         ValueError: a MoE decoder or one with QKV biases (not a Llama layout).
@@ -67,7 +71,7 @@ def hf_twin(decoder):
         max_position_embeddings=c.max_seq_len, rms_norm_eps=c.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
         tie_word_embeddings=c.tie_embeddings, attention_bias=False, mlp_bias=False)
-    hf = LlamaForCausalLM(cfg).to(torch.float32)
+    hf = LlamaForCausalLM(cfg).to(decoder.dtype)
     q_rows, kv_rows = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
     state = {"model.embed_tokens.weight": decoder.embed_tokens.weight,
              "model.norm.weight": decoder.norm.weight,

@@ -35,7 +35,8 @@ DENSE = "tiny-random:vocab=64,seed=3,layers=2,dense=1"
 
 
 def test_hf_twin_holds_the_decoders_weights():
-    decoder, _ = load_model(DENSE)
+    # float32 both sides: the 1e-5 logits bound is a float32 one ("auto" may be bfloat16).
+    decoder, _ = load_model(DENSE, dtype="float32")
     hf = hf_twin(decoder)
     ids = torch.tensor([5, 9, 1, 33, 7, 7, 2, 60, 12])
     with torch.inference_mode():
@@ -49,8 +50,18 @@ def test_hf_twin_holds_the_decoders_weights():
         hf_twin(moe)
 
 
+def test_hf_twin_of_a_bfloat16_decoder_holds_its_bfloat16_weights():
+    decoder, _ = load_model(DENSE, dtype="bfloat16")
+    hf = hf_twin(decoder)
+    assert {p.dtype for p in hf.parameters()} == {torch.bfloat16}
+    assert torch.equal(hf.model.embed_tokens.weight, decoder.embed_tokens.weight)
+    assert torch.equal(hf.model.layers[1].mlp.down_proj.weight,
+                       decoder.layers[1].ffn.w_down.weight)
+    assert load_hf_model(DENSE, decoder).dtype == torch.bfloat16
+
+
 def test_forward_timing_rows_per_k_and_cache_length():
-    decoder, _ = load_model(DENSE)
+    decoder, _ = load_model(DENSE, dtype="float32")  # the 1e-4 logits bound is float32's
     hf = hf_twin(decoder)
     reported = []
     rows = forward_timing(decoder, hf, ks=(1, 2, 8), cache_lens=(20, 250), repeats=3,

@@ -32,10 +32,12 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(dirs):
-    """{name: (specd decoder, tokenizer, transformers model, 40 prompt ids)}."""
+    """{name: (specd float32 decoder, tokenizer, transformers float32 model, 40 prompt ids)}:
+    float32 pinned, as the 1e-4 bounds and the float32 references below are float32's ("auto"
+    is bfloat16 on a CPU with native bf16 dot products)."""
     out = {}
     for name, d in dirs.items():
-        decoder, tokenizer = load_model(d)
+        decoder, tokenizer = load_model(d, dtype="float32")
         ids = tokenizer.encode(TEXT)[:40]
         assert len(ids) == 40
         out[name] = (decoder, tokenizer, hf_model(d), ids)
@@ -62,7 +64,7 @@ def test_llama3_rope_scaling_is_applied(loaded):
     decoder, _, hf, ids = loaded["llama3"]
     c = decoder.config
     assert c.rope_scaling is not None and c.rope_scaling.factor == 8.0
-    plain = load_decoder(hf.name_or_path)
+    plain = load_decoder(hf.name_or_path, "float32")
     plain.config = dataclasses.replace(c, rope_scaling=None)
     off = plain.forward_batch(ids, 0, plain.new_cache())
     assert (off - hf_logits(hf, ids)).abs().max() > 1e-2

@@ -21,6 +21,9 @@ GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8)
 MOE = "tiny-random:vocab=64,seed=1"
 DENSE = "tiny-random:vocab=64,seed=1,dense=1"
+#: The TP-against-TP=1 bounds here are float32's: "auto" is bfloat16 on a CPU with native bf16
+#: dot products, where the sharded sums round differently by far more (and can flip a token).
+F32 = "float32"
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +73,7 @@ def speculative_greedy(ray, replica, prompt, max_new, vocab):
 @pytest.mark.parametrize("model", [MOE, DENSE])
 def test_tp2_replica_decodes_like_tp1(ray_local, model):
     ray = ray_local
-    one, two = (create_target_replica(model, tp=tp, num_threads=1) for tp in (1, 2))
+    one, two = (create_target_replica(model, tp=tp, num_threads=1, dtype=F32) for tp in (1, 2))
     try:
         prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
         ref = speculative_greedy(ray, one, prompt, 30, 64)
@@ -133,8 +136,8 @@ def test_smollm2_tp3_replica_decodes_like_tp1(ray_local):
     from target_worker.loader import model_path
 
     ensure_weights_cache(model_path(None))  # convert once here, not in a rank
-    one = create_target_replica(None, tp=1, num_threads=1)
-    three = create_target_replica(None, tp=3, num_threads=1)
+    one = create_target_replica(None, tp=1, num_threads=1, dtype=F32)
+    three = create_target_replica(None, tp=3, num_threads=1, dtype=F32)
     try:
         # A repetitive prompt: the model continues the pattern and prompt lookup drafts it.
         from target_worker.loader import load_tokenizer
@@ -165,7 +168,7 @@ def test_smollm2_tp3_logits_match_tp1_within_float32_noise(tmp_path):
 
     weights = str(ensure_weights_cache(model_path(None)))
     ranks = run_tp(3, None, tmp_path, weights=weights)
-    decoder = load_decoder(None)
+    decoder = load_decoder(None, F32)  # the ranks read the float32 weights cache
     ref = engine_script(decoder, decoder.config.vocab_size)
     got = ranks[0]
     assert got["greedy_tokens"] == ref["greedy_tokens"]
@@ -182,7 +185,8 @@ def test_smollm2_tp3_logits_match_tp1_within_float32_noise(tmp_path):
 
 def test_the_coordinators_scheduler_runs_unchanged_on_a_tp2_replica(ray_local):
     """Scheduler + gRPC prompt-lookup drafter over `RayTarget(tp=2 replica)`: six concurrent
-    requests (greedy and seeded sampling) stream exactly what the in-process core produces."""
+    requests (greedy and seeded sampling) stream exactly what the in-process core produces,
+    both float32 (TP=2 sums round differently from TP=1's, which bfloat16 makes visible)."""
     import asyncio
 
     from coordinator.scheduler import Scheduler
@@ -192,7 +196,7 @@ def test_the_coordinators_scheduler_runs_unchanged_on_a_tp2_replica(ray_local):
     from specd_core.request import SpeculativeOptions
     from target_worker.loader import load_model
 
-    decoder, _ = load_model(MOE)
+    decoder, _ = load_model(MOE, F32)
     prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [1, 2, 3, 1, 2, 3, 1], [40, 41, 42],
                [9, 9, 9, 9, 9, 9], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [60, 2, 60, 2, 60]]
     options = [SpeculativeOptions(max_new_tokens=20,
@@ -201,7 +205,7 @@ def test_the_coordinators_scheduler_runs_unchanged_on_a_tp2_replica(ray_local):
     expected = [speculative_decode_with(decoder, p, decoder.new_cache(),
                                         PromptLookupSpeculator(2, 6), o).generated_tokens
                 for p, o in zip(prompts, options, strict=True)]
-    replica = create_target_replica(MOE, tp=2, num_threads=1)
+    replica = create_target_replica(MOE, tp=2, num_threads=1, dtype=F32)
 
     async def serve() -> list[list[int]]:
         server, port = await start_drafter_server(PromptLookupSpeculator(2, 6))
