@@ -21,8 +21,12 @@ measured instead of assumed):
   find every row count from ``min_rows`` up to at least `MIN_PROVEN_ROWS` giving *every*
   row bitwise equal to that row computed alone (a kernel may change its order past some
   size: oneDNN's bfloat16 GEMM on an AMX CPU does above 32 rows, in about one output in
-  10^4, which rounding to bfloat16 hides from a few probe rows); calls below the least size that is also equal across the
-  thread counts the engine may use run on one thread (`InvariancePlan.threaded_rows`).
+  10^4, which rounding to bfloat16 hides from a few probe rows); bfloat16 and float16 on
+  the CPU take only kernels of one call shape (`REDUCED_LINEAR_KERNELS`,
+  `FIXED_BMM_KERNELS`: their libraries' paths round apart on some data only, which no
+  check on random rows can rule out); calls below the least size that is also equal
+  across the thread counts the engine may use run on one thread
+  (`InvariancePlan.threaded_rows`).
   The last kernel of each list, one call per row, is invariant by construction (every
   call has the same shape); it is what is left when nothing faster passes, never a
   non-invariant one.

@@ -354,7 +354,8 @@ def test_a_planned_weight_changed_in_place_or_moved_is_multiplied_as_it_is_now()
     with torch.no_grad():
         decoder.layers[0].ffn.w_down.weight.mul_(-1.0)  # in place: its version moves on
     flipped = decoder.forward_batch(tokens, 0, decoder.new_cache())
-    plain, _ = load_model(SPECS["dense"], dtype="float32")  # unplanned: F.linear on the weights as they are
+    # Unplanned: F.linear on the weights as they are.
+    plain, _ = load_model(SPECS["dense"], dtype="float32")
     with torch.no_grad():
         plain.layers[0].ffn.w_down.weight.mul_(-1.0)
     assert not torch.allclose(before, flipped, atol=1e-3)
