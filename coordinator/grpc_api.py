@@ -315,11 +315,11 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
     EXEMPT = CredentialInterceptor.EXEMPT
     EMPTY = "auth token must be non-empty"
-    REFUSAL = ("missing or invalid bearer token: pass the server's token (specd's "
-               "--auth-token or SPECD_AUTH_TOKEN)")
+    REFUSAL = "missing or invalid bearer token"
     #: RPCs that show every tenant's activity or change the service: admin only.
     ADMIN_METHODS = tuple(f"/{GENERATION_SERVICE}/{m}" for m in ("Status", "Scale"))
-    FORBIDDEN = "{method} needs an admin token (the server's --admin-token)"
+    FORBIDDEN = ("{method} needs an admin token (the server's --admin-token, or a tokens-file "
+                 "line marked admin; specd status/scale send $SPECD_ADMIN_TOKEN)")
 
     def __init__(self, tenants: Tenants | str):
         if isinstance(tenants, str):

@@ -238,7 +238,8 @@ class OpenAIApi:
         async def metrics(request: Request):
             if not _tenant(request).admin:
                 raise ApiError(403, "/metrics needs an admin token (the server's "
-                                    "--admin-token)", "permission_error",
+                                    "--admin-token, or a tokens-file line marked admin)",
+                               "permission_error",
                                code="permission_denied")
             if self.registry is None:
                 raise ApiError(404, "metrics are not enabled on this server", code="not_found")

@@ -10,9 +10,11 @@ cross-request cache is *partitioned*: a request reads and feeds only the partiti
 tokens and salts every request is in the one shared partition ``""``, as before.
 
 Tokens come from ``--auth-token`` (repeatable: tenants ``key1``, ``key2``, ... in order),
-``--admin-token`` (tenant ``admin``) and ``--auth-tokens-file``: one tenant per line,
-``<tenant> <token> [admin]``, ``#`` comments. The file is re-read when it changes (checked
-at most once a second); a file that no longer parses keeps the tokens in force and logs why.
+``--admin-token`` (tenant ``admin``) and ``--auth-tokens-file``: one token per line,
+``<tenant> <token> [admin]``, ``#`` comments (at a line's start or after whitespace; a ``#``
+inside a token is part of it); a tenant may have several lines (tokens being rotated). The
+file is re-read when it changes (checked at most once a second); a file that no longer
+parses keeps the tokens in force and logs why.
 Status, Scale and ``/metrics`` need an admin token: ``--admin-token``, a file line marked
 ``admin``, or the only ``--auth-token`` when there is one token and no admin named.
 """
@@ -38,6 +40,8 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_CACHE_SALT_CHARS = 1024
 #: Seconds between two checks of the tokens file for changes.
 RELOAD_CHECK_S = 1.0
+#: A comment in a tokens file: ``#`` at the start of a line or after whitespace, to its end.
+_COMMENT = re.compile(r"(^|\s)#.*$")
 #: Where the HTTP API's guard (`coordinator.http_server.Guard`) leaves the caller's `Tenant`
 #: in the ASGI scope.
 TENANT_SCOPE_KEY = "specd.tenant"
@@ -88,12 +92,16 @@ def parse_tokens_file(text: str, source: str = "tokens file") -> dict[str, Tenan
     """
     tokens: dict[str, Tenant] = {}
     for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
+        # A comment starts a line or follows whitespace: a '#' inside a token is the token's.
+        line = _COMMENT.sub("", raw).strip()
         if not line:
             continue
         parts = line.split()
-        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "admin"):
+        if len(parts) not in (2, 3):
             raise ValueError(f"{source} line {number}: expected '<tenant> <token> [admin]'")
+        if len(parts) == 3 and parts[2] != "admin":
+            raise ValueError(f"{source} line {number}: the third word may only be 'admin', "
+                             f"got {parts[2][:40]!r}")
         name, token = parts[0], parts[1]
         if not TENANT_NAME.fullmatch(name):
             raise ValueError(f"{source} line {number}: tenant name {name!r} must be 1-64 of "

@@ -313,6 +313,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return _generate_via_service(args, options)
 
 
+def _admin_token_from_env() -> str | None:
+    """``specd status``/``scale``'s token by default: they need the admin's (Status and Scale
+    are admin calls), so $SPECD_ADMIN_TOKEN first, else $SPECD_AUTH_TOKEN."""
+    return os.environ.get("SPECD_ADMIN_TOKEN") or os.environ.get("SPECD_AUTH_TOKEN")
+
+
 def _serve_tokens(args) -> tuple[str, ...] | None:
     """``specd serve``'s tenant tokens: every --auth-token, else $SPECD_AUTH_TOKEN."""
     if args.auth_token:
@@ -518,8 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--target-replicas", type=int, default=None, metavar="M")
     scale.add_argument("--drafters", type=int, default=None, metavar="N")
     scale.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
-    scale.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                       help=AUTH_HELP.format(what=""))
+    scale.add_argument("--auth-token", default=_admin_token_from_env(),
+                       help="the admin's bearer token (default $SPECD_ADMIN_TOKEN, else "
+                            "$SPECD_AUTH_TOKEN); a value given here is visible to every local user "
+                            "in ps and /proc: prefer the environment variables")
     scale.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
     scale.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                        help="give up waiting after this long (the scale still completes)")
@@ -529,8 +537,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT",
                         help="the service's gRPC address")
     status.add_argument("--json", action="store_true", help="print the status as JSON")
-    status.add_argument("--auth-token", default=os.environ.get("SPECD_AUTH_TOKEN"),
-                        help=AUTH_HELP.format(what=""))
+    status.add_argument("--auth-token", default=_admin_token_from_env(),
+                        help="the admin's bearer token (default $SPECD_ADMIN_TOKEN, else "
+                             "$SPECD_AUTH_TOKEN); a value given here is visible to every local "
+                             "user in ps and /proc: prefer the environment variables")
     status.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify a TLS server")
     status.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
                         help="give up waiting for the answer after this long")

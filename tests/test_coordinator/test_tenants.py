@@ -26,9 +26,12 @@ except ImportError:  # pragma: no cover
 
 
 def test_a_tokens_file_names_tenants_and_admins_and_refuses_bad_lines():
-    table = parse_tokens_file("# team tokens\nalice tok-a\nbob tok-b admin  # ops\n\n")
-    assert table == {"tok-a": Tenant("alice"), "tok-b": Tenant("bob", admin=True)}
-    for text, why in (("alice", "line 1: expected"), ("alice tok extra", "line 1: expected"),
+    table = parse_tokens_file("# team tokens\nalice tok-a\nbob tok-b admin  # ops\n\n"
+                              "carol Xy7#k2LmQ9pZ\n\tdave d\t#rotated\n")
+    assert table == {"tok-a": Tenant("alice"), "tok-b": Tenant("bob", admin=True),
+                     "Xy7#k2LmQ9pZ": Tenant("carol"),  # a '#' inside a token is the token's
+                     "d": Tenant("dave")}
+    for text, why in (("alice", "line 1: expected"), ("alice tok extra", "third word"),
                       ("al/ice tok", "tenant name"), ("a t\nb t", "line 2: this token is "
                                                                  "already given"),
                       ("# nothing\n", "no tokens")):
@@ -189,6 +192,17 @@ def test_http_metrics_need_the_admin_token_and_count_per_tenant(service):
 
 async def _tenant_stats(service) -> dict:
     return {k: dict(v) for k, v in service.servicer.tenant_stats.items()}
+
+
+def test_status_and_scale_send_the_admin_token_from_the_environment(monkeypatch):
+    from specd_tools import cli
+
+    monkeypatch.setenv("SPECD_AUTH_TOKEN", "tenant")
+    monkeypatch.setenv("SPECD_ADMIN_TOKEN", "root")
+    for command in (["status"], ["scale", "--drafters", "1"]):
+        assert cli.build_parser().parse_args(command).auth_token == "root"
+    monkeypatch.delenv("SPECD_ADMIN_TOKEN")
+    assert cli.build_parser().parse_args(["status"]).auth_token == "tenant"
 
 
 def test_serve_flags_make_the_service_token_table(tmp_path, monkeypatch):
