@@ -376,7 +376,16 @@ def test_the_local_head_recipe_listens_on_loopback_only(shell_env, tmp_path):
         exposed = [row for row in rows if not loopback(row[0])]
         assert not exposed, f"the head listens beyond loopback: {exposed}"
     finally:
-        stop_group(shell.pid)  # SIGTERM: `ray start --block` shuts its head down
+        # As the recipe ends (`kill $HEAD`): SIGTERM to `ray start --block` alone, which shuts
+        # its head down in seconds. SIGTERM to the whole group at once makes its drain wait
+        # ~60 s for a GCS that is itself stopping.
+        for proc in tree:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                if "--block" in proc.cmdline():
+                    proc.terminate()
+        with contextlib.suppress(pytest.fail.Exception):
+            wait_until(lambda: not group_members(shell.pid), 60, "the head shutting down")
+        stop_group(shell.pid)  # what is left, if anything: SIGTERM, then SIGKILL
         for proc in tree:  # anything of it that left the group: this test's own PIDs
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
