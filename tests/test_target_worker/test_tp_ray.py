@@ -31,7 +31,9 @@ def ray_local():
     import ray
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # Its own Ray: never one a `ray start` head (its ray_current_cluster file) points to.
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
     yield ray
     ray.shutdown()
 
