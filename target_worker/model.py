@@ -171,21 +171,27 @@ class KvCache:
         if not max(n, 1) <= capacity <= self.max_seq_len:
             raise ValueError(f"capacity must be in [{max(n, 1)}, max_seq_len="
                              f"{self.max_seq_len}], got {capacity}")
-        blocks = -(-min(capacity, self.max_seq_len) // KEY_BLOCK)
-        used = -(-n // KEY_BLOCK)
         new = KvCache.__new__(KvCache)
         new.max_seq_len = self.max_seq_len
-        with torch.inference_mode():
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                t = torch.empty((old.shape[0], blocks, *old.shape[2:]), dtype=old.dtype,
-                                device=old.device)
-                # Whole blocks: the stale entries after ``n`` in its block are what a
-                # `truncate` leaves too (each forward zeroes them first, `zero_tail`).
-                t[:, :used] = old[:, :used]
-                setattr(new, name, t)
+        # Whole blocks: the stale entries after ``n`` in its block are what a `truncate`
+        # leaves too (each forward zeroes them first, `zero_tail`).
+        new.k, new.v = self._copied_blocks(capacity, n)
         new._seq_len = n
         return new
+
+    def _copied_blocks(self, capacity: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New keys and values tensors with room for ``capacity`` positions (whole blocks,
+        at most ``max_seq_len``), holding copies of the blocks of the first ``n``."""
+        blocks = -(-min(capacity, self.max_seq_len) // KEY_BLOCK)
+        used = -(-n // KEY_BLOCK)
+        out = []
+        with torch.inference_mode():
+            for old in (self.k, self.v):
+                t = torch.empty((old.shape[0], blocks, *old.shape[2:]), dtype=old.dtype,
+                                device=old.device)
+                t[:, :used] = old[:, :used]
+                out.append(t)
+        return out[0], out[1]
 
     @property
     def position_bytes(self) -> int:
@@ -208,15 +214,7 @@ class KvCache:
         new_cap = self.capacity
         while new_cap < needed:
             new_cap *= 2
-        blocks = -(-min(new_cap, self.max_seq_len) // KEY_BLOCK)
-        used = -(-self._seq_len // KEY_BLOCK)
-        with torch.inference_mode():
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                new = torch.empty((old.shape[0], blocks, *old.shape[2:]), dtype=old.dtype,
-                                  device=old.device)
-                new[:, :used] = old[:, :used]
-                setattr(self, name, new)
+        self.k, self.v = self._copied_blocks(new_cap, self._seq_len)
 
 
 #: Fewest rows `fast_linear` computes in the ``weight @ x.T`` order: below it ``F.linear`` is

@@ -10,6 +10,7 @@ import time
 
 import openai
 import pytest
+from polling import wait_until
 from service_harness import MODEL, LocalService, SplitCharTokenizer
 
 from coordinator.http_api import OpenAIApi
@@ -630,11 +631,8 @@ def test_slow_headers_are_cut_and_connections_are_capped(service):
         assert refused.status_code == 503
         assert "too many connections" in refused.json()["error"]["message"]
         idle.pop().close()
-        deadline = time.monotonic() + 20  # the server notices the close asynchronously
-        while (status := httpx.get(f"http://127.0.0.1:{port}/health").status_code) != 200 \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert status == 200
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200,
+                   20, "the server noticing the closed connection")  # it does asynchronously
     finally:
         for s in idle:
             s.close()
@@ -664,11 +662,8 @@ def test_one_peer_cannot_hold_every_connection(service):
         # The hog's connections still held are unharmed, and one closed makes room again.
         hog[0].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert _read_until_closed(hog[0]).startswith(b"HTTP/1.1 200")
-        deadline = time.monotonic() + 20  # the server notices the close asynchronously
-        while (status := httpx.get(f"http://127.0.0.1:{port}/health").status_code) != 200 \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert status == 200
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200,
+                   20, "the server noticing the closed connection")  # it does asynchronously
     finally:
         for s in hog:
             s.close()
