@@ -722,6 +722,30 @@ class Decoder(nn.Module):
 
     #: Attention's batch-invariant plans (`make_batch_invariant`); None: plain ``bmm``.
     _attention_plans: AttentionPlans | None = None
+    #: The hidden rows a forward returns (`set_capture_layers`): () the final-norm output.
+    capture_layers: tuple[int, ...] = ()
+
+    def set_capture_layers(self, layers: Sequence[int]) -> None:
+        """Makes every forward return, as its hidden rows, the residual stream entering each
+        of ``layers`` instead of the final-norm output: float32 ``[n, len(layers) *
+        hidden_size]``, the layers' streams side by side in ascending order. Layer ``i`` in
+        ``[0, n_layers)`` is the input of decoder layer ``i`` (transformers'
+        ``output_hidden_states[i]``; EAGLE-3's "capture before layer i"), ``n_layers`` the
+        last layer's output before the final norm. Nothing extra is computed: the rows are
+        the forward's own activations (an EAGLE-3 drafter reads layers ``(2, N // 2, N -
+        3)``, arXiv 2503.01840). ``()`` restores the final-norm rows.
+
+        Raises:
+            ValueError: a layer outside ``[0, n_layers]`` or a repeated one.
+        """
+        layers = tuple(int(i) for i in layers)
+        n = self.config.n_layers
+        bad = [i for i in layers if not 0 <= i <= n]
+        if bad:
+            raise ValueError(f"capture layer {bad[0]} is outside [0, {n}] (n_layers {n})")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"capture layers repeat: {list(layers)}")
+        self.capture_layers = tuple(sorted(layers))
     #: The thread counts `make_batch_invariant` proved its plans for (None: not made so).
     _invariant_threads: tuple[int, ...] | None = None
 
@@ -962,8 +986,14 @@ class Decoder(nn.Module):
         x = self.embed_tokens(ids[0] if single else torch.cat(ids))
         rows = Rows(cos[0] if single else torch.cat(cos), sin[0] if single else torch.cat(sin),
                     segs, self._attention_plans)
+        capture = self.capture_layers
+        captured = []
         for i, layer in enumerate(self.layers):
+            if i in capture:
+                captured.append(x)
             x = layer(x, i, rows)
+        if len(self.layers) in capture:
+            captured.append(x)
         for seg in segs:
             seg.cache._seq_len = seg.start + seg.hi - seg.lo
         hidden = self.norm(x)
@@ -978,6 +1008,9 @@ class Decoder(nn.Module):
             ]
             head_in, counts = hidden[torch.cat(rows)], [r.numel() for r in rows]
         logits = self._logits(head_in)
+        if capture:
+            # The residual streams asked for, in ascending layer order, side by side.
+            hidden = captured[0] if len(captured) == 1 else torch.cat(captured, dim=1)
         hidden = hidden.float()  # the hidden-row contract is float32 whatever the compute dtype
         out, row = [], 0
         for seg, k in zip(segs, counts, strict=True):

@@ -56,6 +56,34 @@ def test_logits_match_transformers(loaded, name):
     torch.testing.assert_close(got, hf_logits(hf, ids), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["llama3", "qwen2-untied"])
+def test_captured_layers_are_transformers_hidden_states(loaded, name):
+    """`Decoder.set_capture_layers` returns the residual stream entering each layer asked
+    for (transformers' ``hidden_states[i]``, what EAGLE-3 reads), side by side in ascending
+    order, with the logits unchanged; the last index is the stream before the final norm."""
+    decoder, _, hf, ids = loaded[name]
+    n = decoder.config.n_layers
+    plain_logits, plain_hidden = decoder.forward_batch_with_hidden(ids, 0, decoder.new_cache())
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    try:
+        decoder.set_capture_layers([n, 1, 0])
+        logits, rows = decoder.forward_batch_with_hidden(ids, 0, decoder.new_cache())
+    finally:
+        decoder.set_capture_layers(())
+    h = decoder.config.hidden_size
+    assert rows.shape == (len(ids), 3 * h) and rows.dtype == torch.float32
+    assert torch.equal(logits, plain_logits)
+    torch.testing.assert_close(rows[:, :h], ref[0][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(rows[:, h:2 * h], ref[1][0], atol=1e-4, rtol=0)
+    # transformers' last entry is after the final norm: ours before it, normed here.
+    torch.testing.assert_close(decoder.norm(rows[:, 2 * h:]), plain_hidden, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=f"outside \\[0, {n}\\]"):
+        decoder.set_capture_layers([n + 1])
+    with pytest.raises(ValueError, match="repeat"):
+        decoder.set_capture_layers([1, 1])
+
+
 def test_llama3_rope_scaling_is_applied(loaded):
     """The llama3 frequencies matter on this checkpoint (positions past 64/4 = 16), so the
     match above would fail with plain RoPE; and the tables equal transformers' formula."""
