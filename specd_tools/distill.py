@@ -265,6 +265,8 @@ def user_turns(decoder: Decoder, tokenizer, config: DistillConfig, first: int, c
             for _ in range(config.user_max_tokens):
                 nxt = _sample_rows(logits, [gens[r] for r in live])
                 for j, r in enumerate(live):
+                    if done[r]:  # finished, still in the batch until it is compacted
+                        continue
                     if int(nxt[j]) == eos:
                         done[r] = True
                     else:
@@ -276,8 +278,6 @@ def user_turns(decoder: Decoder, tokenizer, config: DistillConfig, first: int, c
                     fwd.keep(torch.tensor(going))
                     nxt, logits = nxt[going], None
                     live = [live[j] for j in going]
-                else:
-                    nxt = nxt.clone()
                 logits, _ = fwd.feed(nxt[:, None], torch.ones(len(live), dtype=torch.long))
             for r, i in enumerate(idx):
                 # A turn must end by the end-of-turn token and hold no other special token
@@ -315,6 +315,8 @@ def answer(decoder: Decoder, tokenizer, config: DistillConfig,
         for step in range(config.max_new_tokens):
             nxt = logits.argmax(-1)
             for j, r in enumerate(live):
+                if done[r]:  # finished, still in the batch until it is compacted
+                    continue
                 answers[r].append(int(nxt[j]))
                 if int(nxt[j]) == eos:
                     done[r] = True

@@ -131,3 +131,18 @@ def test_answers_are_the_targets_greedy_continuations(checkpoint, tmp_path):
 def test_config_refuses_non_positive_sizes():
     with pytest.raises(ValueError, match="batch"):
         DistillConfig(batch=0)
+
+
+def test_a_user_turn_is_the_same_sampled_alone_or_in_a_batch(checkpoint):
+    """Conversation i's user turn depends on (seed, i) only: sampled in a batch of 8 (where
+    finished turns stay in the batch until it is compacted) or alone, the kept turns agree,
+    and none carries text past its end of turn."""
+    # A batch of 8: one finished turn (7 left of 8) stays in it until a quarter has finished.
+    config = DistillConfig(model=str(checkpoint), dtype="float32", batch=8, user_min_words=1,
+                           user_max_tokens=24, seed=5)
+    decoder, tokenizer = load_model(str(checkpoint), "float32")
+    together = distill.user_turns(decoder, tokenizer, config, 0, 8)
+    alone = [turn for i in range(8) for turn in distill.user_turns(
+        decoder, tokenizer, dataclasses.replace(config, batch=1), i, 1)]
+    assert together == alone
+    assert len(together) >= 2
