@@ -458,6 +458,64 @@ def generate(config: DistillConfig, data_dir: str | os.PathLike, conversations: 
     return stats
 
 
+def generate_answers(config: DistillConfig, data_dir: str | os.PathLike,
+                     prompts: Sequence[str], threads: int | None = None) -> dict:
+    """The target's greedy answers to given user ``prompts`` (an evaluation set: MT-Bench's
+    first turns, say), stored as `generate` stores conversations (conversation ``i`` is
+    prompt ``i``); a directory that already holds shards is left as it is.
+
+    Returns:
+        ``{"shards", "kept", "tokens", "answer_tokens", "seconds"}``.
+    """
+    from target_worker.loader import load_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    data = Path(data_dir)
+    data.mkdir(parents=True, exist_ok=True)
+    if shards(data):
+        return {"shards": 0, "kept": 0, "tokens": 0, "answer_tokens": 0, "seconds": 0.0}
+    decoder, tokenizer = load_model(config.model, config.dtype)
+    layers = tuple(config.layers) or (*eagle3_layers(decoder.config.n_layers),
+                                      decoder.config.n_layers)
+    config = DistillConfig(**{**asdict(config), "layers": layers})
+    decoder.set_capture_layers(layers)
+    began = time.perf_counter()
+    stats = {"shards": 0, "kept": 0, "tokens": 0, "answer_tokens": 0}
+    for lo in range(0, len(prompts), config.batch):
+        turns = list(enumerate(prompts))[lo: lo + config.batch]
+        convs = answer(decoder, tokenizer, config, turns)
+        write_shard(data / SHARD.format(stats["shards"]), convs, config, lo,
+                    lo + len(turns) - 1, len(layers))
+        stats["shards"] += 1
+        stats["kept"] += len(convs)
+        stats["tokens"] += sum(len(c.tokens) for c in convs)
+        stats["answer_tokens"] += sum(len(c.tokens) - c.prompt_len for c in convs)
+    stats["seconds"] = round(time.perf_counter() - began, 1)
+    return stats
+
+
+def prompt_set(name: str) -> list[str]:
+    """User prompts by name: ``mt-bench`` (MT-Bench's 80 first turns), ``train-prompts``
+    (`specd_tools.data.train_prompts`), or a file with one prompt per line.
+
+    Raises:
+        FileNotFoundError: neither a known name nor a file.
+    """
+    if name == "mt-bench":
+        from specd_tools.bench.serve_data import load_mt_bench
+
+        return [p.prompt for p in load_mt_bench()]
+    if name == "train-prompts":
+        from specd_tools.data.train_prompts import prompts
+
+        return prompts()
+    path = Path(name)
+    if not path.is_file():
+        raise FileNotFoundError(f"no prompt set {name!r} (mt-bench, train-prompts or a file)")
+    return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specd_tools.distill",
                                 description=__doc__.split("\n\n")[0])
@@ -469,11 +527,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=320)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--prompts", default=None, metavar="SET",
+                   help="answer these user prompts instead of Magpie turns: mt-bench, "
+                        "train-prompts or a file with one per line")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     config = DistillConfig(model=args.model, dtype=args.dtype, seed=args.seed,
                            max_new_tokens=args.max_new_tokens, batch=args.batch)
-    print(json.dumps(generate(config, args.data_dir, args.conversations, args.threads)))
+    if args.prompts:
+        stats = generate_answers(config, args.data_dir, prompt_set(args.prompts), args.threads)
+    else:
+        stats = generate(config, args.data_dir, args.conversations, args.threads)
+    print(json.dumps(stats))
     return 0
 
 

@@ -146,3 +146,19 @@ def test_a_user_turn_is_the_same_sampled_alone_or_in_a_batch(checkpoint):
         decoder, tokenizer, dataclasses.replace(config, batch=1), i, 1)]
     assert together == alone
     assert len(together) >= 2
+
+
+def test_answers_to_given_prompts_are_stored_in_order(checkpoint, tmp_path):
+    from specd_core.text import encode_chat
+
+    config = DistillConfig(model=str(checkpoint), dtype="float32", batch=2, max_new_tokens=4)
+    prompts = ["def add(a, b):", "The quick brown fox", "hello"]
+    stats = distill.generate_answers(config, tmp_path, prompts)
+    assert (stats["shards"], stats["kept"]) == (2, 3)
+    _, tokenizer = load_model(str(checkpoint), "float32")
+    got = [tokens[:prompt_len].tolist()
+           for tokens, prompt_len, _ in distill.iter_conversations(tmp_path)]
+    assert got == [encode_chat(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    assert distill.generate_answers(config, tmp_path, prompts)["shards"] == 0  # kept as is
+    with pytest.raises(FileNotFoundError, match="no prompt set"):
+        distill.prompt_set(str(tmp_path / "missing.txt"))
