@@ -52,7 +52,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -842,7 +841,7 @@ def _read_bin(path: Path) -> dict[str, torch.Tensor]:
     """
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, EOFError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever the unpickler refuses, named
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"{path}: refused: not a plain tensor checkpoint (read with "
                          f"weights_only=True, nothing in it runs): {first}") from None
@@ -927,7 +926,7 @@ def _parse_config(raw: dict, where: str) -> tuple[Eagle3Config, dict]:
         norm_before_fc = bool(raw.get("norm_before_fc", False))
         ids = raw.get("eagle_aux_hidden_state_layer_ids")
         ids_source = "config (capture-before, verbatim as vLLM reads speculators ids)"
-        draft_vocab = raw.get("draft_vocab_size", src["vocab_size"])
+        draft_vocab = raw.get("draft_vocab_size") or src["vocab_size"]
         target_hidden = raw.get("target_hidden_size")
     else:
         src = {**_LLAMA_DEFAULTS, **raw}
@@ -957,7 +956,7 @@ def _parse_config(raw: dict, where: str) -> tuple[Eagle3Config, dict]:
             ids_source = "config (SGLang's output-of-layer ids, converted to capture-before +1)"
         else:
             ids_source = "config (capture-before, verbatim as vLLM reads them)"
-        draft_vocab = raw.get("draft_vocab_size", src["vocab_size"])
+        draft_vocab = raw.get("draft_vocab_size") or src["vocab_size"]
         target_hidden = raw.get("target_hidden_size")
     if ids is None:
         ids_source = "default (2, N // 2, N - 3) for the target's N layers"

@@ -765,7 +765,9 @@ def test_cli_in_process_eagle3_gives_the_plain_greedy_output(tmp_path, capsys):
 
     path, _ = tiny_head_dir(tmp_path)
     outputs = {}
-    for drafter in ("none", "eagle3", "eagle3+suffix"):
+    # eagle3+suffix in process: test_greedy_output_is_token_identical_to_plain_decoding (each
+    # CLI run here spends most of its time proving the kernels batch-invariant).
+    for drafter in ("none", "eagle3"):
         args = ["generate", "abcabcabd", "--model", TINY, "--in-process", "--json",
                 "--max-new-tokens", "12", "--drafter", drafter, "--no-adaptive"]
         if drafter != "none":
@@ -774,7 +776,6 @@ def test_cli_in_process_eagle3_gives_the_plain_greedy_output(tmp_path, capsys):
         outputs[drafter] = json.loads(capsys.readouterr().out)
     assert outputs["eagle3"]["drafted_tokens"] > 0
     assert outputs["eagle3"]["token_ids"] == outputs["none"]["token_ids"]
-    assert outputs["eagle3+suffix"]["token_ids"] == outputs["none"]["token_ids"]
     with pytest.raises(SystemExit) as exc:
         main(["generate", "x", "--model", TINY, "--in-process", "--drafter", "eagle3",
               "--drafter-path", str(tmp_path / "missing")])
