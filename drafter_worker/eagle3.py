@@ -1287,8 +1287,9 @@ class Eagle3Drafter:
 
     Args:
         head: a loaded `Eagle3Head` with resolved ``aux_layers``.
-        embed_weight: the target's float32 embedding ``[V, H]`` (shared, not copied), for a
-            head without its own embeddings; ignored by one with its own.
+        embed_weight: the target's embedding ``[V, H]`` (shared, not copied), for a head
+            without its own embeddings; a head whose own table equals it drops its copy and
+            shares it too (so `Eagle3Head.save` then writes none).
         max_draft_len: most tokens one proposal drafts.
         stop_token_ids: a drafted stop token ends the block.
         min_confidence: dynamic draft length (EAGLE-2): a block stops before the position
@@ -1308,6 +1309,10 @@ class Eagle3Drafter:
         if head.config.aux_layers is None:
             raise ValueError("aux_layers: unresolved; load the head with the target's config "
                              "(load_eagle3(path, target_config)) or resolve_aux_layers(n)")
+        if (head.has_own_embedding and embed_weight is not None
+                and tuple(embed_weight.shape) == tuple(head.embed_tokens.weight.shape)
+                and torch.equal(head.embed_tokens.weight, embed_weight.detach().float())):
+            head.embed_tokens = None  # a copy of the target's table (speculators saves one)
         if not head.has_own_embedding:
             if embed_weight is None:
                 raise ValueError("embed_tokens: the head has none; pass the target's "

@@ -509,9 +509,17 @@ def test_save_writes_the_speculators_layout_and_loads_back_with_the_same_drafts(
     sampling = DraftSamplingParams(temperature=0.8)
     assert back.session(sampling, 5).propose(HISTORY, rows, 4) == \
         ours.session(sampling, 5).propose(HISTORY, rows, 4)
-    # A head with its own embeddings keeps them.
+    # A head with its own embeddings keeps them; a copy of the target's is shared instead.
     own = Eagle3Head.random(config, seed=4, own_embedding=True)
-    assert load_eagle3(own.save(tmp_path / "own"), TARGET)[1]["embedding"] == "own"
+    loaded, info = load_eagle3(own.save(tmp_path / "own", dtype=torch.float32), TARGET)
+    assert info["embedding"] == "own"
+    assert Eagle3Drafter(loaded, decoder.embed_tokens.weight).head.has_own_embedding
+    with torch.no_grad():
+        own.embed_tokens.weight.copy_(decoder.embed_tokens.weight)
+    loaded, _ = load_eagle3(own.save(tmp_path / "copy", dtype=torch.float32), TARGET)
+    shared = Eagle3Drafter(loaded, decoder.embed_tokens.weight).head
+    assert not shared.has_own_embedding
+    assert shared._target_embed.data_ptr() == decoder.embed_tokens.weight.data_ptr()
 
 
 # ---- training forward = drafting ----
