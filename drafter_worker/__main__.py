@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None,
                         help="EAGLE: the target .gguf whose embeddings it uses (default SmolLM2)")
     parser.add_argument("--drafter-path", default=None,
-                        help="EAGLE: head file (default: the head shipped for SmolLM2)")
+                        help="EAGLE: head file (default: the head shipped for SmolLM2); "
+                             "EAGLE-3: head directory or a file inside it")
     return parser.parse_args(argv)
 
 

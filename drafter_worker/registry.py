@@ -60,7 +60,7 @@ class DrafterSpec:
         summary: one line for help texts.
         draft_len: default most drafts per step with a fixed length (None: no drafter).
         adaptive_draft_len: default cap when the adaptive chooser picks the length.
-        has_head: it loads an EAGLE head (``drafter_path`` applies).
+        has_head: it loads an EAGLE or EAGLE-3 head (``drafter_path`` applies).
         capabilities: what every drafter it builds declares (its ``max_draft_len`` is set
             per instance; a suffix drafter built with ``suffix_cache_requests=0`` keeps no
             cache, so it declares ``remembers`` False).
@@ -77,6 +77,8 @@ class DrafterSpec:
 _EAGLE_CAPS = DrafterCapabilities(wants_hidden=True, sessions=True, samples=True)
 _SUFFIX_CAPS = DrafterCapabilities(wants_hidden=False, sessions=True, samples=False,
                                    remembers=True)
+_EAGLE3_SUFFIX_CAPS = DrafterCapabilities(wants_hidden=True, sessions=True, samples=True,
+                                          remembers=True)
 
 #: Every drafter by name, in help order.
 REGISTRY: dict[str, DrafterSpec] = {spec.name: spec for spec in (
@@ -91,6 +93,10 @@ REGISTRY: dict[str, DrafterSpec] = {spec.name: spec for spec in (
                 EAGLE_MAX_DRAFT_LEN, EAGLE_MAX_DRAFT_LEN, True, _EAGLE_CAPS),
     DrafterSpec("eagle+lookup", "prompt lookup when it matches, EAGLE otherwise",
                 EAGLE_MAX_DRAFT_LEN, EAGLE_MAX_DRAFT_LEN, True, _EAGLE_CAPS),
+    DrafterSpec("eagle3", "EAGLE-3 head over three target layers",
+                EAGLE_MAX_DRAFT_LEN, EAGLE_MAX_DRAFT_LEN, True, _EAGLE_CAPS),
+    DrafterSpec("eagle3+suffix", "suffix decoding when it drafts, EAGLE-3 otherwise",
+                EAGLE_MAX_DRAFT_LEN, EAGLE_MAX_DRAFT_LEN, True, _EAGLE3_SUFFIX_CAPS),
     DrafterSpec("none", "plain decoding, one token per forward", None, None, False, None),
 )}
 
@@ -128,8 +134,9 @@ def check_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
 
     Raises:
         ValueError: an unknown name, invalid sizes, or a head path for a drafter that has no
-            head ("none" accepts and ignores everything). FileNotFoundError: a missing head
-            file.
+            head ("none" accepts and ignores everything); for the EAGLE-3 drafters a head
+            config or (safetensors) tensor `drafter_worker.eagle3.inspect_eagle3` refuses.
+        FileNotFoundError: a missing head file or directory.
     """
     spec = drafter_spec(name)
     if spec.draft_len is None:  # "none": nothing to build, the other arguments are unused
@@ -141,11 +148,17 @@ def check_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
                            max_draft_len=LOOKUP_DRAFT_LEN if max_draft_len is None
                            else max_draft_len)
     if suffix_cache_requests is not None:
-        if name not in SUFFIX_DRAFTERS:
+        if name not in CACHE_DRAFTERS:
             raise ValueError(f"suffix_cache_requests: only the suffix drafters keep a "
                              f"cache; drafter {name!r} keeps none")
         _check_cache_requests(suffix_cache_requests)
-    if spec.has_head:
+    if name in EAGLE3_DRAFTERS:
+        from .eagle3 import inspect_eagle3
+
+        # The config and (safetensors) every tensor's name and shape; the target-dependent
+        # checks run when the drafter is built against the target.
+        inspect_eagle3(drafter_path)
+    elif spec.has_head:
         from .eagle import DEFAULT_HEAD
 
         path = DEFAULT_HEAD if drafter_path is None else drafter_path
@@ -165,7 +178,10 @@ def build_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
             (`drafter_worker.eagle.EagleDrafter`), "eagle+lookup" (prompt lookup when it
             matches, EAGLE otherwise: `drafter_worker.eagle.LookupThenEagle`) or "none"
             (returns None: plain decoding), "suffix" (`drafter_worker.suffix.SuffixDrafter`)
-            or "suffix+lookup" (the same with a `PromptLookupSpeculator` extending its drafts).
+            or "suffix+lookup" (the same with a `PromptLookupSpeculator` extending its drafts),
+            "eagle3" (`drafter_worker.eagle3.Eagle3Drafter`) or "eagle3+suffix" (suffix
+            decoding when it drafts, EAGLE-3 otherwise: `drafter_worker.eagle3.SuffixThenEagle3`;
+            its suffix part defaults to `SUFFIX_DRAFT_LEN`).
         ngram_size: the n-gram length prompt lookup matches.
         max_draft_len: the most tokens one proposal drafts (default: the spec's
             ``draft_len``; eagle+lookup's lookup part defaults to `LOOKUP_DRAFT_LEN`).
@@ -173,11 +189,14 @@ def build_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
             default model); only its embedding table and LM head are used.
         target: an already loaded `target_worker.Decoder` to share those weights with
             (instead of loading ``model``).
-        drafter_path: an EAGLE head file (default: the head shipped for SmolLM2).
+        drafter_path: an EAGLE head file (default: the head shipped for SmolLM2); for the
+            EAGLE-3 drafters a head directory or a file inside one (default
+            `drafter_worker.eagle3.DEFAULT_EAGLE3_HEAD`).
         stop_token_ids: a drafted stop token ends an EAGLE block.
         min_confidence: EAGLE's dynamic draft length threshold (`EagleDrafter`; default
             `EAGLE_MIN_CONFIDENCE`, 0 turns it off).
-        suffix_cache_requests: the suffix drafters' global cache size in previous outputs,
+        suffix_cache_requests: the suffix drafters' (and eagle3+suffix's) global cache size
+            in previous outputs,
             over all partitions and in each (default
             `drafter_worker.suffix.DEFAULT_CACHE_REQUESTS`; 0 keeps none: suffix drafting
             within each request only).
@@ -195,9 +214,12 @@ def build_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
         return _suffix(name, ngram_size, k, suffix_cache_requests)
     if not spec.has_head:
         return PromptLookupSpeculator(ngram_size=ngram_size, max_draft_len=k)
+    conf = EAGLE_MIN_CONFIDENCE if min_confidence is None else min_confidence
+    if name in EAGLE3_DRAFTERS:
+        return _eagle3(name, k, max_draft_len, model, target, drafter_path, stop_token_ids,
+                       conf, suffix_cache_requests)
     from .eagle import EagleDrafter, LookupThenEagle
 
-    conf = EAGLE_MIN_CONFIDENCE if min_confidence is None else min_confidence
     if target is None:
         eagle = EagleDrafter.for_model(model, drafter_path, max_draft_len=k,
                                        stop_token_ids=stop_token_ids, min_confidence=conf)
@@ -212,6 +234,29 @@ def build_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
 
 #: The drafters with a cross-request cache (suffix decoding).
 SUFFIX_DRAFTERS: tuple[str, ...] = ("suffix", "suffix+lookup")
+
+#: The drafters that load an EAGLE-3 head (`drafter_worker.eagle3`).
+EAGLE3_DRAFTERS: tuple[str, ...] = ("eagle3", "eagle3+suffix")
+
+#: The drafters ``suffix_cache_requests`` applies to (a suffix drafter inside).
+CACHE_DRAFTERS: tuple[str, ...] = (*SUFFIX_DRAFTERS, "eagle3+suffix")
+
+
+def _eagle3(name: str, k: int, max_draft_len: int | None, model, target, drafter_path,
+            stop_token_ids, min_confidence: float, cache_requests: int | None) -> Drafter:
+    """An `drafter_worker.eagle3.Eagle3Drafter` (``eagle3``), or one behind suffix decoding
+    (``eagle3+suffix``: `drafter_worker.eagle3.SuffixThenEagle3`)."""
+    from .eagle3 import Eagle3Drafter, SuffixThenEagle3
+
+    kwargs = dict(max_draft_len=k, stop_token_ids=stop_token_ids,
+                  min_confidence=min_confidence)
+    eagle = (Eagle3Drafter.for_model(model, drafter_path, **kwargs) if target is None
+             else Eagle3Drafter.for_target(target, drafter_path, **kwargs))
+    if name == "eagle3":
+        return eagle
+    suffix_len = SUFFIX_DRAFT_LEN if max_draft_len is None else max_draft_len
+    return SuffixThenEagle3(_suffix("suffix", DEFAULT_NGRAM_SIZE, suffix_len, cache_requests),
+                            eagle)
 
 
 def _check_cache_requests(value) -> None:

@@ -146,6 +146,7 @@ def _generate_in_process(args: argparse.Namespace, options: GenerateOptions) -> 
         o.drafter, o.ngram_size, o.max_draft_len, target=decoder,
         drafter_path=o.drafter_path,
         stop_token_ids=[t for t in (tokenizer.eos_token_id,) if t is not None],
+        suffix_cache_requests=o.suffix_cache_requests,
     ) if head else build_drafter(o.drafter, o.ngram_size, o.max_draft_len,
                                  suffix_cache_requests=o.suffix_cache_requests)
     prompt = encode_prompt(tokenizer, o.prompt, o.raw)
@@ -718,9 +719,11 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="never reuse a finished request's KV cache for a prompt that starts "
                         "with its tokens (and keep none warm)")
-    p.add_argument("--drafter-path", default=None, metavar="FILE",
-                   help="EAGLE head for --drafter eagle / eagle+lookup (default: the head "
-                        "shipped for SmolLM2; train one with 'specd train-drafter')")
+    p.add_argument("--drafter-path", default=None, metavar="PATH",
+                   help="EAGLE head file for --drafter eagle / eagle+lookup (default: the head "
+                        "shipped for SmolLM2; train one with 'specd train-drafter'); EAGLE-3 "
+                        "head directory (EAGLE, speculators or SpecForge layout) for --drafter "
+                        "eagle3 / eagle3+suffix")
     p.add_argument("--suffix-cache-requests", type=int, default=None, metavar="N",
                    help="--drafter suffix / suffix+lookup: previous outputs each drafter "
                         "worker's global cache keeps, in all partitions (tenant, cache_salt) "

@@ -31,7 +31,8 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--drafters", type=csv, default=("prompt-lookup",), metavar="A,B",
                        help="drafter names for the speculative systems (default prompt-lookup)")
     bench.add_argument("--drafter-path", default=None,
-                       help="EAGLE head for the eagle drafters (default: the shipped head)")
+                       help="EAGLE head for the eagle drafters (default: the shipped head); "
+                            "EAGLE-3 head directory for the eagle3 drafters")
     bench.add_argument("--max-new-tokens", type=int, default=None,
                        help="per generation (default 128; --default-path 160)")
     bench.add_argument("--repeats", type=int, default=3)
