@@ -612,8 +612,9 @@ class Eagle3Head(nn.Module):
 
         Returns:
             ``steps`` float32 ``[B, T, H]`` pre-norm outputs (`draft_logits` turns them into
-            logits); step ``j`` at position ``p`` predicts token ``p + j + 2``, meaningful
-            for ``p >= j``.
+            logits); step ``j`` at position ``p`` predicts token ``p + 2`` (the token after
+            ``next_ids[p]``), as draft ``j + 1`` from anchor ``p - j``; meaningful for
+            ``p >= j``.
 
         Raises:
             ValueError: shapes that do not fit, or steps < 1.
