@@ -199,6 +199,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             wants_hidden=caps.wants_hidden,
             max_draft_len=caps.max_draft_len or 0,
             remembers_outputs=caps.remembers,
+            hidden_layers=caps.hidden_layers,
         )
 
     async def Stats(self, request, context):  # noqa: N802
