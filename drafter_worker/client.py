@@ -43,6 +43,9 @@ PROPOSE_MESSAGE_BYTES = MAX_MESSAGE_BYTES // 2
 
 #: Bytes an item's framing adds per appended token at most (a varint int32 token id).
 _TOKEN_BYTES = 5
+#: Bytes of an item's hidden tensor header (dtype, a 2-D shape), the length prefixes of its
+#: fields and of the item in its request, at most.
+_FRAME_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -312,8 +315,9 @@ class DrafterClient:
         if rows is None or item.ByteSize() <= self.max_message_bytes or len(append) < 2 or \
                 rows.shape[0] != len(append) - (known == 0):
             return [item]
-        # Tokens per item: what fits beside the item's other fields at this row width.
-        fixed = item.ByteSize() - len(item.hidden.data) - _TOKEN_BYTES * len(append)
+        # Tokens per item: what fits beside the item's other fields (and _FRAME_BYTES of the
+        # hidden tensor's dtype and shape, the length prefixes, the request's framing).
+        fixed = self._item(job, known, (), None).ByteSize() + _FRAME_BYTES
         per_token = len(item.hidden.data) // max(1, rows.shape[0]) + _TOKEN_BYTES
         step = max(1, (self.max_message_bytes - fixed) // per_token)
         base = max(known - 1, 0)  # the position of rows[0]
@@ -436,7 +440,7 @@ class DrafterClient:
         ``max_message_bytes`` (an item larger than that alone goes alone)."""
         requests, current, size = [], [], 0
         for item in items:
-            n = item.ByteSize() + 6  # the field's tag and length prefix
+            n = item.ByteSize() + 6  # the item's tag and length prefix in its request
             if current and size + n > self.max_message_bytes:
                 requests.append(drafter_pb2.ProposeRequest(items=current))
                 current, size = [], 0
