@@ -58,13 +58,15 @@ class ProposeJob:
             Append-only between calls for the same id (call `DrafterClient.forget` before
             reusing an id for another history).
         max_len: the most draft tokens wanted, >= 0.
-        hidden: float32 ``[rows, hidden_size]`` target hidden rows committed since this
-            id's previous call (see `Drafter`), or None; send only if the drafter wants it.
+        hidden: float32 ``[rows, width]`` target hidden rows committed since this id's
+            previous call (see `Drafter`; ``width`` is ``hidden_size``, or
+            ``len(hidden_layers) * hidden_size`` for a drafter reading layers), or None;
+            send only if the drafter wants it.
         sampling: the request's sampling parameters (temperature, top-k, top-p travel), or
             None to send none.
         seed: the request's seed (sent modulo 2**64, only together with ``sampling``).
         hidden_log: instead of ``hidden``: every committed hidden row of the request
-            ``[len(history) - 1, hidden_size]`` (row i = history position i). The client
+            ``[len(history) - 1, width]`` (row i = history position i). The client
             sends the rows the worker lacks: those since its last call, or all of them when
             it resends the whole history (a new id, a resync, an error), so a drafter with
             per-request state never misses a row.
