@@ -185,10 +185,11 @@ class ReplicaScheduler(Scheduler):
                  cost_model=None, pipeline: bool = False,
                  on_failure: Callable[[ReplicaScheduler, list[ServiceRequest]], str | None]
                  | None = None, chunking: ChunkPolicy | None = None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, hidden_layers: Sequence[int] = ()):
         super().__init__(target, drafter, max_active=max_active, wants_hidden=wants_hidden,
                          adaptive=adaptive, cost_model=cost_model, pipeline=pipeline,
-                         chunking=chunking, prefix_caching=prefix_caching)
+                         chunking=chunking, prefix_caching=prefix_caching,
+                         hidden_layers=hidden_layers)
         self.name = name
         self._ids = ids
         self.on_failure = on_failure

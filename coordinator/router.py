@@ -113,6 +113,10 @@ class Router(Supervision):
         self._health: bool | None = None
         self.replicas: dict[str, Replica] = {}
         self.wants_hidden = False
+        #: Which hidden rows the drafters read (`DrafterInfo.hidden_layers`: () the final-norm
+        #: rows), known with ``wants_hidden`` from the first drafter that answers Info; every
+        #: later drafter must declare the same (`_start_drafter`).
+        self.hidden_layers: tuple[int, ...] = ()
         #: The drafter's own cap on one proposal (its `DrafterInfo`), None until known.
         self.drafter_max_len: int | None = None
         #: The drafter keeps a cross-request cache: finished outputs go to every worker.
@@ -273,7 +277,9 @@ class Router(Supervision):
                 `coordinator.config.MAX_COUNT`, not an integer, or drafters > 0 on a service
                 without a drafter. Nothing changes.
             RuntimeError: starting a replica or drafter failed (the others that started are
-                kept; the message names the failure).
+                kept; the message names the failure: a drafter wanting other hidden rows than
+                the service's drafters is refused, `_start_drafter`), or the drafters read
+                layers the target does not have.
         """
         check_count("target_replicas", target_replicas, 1)
         check_count("drafters", drafters, 0)
@@ -287,6 +293,7 @@ class Router(Supervision):
                 await self._scale_drafters(drafters, added, removed, errors)
             if target_replicas is not None:
                 await self._scale_replicas(target_replicas, added, removed, errors)
+            errors.extend(self._layer_errors())
             if errors:
                 raise RuntimeError("; ".join(errors))
             return {"target_replicas": len(self.serving()), "drafters": len(self.pool.serving()),
@@ -297,20 +304,10 @@ class Router(Supervision):
         have = [m for m in self.pool.members.values() if m.state != "leaving"]
         if want > len(have):
             started = await _start_all("drafter", self._drafter_names, want - len(have),
-                                       self.drafter_factory, errors)
+                                       self._start_drafter, errors)
             for name, (client, stop) in started:
                 self.pool.add(name, client, stop)
                 added.append(name)
-            if not self._hidden_known and self.pool.serving():
-                info = await self.pool.info()
-                self.wants_hidden = info.wants_hidden
-                self.drafter_max_len = info.max_draft_len or None
-                self.remember_outputs = info.remembers_outputs
-                self._hidden_known = True
-                for replica in self.replicas.values():
-                    replica.scheduler.wants_hidden = self.wants_hidden
-                    replica.scheduler.drafter_max_len = self.drafter_max_len
-                    replica.scheduler.remember_outputs = self.remember_outputs
         elif want < len(have):
             leaving = sorted(have, key=lambda m: (m.state == "serving", len(m.assigned),
                                                   m.in_flight))[:len(have) - want]
@@ -352,6 +349,74 @@ class Router(Supervision):
             await asyncio.gather(*(self._remove_replica(r) for r in leaving))
             removed.extend(r.name for r in leaving)
 
+    async def _start_drafter(self, name: str) -> tuple[object, Callable[[], Awaitable[None]]]:
+        """A drafter worker from the drafter factory (at a scale-up, and when a failed one is
+        replaced), after its Info: the first to answer tells the service what the drafters
+        want (hidden rows and which: ``wants_hidden``, ``hidden_layers``; their cap; whether
+        they remember outputs), which every replica loop then uses; a later one that wants
+        other hidden rows is stopped and refused (every worker of a service runs the same
+        drafter, and a replica's steps capture one set of layers).
+
+        Raises:
+            ValueError: the worker's ``wants_hidden`` / ``hidden_layers`` differ from the
+                service's drafters' (the message names both).
+            DrafterUnavailable: its Info call failed. Either way the worker is stopped.
+        """
+        client, stop = await self.drafter_factory(name)
+        try:
+            info = await client.info()
+            layers = tuple(info.hidden_layers) if info.wants_hidden else ()
+            if not self._hidden_known:
+                self._learn_drafter(info, layers)
+            elif (info.wants_hidden, layers) != (self.wants_hidden, self.hidden_layers):
+                def says(wants: bool, layers: tuple[int, ...]) -> str:
+                    return ("no hidden rows" if not wants else f"hidden_layers {list(layers)}"
+                            if layers else "the final-norm hidden rows")
+
+                raise ValueError(
+                    f"{name} ({info.name}) wants {says(info.wants_hidden, layers)} but the "
+                    f"service's drafters want {says(self.wants_hidden, self.hidden_layers)}:"
+                    " every drafter worker of a service must run the same drafter")
+        except BaseException:
+            try:
+                close = getattr(client, "close", None)
+                if close is not None:
+                    await close()
+            finally:
+                if stop is not None:
+                    await stop()
+            raise
+        return client, stop
+
+    def _layer_errors(self) -> list[str]:
+        """Why the drafters' ``hidden_layers`` do not fit the replicas (whose ``info``
+        reports ``n_layers``): a layer beyond the target's last; empty when they fit. Every
+        step wanting rows would be refused, so `scale` reports it."""
+        if not self.hidden_layers:
+            return []
+        errors = []
+        for replica in self.replicas.values():
+            n = replica.info.get("n_layers")
+            if n is not None and self.hidden_layers[-1] > int(n):
+                errors.append(f"the drafters read hidden_layers {list(self.hidden_layers)} but "
+                              f"replica {replica.name}'s target has {n} layers (layers 0.."
+                              f"{n} can be read)")
+        return errors
+
+    def _learn_drafter(self, info, layers: tuple[int, ...]) -> None:
+        """What the drafters want (the first drafter's `DrafterInfo`), for every replica
+        loop, present and future."""
+        self.wants_hidden = info.wants_hidden
+        self.hidden_layers = layers
+        self.drafter_max_len = info.max_draft_len or None
+        self.remember_outputs = info.remembers_outputs
+        self._hidden_known = True
+        for replica in self.replicas.values():
+            replica.scheduler.wants_hidden = self.wants_hidden
+            replica.scheduler.hidden_layers = self.hidden_layers
+            replica.scheduler.drafter_max_len = self.drafter_max_len
+            replica.scheduler.remember_outputs = self.remember_outputs
+
     def _new_scheduler(self, name: str, target: Target, info: dict
                        ) -> tuple[MeteredTarget, ReplicaScheduler]:
         """A metered target and loop for a replica; ``info["cost_model"]``, when the factory
@@ -369,7 +434,8 @@ class Router(Supervision):
                                      pipeline=self.pipeline,
                                      on_failure=self._on_replica_failure,
                                      chunking=self.chunking,
-                                     prefix_caching=self.prefix_caching)
+                                     prefix_caching=self.prefix_caching,
+                                     hidden_layers=self.hidden_layers)
         scheduler.drafter_max_len = self.drafter_max_len
         scheduler.remember_outputs = self.remember_outputs
         return metered, scheduler

@@ -55,7 +55,7 @@ from typing import Protocol
 
 import torch
 
-from specd_core.draft import DraftBlock
+from specd_core.draft import DraftBlock, check_hidden_layers
 from specd_core.grammar import GrammarError
 from specd_core.request import MAX_FORCED_DRAFT, DecodeRequest, SpeculativeOptions
 from target_worker.engine import SlotsExhausted
@@ -220,6 +220,11 @@ class Scheduler(DraftingPolicy):
         max_active: most requests decoding at once (the rest wait, FIFO).
         wants_hidden: whether the drafter conditions on target hidden states (then the target
             returns them and they travel with each proposal).
+        hidden_layers: which hidden rows (the drafter's
+            `specd_core.draft.DrafterCapabilities.hidden_layers`, `DrafterInfo`): ``()`` the
+            target's final-norm rows, else the residual streams entering these target
+            layers, ``[rows, len(hidden_layers) * hidden_size]``. Sent with every item that
+            wants rows (`specd_core.step.VerifyItem`): the target keeps no setting of its own.
         adaptive: choose each request's draft length per step (0 included) from the step's
             measured cost and the request's running acceptance (`coordinator.adaptive`);
             False drafts the full budget every step. Output is the same either way.
@@ -247,7 +252,8 @@ class Scheduler(DraftingPolicy):
                  cost_model: ForwardCostModel | None = None,
                  drafter_max_len: int | None = None,
                  hidden_dtype: torch.dtype = torch.float16, pipeline: bool = False,
-                 chunking: ChunkPolicy | None = None, prefix_caching: bool = True):
+                 chunking: ChunkPolicy | None = None, prefix_caching: bool = True,
+                 hidden_layers: Sequence[int] = ()):
         self.target = target
         self.chunking = chunking or ChunkPolicy()
         self.prefix_caching = prefix_caching
@@ -256,6 +262,7 @@ class Scheduler(DraftingPolicy):
         self.drafter = drafter
         self.max_active = max_active
         self.wants_hidden = wants_hidden and drafter is not None
+        self.hidden_layers = check_hidden_layers(hidden_layers)
         self.drafter_max_len = drafter_max_len
         self.hidden_dtype = hidden_dtype
         self.adaptive = adaptive and drafter is not None
@@ -486,6 +493,7 @@ class Scheduler(DraftingPolicy):
             items.append(PrefillItem(slot=req.slot, tokens=prompt[lo:lo + n],
                                      sampling=req.decode.sampling,
                                      want_hidden=self._hidden_for(req),
+                                     hidden_layers=self._layers_for(req),
                                      start_pos=options.start_pos, offset=lo, last=last,
                                      logprobs=options.logprobs,
                                      prompt_logprobs=options.prompt_logprobs,
@@ -518,6 +526,7 @@ class Scheduler(DraftingPolicy):
                                         tokens=r.decode.verify_tokens(d),
                                         sampling=r.decode.sampling,
                                         want_hidden=self._hidden_for(r),
+                                        hidden_layers=self._layers_for(r),
                                         logprobs=r.decode.options.logprobs, mask=mask))
                 batch.append((r, d))
             except Exception as exc:
@@ -705,6 +714,10 @@ class Scheduler(DraftingPolicy):
 
     def _hidden_for(self, req: ServiceRequest) -> bool:
         return self.wants_hidden and req.speculate
+
+    def _layers_for(self, req: ServiceRequest) -> tuple[int, ...]:
+        """The ``hidden_layers`` of ``req``'s items (``()`` when it wants no rows)."""
+        return self.hidden_layers if self._hidden_for(req) else ()
 
     async def _after_step(self, req: ServiceRequest) -> None:
         if not req.decode.finished:

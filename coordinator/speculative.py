@@ -57,7 +57,8 @@ def speculative_decode_with(
         prompt_tokens: non-empty token ids to append at ``options.start_pos``.
         cache: the decoder's `KvCache`, holding exactly the context before the prompt. On
             return it holds that context + prompt + every generated token except the last.
-        drafter: any `Drafter` (its `DrafterCapabilities` say whether it gets hidden rows,
+        drafter: any `Drafter` (its `DrafterCapabilities` say whether it gets hidden rows
+            and which: the final-norm rows or the residual streams of its ``hidden_layers``,
             its own cap and whether it keeps per-request sessions; a drafter that declares
             nothing gets the defaults); ``None`` decodes plainly (one token per forward).
         on_tokens: called with each step's newly committed tokens, in order (streaming).
@@ -95,6 +96,7 @@ def speculative_decode_with(
         CacheTarget(TargetEngine(decoder, max_slots=1, fallback_threads=fallback_threads), cache),
         local, max_active=1,
         wants_hidden=caps is not None and caps.wants_hidden,
+        hidden_layers=() if caps is None else caps.hidden_layers,
         adaptive=adaptive is not None,
         cost_model=None if adaptive is None else adaptive.cost_model,
         drafter_max_len=None if caps is None else caps.max_draft_len,

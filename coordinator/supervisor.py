@@ -355,7 +355,9 @@ class Supervision:
     async def _restart_drafter(self, name: str) -> None:
         try:
             await self.pool.stop_worker(name)
-            client, stop = await self._recreate(name, self.drafter_factory, lambda: None)
+            # Checked as at a scale-up (`Router._start_drafter`): a replacement that wants
+            # other hidden rows is refused, and retried with backoff.
+            client, stop = await self._recreate(name, self._start_drafter, lambda: None)
             self.pool.replace(name, client, stop)
             log.warning("drafter %s replaced", name)
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,9 +21,10 @@ import torch
 
 from specd.v1 import drafter_pb2, drafter_pb2_grpc
 from specd_core.draft import DraftBlock
+from specd_core.request import FLOAT16_MAX
 
 from . import wire
-from .server import SECRET_METADATA_KEY, grpc_options
+from .server import MAX_MESSAGE_BYTES, SECRET_METADATA_KEY, grpc_options
 from .sessions import MAX_PARTITION_CHARS
 
 if TYPE_CHECKING:  # annotation only: importing coordinator here would load the target model code
@@ -31,6 +33,19 @@ if TYPE_CHECKING:  # annotation only: importing coordinator here would load the 
 log = logging.getLogger(__name__)
 
 _UINT64_MASK = (1 << 64) - 1
+
+#: The most bytes one ProposeRequest carries (`DrafterClient` ``max_message_bytes``): half
+#: gRPC's limit (`MAX_MESSAGE_BYTES`), so a message never nears it. A step's items are a few
+#: KB; what exceeds this is a resend of long histories' hidden rows (a drafter restarted or
+#: new to its requests resyncs all of them at once: SmolLM2 with 3 layers, 8192 positions x
+#: 3 x 576 x 2 B = 28 MB each), which goes as several messages (`DrafterClient.propose`).
+PROPOSE_MESSAGE_BYTES = MAX_MESSAGE_BYTES // 2
+
+#: Bytes an item's framing adds per appended token at most (a varint int32 token id).
+_TOKEN_BYTES = 5
+#: Bytes of an item's hidden tensor header (dtype, a 2-D shape), the length prefixes of its
+#: fields and of the item in its request, at most.
+_FRAME_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -43,13 +58,15 @@ class ProposeJob:
             Append-only between calls for the same id (call `DrafterClient.forget` before
             reusing an id for another history).
         max_len: the most draft tokens wanted, >= 0.
-        hidden: float32 ``[rows, hidden_size]`` target hidden rows committed since this
-            id's previous call (see `Drafter`), or None; send only if the drafter wants it.
+        hidden: float32 ``[rows, width]`` target hidden rows committed since this id's
+            previous call (see `Drafter`; ``width`` is ``hidden_size``, or
+            ``len(hidden_layers) * hidden_size`` for a drafter reading layers), or None;
+            send only if the drafter wants it.
         sampling: the request's sampling parameters (temperature, top-k, top-p travel), or
             None to send none.
         seed: the request's seed (sent modulo 2**64, only together with ``sampling``).
         hidden_log: instead of ``hidden``: every committed hidden row of the request
-            ``[len(history) - 1, hidden_size]`` (row i = history position i). The client
+            ``[len(history) - 1, width]`` (row i = history position i). The client
             sends the rows the worker lacks: those since its last call, or all of them when
             it resends the whole history (a new id, a resync, an error), so a drafter with
             per-request state never misses a row.
@@ -120,13 +137,16 @@ def check_jobs(jobs: Sequence[ProposeJob]) -> list[str]:
 @dataclass(frozen=True)
 class DrafterInfo:
     """What the worker serves: its drafter's type name, whether it uses hidden rows, its
-    longest proposal (0 if it does not say), and whether it keeps a cache across requests
-    that wants finished outputs (`remember`)."""
+    longest proposal (0 if it does not say), whether it keeps a cache across requests
+    that wants finished outputs (`remember`), and which hidden rows it reads
+    (`specd_core.draft.DrafterCapabilities.hidden_layers`: ``()`` the final-norm rows,
+    else the target layers whose entering residual streams it reads, ascending)."""
 
     name: str
     wants_hidden: bool
     max_draft_len: int
     remembers_outputs: bool = False
+    hidden_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -177,13 +197,23 @@ class DrafterClient:
         stream: send proposals over one persistent ``ProposeStream`` (a round trip costs
             ~0.15-0.2 ms on loopback here against ~0.45-0.5 ms per unary ``Propose``);
             False: a unary call each. The deadline is ``timeout_s`` per proposal either way.
+        max_message_bytes: the most bytes one ``ProposeRequest`` carries (default
+            `PROPOSE_MESSAGE_BYTES`); a call whose items exceed it goes as several requests,
+            in order, each with its own deadline, and a single item above it (a long
+            history's hidden rows resent) is split into items of the same id that continue
+            each other, all but the last with ``max_len`` 0 (ingest only).
 
     Attributes:
         stats: ``{"calls": int, "errors": int, "latency_s": float}``: `propose` calls made,
             of which failed, and their summed wall time in seconds.
 
+    Hidden rows travel in ``hidden_dtype``, except that a float16 wire sends a tensor
+    holding a finite value beyond float16's range (65504: un-normed residual streams carry
+    massive activations, up to ~28,000 on SmolLM2) as float32 rather than as inf.
+
     Raises:
-        ValueError: a non-positive timeout or an unknown ``hidden_dtype``.
+        ValueError: a non-positive timeout or ``max_message_bytes``, or an unknown
+            ``hidden_dtype``.
     """
 
     def __init__(
@@ -195,9 +225,15 @@ class DrafterClient:
         secret: str | None = None,
         stream: bool = True,
         tls_server_name: str | None = None,
+        max_message_bytes: int = PROPOSE_MESSAGE_BYTES,
     ):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or \
+                not 0 < max_message_bytes <= MAX_MESSAGE_BYTES:
+            raise ValueError(f"max_message_bytes must be an int in [1, {MAX_MESSAGE_BYTES}], "
+                             f"got {max_message_bytes!r}")
+        self.max_message_bytes = max_message_bytes
         if hidden_dtype not in wire.DTYPES:
             raise ValueError(
                 f"unknown hidden_dtype {hidden_dtype!r}; expected one of {', '.join(wire.DTYPES)}"
@@ -252,7 +288,7 @@ class DrafterClient:
         except grpc.RpcError as e:
             raise DrafterUnavailable(f"drafter {self.address}: Info failed: {_describe(e)}") from e
         return DrafterInfo(reply.name, reply.wants_hidden, reply.max_draft_len,
-                           reply.remembers_outputs)
+                           reply.remembers_outputs, tuple(reply.hidden_layers))
 
     async def drafter_stats(self) -> DrafterStats:
         """The worker's `DrafterStats` (its drafter's counters and cache size).
@@ -271,19 +307,48 @@ class DrafterClient:
                             reply.cache_nodes, reply.cache_bytes, reply.cache_evicted,
                             reply.proposals, reply.global_hits, reply.cache_partitions)
 
-    def _item(self, job: ProposeJob) -> drafter_pb2.ProposeItem:
+    def _items(self, job: ProposeJob) -> list[drafter_pb2.ProposeItem]:
+        """``job`` as the items to send: one, or, when its hidden rows would make it larger
+        than ``max_message_bytes``, consecutive items of its id that each continue the last
+        (see the class), so the worker ingests exactly what one item would give it."""
         known, append, rows = job.delta(self._known.get(job.request_id, 0))
+        item = self._item(job, known, append, rows)
+        end = known + len(append)
+        if rows is None or item.ByteSize() <= self.max_message_bytes or len(append) < 2 or \
+                rows.shape[0] != len(append) - (known == 0):
+            return [item]
+        # Tokens per item: what fits beside the item's other fields (and _FRAME_BYTES of the
+        # hidden tensor's dtype and shape, the length prefixes, the request's framing).
+        fixed = self._item(job, known, (), None).ByteSize() + _FRAME_BYTES
+        per_token = len(item.hidden.data) // max(1, rows.shape[0]) + _TOKEN_BYTES
+        step = max(1, (self.max_message_bytes - fixed) // per_token)
+        base = max(known - 1, 0)  # the position of rows[0]
+        items = []
+        for lo in range(known, end, step):
+            hi = min(lo + step, end)
+            last = hi == end
+            part = rows[max(lo - 1, 0) - base: hi - 1 - base]
+            items.append(self._item(job, lo, job.history[lo:hi], part,
+                                    max_len=job.max_len if last else 0, ahead=last))
+        return items
+
+    def _item(self, job: ProposeJob, known: int, append: Sequence[int],
+              rows: torch.Tensor | None, max_len: int | None = None,
+              ahead: bool = True) -> drafter_pb2.ProposeItem:
+        """One item of ``job``: ``append`` after ``known`` held tokens with ``rows``;
+        ``max_len`` (default the job's) and the run-ahead fields only when ``ahead``."""
+        run_ahead = job.ahead and ahead
         item = drafter_pb2.ProposeItem(
             request_id=job.request_id,
             known=known,
             append=[int(t) for t in append],
-            max_len=job.max_len,
-            ahead=job.ahead,
-            assumed=[int(t) for t in job.assumed] if job.ahead else (),
+            max_len=job.max_len if max_len is None else max_len,
+            ahead=run_ahead,
+            assumed=[int(t) for t in job.assumed] if run_ahead else (),
             partition=job.partition,
         )
         if rows is not None:
-            item.hidden.CopyFrom(wire.tensor_to_proto(rows, self.hidden_dtype))
+            item.hidden.CopyFrom(wire.tensor_to_proto(rows, self._wire_dtype(rows)))
         if job.sampling is not None:
             item.sampling.CopyFrom(
                 drafter_pb2.DraftSampling(
@@ -294,6 +359,14 @@ class DrafterClient:
                 )
             )
         return item
+
+    def _wire_dtype(self, rows: torch.Tensor) -> str:
+        """``hidden_dtype``, or float32 for rows a float16 wire cannot hold (a finite value
+        beyond 65504; rows already float16 always fit)."""
+        if self.hidden_dtype != "float16" or rows.dtype == torch.float16 or not rows.numel():
+            return self.hidden_dtype
+        peak = float(rows.abs().amax())
+        return "float32" if FLOAT16_MAX < peak < math.inf else "float16"
 
     async def propose(self, jobs: Sequence[ProposeJob]) -> list[DraftBlock]:
         """One draft block per job, in order, each at most ``job.max_len`` long.
@@ -311,19 +384,25 @@ class DrafterClient:
         if not jobs:
             return []
         ids = check_jobs(jobs)
-        request = drafter_pb2.ProposeRequest(items=[self._item(job) for job in jobs])
+        parts = [self._items(job) for job in jobs]
+        requests = self._pack([item for items in parts for item in items])
         # Forget first: a call that fails or is cancelled anywhere below leaves the ids
         # unknown, so their next call resends everything.
         for rid in ids:
             self._known.pop(rid, None)
         self.stats["calls"] += 1
         start = time.perf_counter()
+        replies = []
         try:
-            if self.stream:
-                reply = await self._over_stream(request)
-            else:
-                reply = await self._get_stub().Propose(request, timeout=self.timeout_s,
-                                                       metadata=self._metadata)
+            for request in requests:  # in order: a later item may continue an earlier one
+                if self.stream:
+                    reply = await self._over_stream(request)
+                else:
+                    reply = await self._get_stub().Propose(request, timeout=self.timeout_s,
+                                                           metadata=self._metadata)
+                replies.append(reply)
+                if len(reply.results) != len(request.items):
+                    break
         except (grpc.RpcError, DrafterUnavailable) as e:
             self.stats["errors"] += 1
             raise DrafterUnavailable(
@@ -331,14 +410,18 @@ class DrafterClient:
             ) from e
         finally:
             self.stats["latency_s"] += time.perf_counter() - start
-        if len(reply.results) != len(jobs):
-            self.stats["errors"] += 1
-            raise DrafterUnavailable(
-                f"drafter {self.address}: {len(reply.results)} results for {len(jobs)} jobs"
-            )
-        blocks = []
-        for job, result in zip(jobs, reply.results, strict=True):
-            if result.resync:
+        results = []
+        for request, reply in zip(requests, replies, strict=False):
+            if len(reply.results) != len(request.items):
+                self.stats["errors"] += 1
+                raise DrafterUnavailable(f"drafter {self.address}: {len(reply.results)} "
+                                         f"results for {len(request.items)} jobs")
+            results.extend(reply.results)
+        blocks, at = [], 0
+        for job, items in zip(jobs, parts, strict=True):
+            mine, at = results[at:at + len(items)], at + len(items)
+            result = mine[-1]
+            if any(r.resync for r in mine):
                 blocks.append(DraftBlock.empty())
                 continue
             self._known[job.request_id] = len(job.history)
@@ -353,6 +436,20 @@ class DrafterClient:
                 block.truncate(job.max_len)
             blocks.append(block)
         return blocks
+
+    def _pack(self, items: list[drafter_pb2.ProposeItem]) -> list[drafter_pb2.ProposeRequest]:
+        """``items`` in order, as few ``ProposeRequest`` s as keep each within
+        ``max_message_bytes`` (an item larger than that alone goes alone)."""
+        requests, current, size = [], [], 0
+        for item in items:
+            n = item.ByteSize() + 6  # the item's tag and length prefix in its request
+            if current and size + n > self.max_message_bytes:
+                requests.append(drafter_pb2.ProposeRequest(items=current))
+                current, size = [], 0
+            current.append(item)
+            size += n
+        requests.append(drafter_pb2.ProposeRequest(items=current))
+        return requests
 
     async def _over_stream(self, request: drafter_pb2.ProposeRequest
                            ) -> drafter_pb2.ProposeResponse:

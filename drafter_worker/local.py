@@ -37,7 +37,7 @@ class LocalDrafter:
     async def info(self) -> DrafterInfo:
         caps = self.capabilities
         return DrafterInfo(type(self.sessions.drafter).__name__, caps.wants_hidden,
-                           caps.max_draft_len or 0, caps.remembers)
+                           caps.max_draft_len or 0, caps.remembers, caps.hidden_layers)
 
     async def drafter_stats(self) -> DrafterStats:
         """The drafter's counters and cache size (`DrafterSessions.stats`)."""

@@ -36,8 +36,10 @@ from .sessions import DrafterSessions, ProposeRefused, SessionLimits
 
 log = logging.getLogger(__name__)
 
-#: gRPC's default 4 MB limit is too small for a prompt's hidden rows
-#: (e.g. 2k positions x 4096 x float32 = 32 MB).
+#: gRPC's default 4 MB limit is too small for a prompt's hidden rows (e.g. 2k positions x
+#: 4096 x float32 = 32 MB; SmolLM2's 8192 positions x 3 layers x 576 x float16 = 28 MB). The
+#: coordinator's client keeps each request under half of this and splits a larger resend
+#: (`drafter_worker.client.PROPOSE_MESSAGE_BYTES`).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 #: The fully qualified gRPC service name.
@@ -199,6 +201,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             wants_hidden=caps.wants_hidden,
             max_draft_len=caps.max_draft_len or 0,
             remembers_outputs=caps.remembers,
+            hidden_layers=caps.hidden_layers,
         )
 
     async def Stats(self, request, context):  # noqa: N802

@@ -184,6 +184,13 @@ class DrafterCapabilities:
     Attributes:
         wants_hidden: it conditions on the target's hidden rows (callers then keep and ship
             them); False: it always receives ``None``.
+        hidden_layers: which hidden rows: ``()`` the target's final-norm rows (the LM head's
+            input, ``[rows, hidden_size]``: EAGLE-1); else the residual streams entering
+            these target layers (``i`` in ``[0, n_layers]``, ``n_layers`` the last layer's
+            output before the final norm; `target_worker.model.Decoder.set_capture_layers`),
+            side by side in ascending order, ``[rows, len(hidden_layers) * hidden_size]``
+            (EAGLE-3 reads ``(2, N // 2, N - 3)``, arXiv 2503.01840). Stored sorted; needs
+            ``wants_hidden``.
         max_draft_len: the most tokens one proposal drafts (None: no cap of its own); the
             adaptive chooser never asks for more.
         sessions: it keeps per-request state: ``drafter.session(sampling, seed)`` (sampling a
@@ -208,18 +215,52 @@ class DrafterCapabilities:
     sessions: bool = False
     samples: bool = True
     remembers: bool = False
+    hidden_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_draft_len is not None and (
                 isinstance(self.max_draft_len, bool) or int(self.max_draft_len) < 1):
             raise ValueError(f"max_draft_len must be None or >= 1, got {self.max_draft_len!r}")
+        layers = check_hidden_layers(self.hidden_layers)
+        if layers and not self.wants_hidden:
+            raise ValueError(f"hidden_layers {list(layers)} needs wants_hidden (a drafter "
+                             "that reads no hidden rows names no layers)")
+        object.__setattr__(self, "hidden_layers", layers)
+
+
+def check_hidden_layers(layers) -> tuple[int, ...]:
+    """``layers`` (`DrafterCapabilities.hidden_layers`) as a sorted tuple, after checking
+    they are non-negative ints (not bools) with no repeats. Whether the target has them is
+    the target's check (`target_worker.model.Decoder.set_capture_layers`).
+
+    Raises:
+        ValueError: naming ``hidden_layers`` and the value: not a sequence of ints, a
+            negative layer or a repeated one.
+    """
+    try:
+        values = tuple(layers)
+    except TypeError:
+        raise ValueError(f"hidden_layers must be a sequence of layer indices, got "
+                         f"{layers!r}") from None
+    for i in values:
+        if isinstance(i, bool) or not isinstance(i, int | np.integer) or i < 0:
+            raise ValueError(f"hidden_layers: {i!r} is not a layer index (an int >= 0) in "
+                             f"{list(values)!r}")
+    values = tuple(sorted(int(i) for i in values))
+    if len(set(values)) != len(values):
+        raise ValueError(f"hidden_layers: a layer repeats in {list(values)}")
+    return values
 
 
 def drafter_capabilities(drafter: object) -> DrafterCapabilities:
     """The `DrafterCapabilities` of ``drafter``: its ``capabilities`` attribute, or, for a
     drafter that declares none, the defaults with the seed's attribute declarations honoured
-    (``wants_hidden``, ``max_draft_len``, a ``session`` method). The one place that reads
-    a drafter's capabilities."""
+    (``wants_hidden``, ``max_draft_len``, ``hidden_layers``, a ``session`` method). The one
+    place that reads a drafter's capabilities.
+
+    Raises:
+        ValueError: a ``hidden_layers`` attribute `DrafterCapabilities` refuses.
+    """
     caps = getattr(drafter, "capabilities", None)
     if isinstance(caps, DrafterCapabilities):
         return caps
@@ -228,6 +269,7 @@ def drafter_capabilities(drafter: object) -> DrafterCapabilities:
         wants_hidden=bool(getattr(drafter, "wants_hidden", True)),
         max_draft_len=int(limit) if isinstance(limit, int) and limit >= 1 else None,
         sessions=callable(getattr(drafter, "session", None)),
+        hidden_layers=getattr(drafter, "hidden_layers", None) or (),
     )
 
 
@@ -242,9 +284,11 @@ class Drafter(Protocol):
       right after it.
     - ``target_hidden``: float32 ``[rows, hidden_size]``, the target's final-norm hidden
       states (the input of its LM head) for every position committed since this request's
-      previous ``propose`` call (all prompt positions on the first call). The last row is the
-      state whose logits chose the anchor. ``None`` when the caller has none; a drafter that
-      needs it must then propose nothing. Drafters that do not need it ignore it.
+      previous ``propose`` call (all prompt positions on the first call); for a drafter
+      declaring ``hidden_layers``, ``[rows, len(hidden_layers) * hidden_size]``, the
+      residual streams entering those layers (`DrafterCapabilities.hidden_layers`). The last
+      row is the state whose logits chose the anchor. ``None`` when the caller has none; a
+      drafter that needs it must then propose nothing. Drafters that do not need it ignore it.
     - ``max_len``: the most tokens the caller will verify; proposing more is allowed (the
       caller truncates) but wasted.
 

@@ -12,6 +12,7 @@ distributed service both drive it, so a fix lands once and the losslessness test
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -268,8 +269,10 @@ class DecodeRequest:
         return max(0, self.options.max_new_tokens - len(self.generated) - 1)
 
     def take_hidden(self) -> torch.Tensor | None:
-        """Target hidden rows ``[rows, hidden_size]`` committed since the last call (what
-        `Drafter.propose` gets), float32; ``None`` when the target returned none."""
+        """Target hidden rows ``[rows, width]`` committed since the last call (what
+        `Drafter.propose` gets; ``width`` is ``hidden_size``, or ``len(hidden_layers) *
+        hidden_size`` for a drafter reading layers), float32; ``None`` when the target
+        returned none."""
         log = self._hidden_log.view()
         if log is None or log.shape[0] == self._hidden_taken:
             return None
@@ -278,9 +281,10 @@ class DecodeRequest:
         return rows
 
     def hidden_log(self) -> torch.Tensor | None:
-        """Every committed hidden row, ``[len(history) - 1, hidden_size]`` in this request's
-        ``hidden_dtype`` (row i belongs to history position i); a view, valid until the next
-        step. ``None`` when the target returned none."""
+        """Every committed hidden row, ``[len(history) - 1, width]`` (as `take_hidden`) in
+        this request's ``hidden_dtype``, or float32 once a row held a value float16 cannot
+        (`_RowLog`); row i belongs to history position i; a view, valid until the next step.
+        ``None`` when the target returned none."""
         return self._hidden_log.view()
 
     def prefill_mask(self) -> np.ndarray | None:
@@ -452,9 +456,19 @@ class DecodeRequest:
             self.pending = None
 
 
+#: The largest finite float16 (65504): a hidden row beyond it would be stored as inf.
+FLOAT16_MAX = torch.finfo(torch.float16).max
+
+
 class _RowLog:
     """An append-only ``[rows, width]`` tensor with amortised O(1) appends (capacity
-    doubles), so keeping every hidden row of a long request costs no quadratic copying."""
+    doubles), so keeping every hidden row of a long request costs no quadratic copying.
+
+    A float16 log turns float32 (once, copying what it holds) when a row holds a finite
+    value beyond float16's range (`FLOAT16_MAX`) instead of storing it as inf: residual
+    streams are un-normed, and a target's massive activations (its first position: up to
+    28,000 on SmolLM2 at layers 15 and 27, ``scripts/residual_magnitudes.py``) come within
+    a few times of that range."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
@@ -463,6 +477,11 @@ class _RowLog:
 
     def append(self, rows: torch.Tensor) -> None:
         n = rows.shape[0]
+        if self.dtype == torch.float16 and rows.dtype != torch.float16 and n and \
+                FLOAT16_MAX < float(rows.abs().amax()) < math.inf:
+            self.dtype = torch.float32
+            if self._buf is not None:
+                self._buf = self._buf.float()
         if self._buf is None:
             self._buf = torch.empty((max(2 * n, 64), rows.shape[1]), dtype=self.dtype)
         elif self._len + n > self._buf.shape[0]:

@@ -30,8 +30,9 @@ class PrefillItem:
     positions. ``last`` marks the chunk that ends the prompt: only it gets logits (the rows
     for the prompt's last position).
 
-    ``want_hidden`` asks for the target's final hidden rows of every position fed (for a
-    drafter that conditions on them).
+    ``want_hidden`` asks for the target's hidden rows of every position fed (for a drafter
+    that conditions on them): the final-norm rows, or with ``hidden_layers`` the residual
+    streams entering those layers (see `VerifyItem`).
 
     Log probabilities (`specd_core.logprobs`; None asks for none, the default, and costs
     nothing): ``logprobs`` ``k`` (0-20) on the ``last`` chunk asks for the last row's (the
@@ -56,6 +57,7 @@ class PrefillItem:
     prompt_logprobs: int | None = None
     next_token: int | None = None
     mask: np.ndarray | None = dataclasses.field(default=None, compare=False)
+    hidden_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,15 @@ class VerifyItem:
     ``mask`` (a constrained request): int32 ``[len(tokens), ceil(vocab / 32)]``, row ``i`` the
     grammar bitmask for row ``i`` (`specd_core.grammar.GrammarMatcher.draft`), applied to the
     logits before the rows for the rule are made; None: unconstrained.
+
+    ``want_hidden`` asks for the hidden rows of every position fed; ``hidden_layers`` (read
+    only with it; the drafter's `specd_core.draft.DrafterCapabilities.hidden_layers`, sorted)
+    says which: ``()`` the final-norm rows ``[n, hidden_size]``, else the residual streams
+    entering those target layers side by side, ``[n, len(hidden_layers) * hidden_size]``.
+    A per-step field, not a replica setting: the target captures what the step's items ask
+    (every item of one step that wants rows must ask the same layers), so a restarted or
+    added replica, each tensor-parallel rank and the in-process engine need no setting kept
+    in step with the drafters.
     """
 
     slot: int
@@ -83,6 +94,7 @@ class VerifyItem:
     want_hidden: bool = False
     logprobs: int | None = None
     mask: np.ndarray | None = dataclasses.field(default=None, compare=False)
+    hidden_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,8 +105,10 @@ class StepOutput:
         rows: what the rule needs per fed position (`specd_core.rule.target_rows`, compacted
             by `compact_rows`): 1 row for a prefill's last chunk (its last prompt position),
             None for an earlier chunk, ``len(tokens)`` rows for a verification.
-        hidden: float32 ``[n, hidden_size]`` final hidden rows of every fed position (the
-            chunk's rows for a prefill), or None unless the item asked for them.
+        hidden: float32 hidden rows of every fed position (the chunk's rows for a prefill):
+            ``[n, hidden_size]`` final-norm rows, or ``[n, len(hidden_layers) *
+            hidden_size]`` residual streams when the item named layers; None unless the item
+            asked for them.
         logprobs: raw log probabilities when the item asked (`specd_core.logprobs`): a
             verification's ``len(tokens)`` rows; a prefill chunk's rows (every row with
             ``prompt_logprobs``, else the ``last`` chunk's last row); None otherwise.

@@ -186,11 +186,14 @@ class TargetActor:
         }
 
     def model_info(self) -> dict:
-        """``{"model": source or None, "vocab_size", "hidden_size", "max_seq_len"}`` (ints)."""
+        """``{"model": source or None, "vocab_size", "hidden_size", "max_seq_len",
+        "n_layers"}`` (ints; ``n_layers`` bounds the layers a drafter may read,
+        `specd_core.draft.DrafterCapabilities.hidden_layers`)."""
         c = self.engine.config
         return {
             "model": self.model,
             "vocab_size": c.vocab_size,
             "hidden_size": c.hidden_size,
             "max_seq_len": c.max_seq_len,
+            "n_layers": c.n_layers,
         }

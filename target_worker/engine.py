@@ -484,6 +484,11 @@ class TargetEngine:
         continues), else it must hold exactly ``start_pos + offset``. Penalties count the
         prompt (all chunks so far) as the request's prompt and the context not at all.
 
+        Hidden rows: the items that ask for them (``want_hidden``) name the same
+        ``hidden_layers`` (the step's drafter's), and the forward returns those rows
+        (`Decoder.set_capture_layers`: ``()`` the final-norm rows, else the residual streams
+        entering the layers); the decoder's own setting is restored after the forward.
+
         Returns:
             Per item, in order, a `StepOutput`: ``len(tokens)`` rows for a verify block; the
             last prompt position's row for a prefill's ``last`` chunk; rows None for an
@@ -497,12 +502,15 @@ class TargetEngine:
             ValueError: an unknown or repeated slot, empty ``tokens``, a ``start_pos``
                 beyond the slot's length (or, verifying, before its prompt), a chunk that
                 does not continue its slot, a chunk scoring its prompt without a valid
-                ``next_token`` (when not ``last``), a token id outside the vocabulary, or
-                the context exceeded. Nothing is changed then.
+                ``next_token`` (when not ``last``), a token id outside the vocabulary, the
+                context exceeded, or ``hidden_layers`` the decoder does not have (outside
+                ``[0, n_layers]``, repeated) or that differ among the items wanting hidden
+                rows. Nothing is changed then.
         """
         if not items:
             return []
         slots = self._check_items(items)
+        capture = self._capture_layers(items)
         for item, slot in zip(items, slots, strict=True):
             if isinstance(item, VerifyItem):
                 slot.truncate(item.start_pos)
@@ -514,6 +522,7 @@ class TargetEngine:
             # A prefill needs only its last row's logits, unless it scores its prompt.
             [isinstance(item, PrefillItem) and item.prompt_logprobs is None
              for item in items],
+            capture,
         )
         if any(isinstance(item, PrefillItem) for item in items):
             self.stats["prefill_calls"] += 1
@@ -623,8 +632,35 @@ class TargetEngine:
             slots.append(slot)
         return slots
 
+    def _capture_layers(self, items: Sequence[PrefillItem | VerifyItem]) -> tuple[int, ...]:
+        """The layers whose residual streams this step returns as hidden rows (``()``: the
+        final-norm rows, also when no item wants rows), after checking every item that wants
+        rows names the same ones and the decoder has them.
+
+        Raises:
+            ValueError: naming ``hidden_layers``: items that differ, a layer outside
+                ``[0, n_layers]``, a repeated one.
+        """
+        wanted = {tuple(item.hidden_layers) for item in items if item.want_hidden}
+        if len(wanted) > 1:
+            raise ValueError(f"hidden_layers differ among the items of one step: "
+                             f"{sorted(list(w) for w in wanted)} (one forward captures one set)")
+        layers = next(iter(wanted), ())
+        if not layers:
+            return ()
+        n = self.config.n_layers
+        bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int)
+               or not 0 <= i <= n]
+        if bad:
+            raise ValueError(f"hidden_layers {list(layers)}: layer {bad[0]!r} is outside "
+                             f"[0, {n}] (the target has {n} layers)")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"hidden_layers {list(layers)}: a layer repeats")
+        return tuple(sorted(layers))
+
     def _forward(
-        self, segments: list[tuple[list[int], int, KvCache]], last_only: list[bool]
+        self, segments: list[tuple[list[int], int, KvCache]], last_only: list[bool],
+        capture: tuple[int, ...] = (),
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         fed = sum(len(tokens) for tokens, _, _ in segments)
         threads = use = torch.get_num_threads()
@@ -642,9 +678,13 @@ class TargetEngine:
         # and a caller on a thread that never set it would run every op on OMP_NUM_THREADS
         # (Ray sets 1). Target actors run all steps on one `ComputeThread` besides.
         torch.set_num_threads(use)  # ~0.2 us: the pool is kept
+        # This step's hidden rows (checked in `_capture_layers`); the decoder's own setting
+        # is put back, so an in-process caller's decoder is left as it was.
+        before, self.decoder.capture_layers = self.decoder.capture_layers, capture
         try:
             results = self.decoder.forward_packed(segments, last_only)
         finally:
+            self.decoder.capture_layers = before
             if use != threads:
                 torch.set_num_threads(threads)
         seconds = time.perf_counter() - t0

@@ -16,9 +16,10 @@ Payloads (positional lists; ``tokens`` are lists of ints, ``sampling`` a `Sampli
   partition: a str, "" the shared one),
   ``free`` (slot), ``prefill`` and ``verify`` (each a list of items, either kind in one
   step: a `PrefillItem` as ``[0, slot, tokens, sampling, want_hidden, start_pos, offset,
-  last, logprobs, prompt_logprobs, next_token, mask]``, a `VerifyItem` as ``[1, slot,
-  start_pos, tokens, sampling, want_hidden, logprobs, mask]``; logprobs, prompt_logprobs and
-  next_token are ints or None, mask None or an int32 array, the grammar bitmask);
+  last, logprobs, prompt_logprobs, next_token, mask, hidden_layers]``, a `VerifyItem` as
+  ``[1, slot, start_pos, tokens, sampling, want_hidden, logprobs, mask, hidden_layers]``;
+  logprobs, prompt_logprobs and next_token are ints or None, mask None or an int32 array, the
+  grammar bitmask, hidden_layers a list of ints, [] for the final-norm rows);
   `SamplingParams` is ``[temperature, top_k,
   top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty]``. Any other method
   name travels with no arguments (the server refuses it by name).
@@ -63,7 +64,8 @@ __all__ = ["ERRORS", "METHODS", "WIRE_VERSION", "WireError", "decode_call", "dec
 #: 2: log probabilities (item fields and `StepOutput.logprobs`).
 #: 3: grammar bitmasks (the items' last field).
 #: 4: allocate_prefix carries the request's cross-request partition.
-WIRE_VERSION = 4
+#: 5: the items' hidden_layers (which residual streams the hidden rows are).
+WIRE_VERSION = 5
 #: The calls this format knows.
 METHODS = ("allocate", "allocate_prefix", "free", "prefill", "verify")
 #: Exception types an error reply may name (anything else arrives as RuntimeError).
@@ -170,10 +172,10 @@ def _item(item, enc: _Encoder) -> list:
     if kind is PrefillItem:
         return [_PREFILL, item.slot, item.tokens, _sampling(item.sampling), item.want_hidden,
                 item.start_pos, item.offset, item.last, item.logprobs, item.prompt_logprobs,
-                item.next_token, mask]
+                item.next_token, mask, [int(i) for i in item.hidden_layers]]
     if kind is VerifyItem:
         return [_VERIFY, item.slot, item.start_pos, item.tokens, _sampling(item.sampling),
-                item.want_hidden, item.logprobs, mask]
+                item.want_hidden, item.logprobs, mask, [int(i) for i in item.hidden_layers]]
     raise TypeError(f"the replica channel cannot encode a {kind.__name__}")
 
 
@@ -416,21 +418,22 @@ def _mask_from(value, decoder: _Decoder) -> np.ndarray | None:
 
 def _item_from(value, cache: dict, decoder: _Decoder) -> PrefillItem | VerifyItem:
     """A `PrefillItem` (``[0, slot, tokens, sampling, want_hidden, start_pos, offset, last,
-    logprobs, prompt_logprobs, next_token, mask]``) or a `VerifyItem` (``[1, slot, start_pos,
-    tokens, sampling, want_hidden, logprobs, mask]``)."""
+    logprobs, prompt_logprobs, next_token, mask, hidden_layers]``) or a `VerifyItem` (``[1,
+    slot, start_pos, tokens, sampling, want_hidden, logprobs, mask, hidden_layers]``)."""
     if type(value) is not list or not value:
         raise WireError("an item is a non-empty list")
     kind = value[0]
-    if kind == _VERIFY and type(kind) is int and len(value) == 8:
-        _, slot, start_pos, tokens, sampling, want_hidden, logprobs, mask = value
+    if kind == _VERIFY and type(kind) is int and len(value) == 9:
+        _, slot, start_pos, tokens, sampling, want_hidden, logprobs, mask, layers = value
         if type(slot) is not int or type(start_pos) is not int or type(want_hidden) is not bool:
             raise WireError("verify item: slot and start_pos must be ints, want_hidden a bool")
         return VerifyItem(slot, start_pos, _tokens(tokens, "tokens"),
                           _sampling_from(sampling, cache), want_hidden,
-                          _optional_int(logprobs, "logprobs"), _mask_from(mask, decoder))
-    if kind == _PREFILL and type(kind) is int and len(value) == 12:
+                          _optional_int(logprobs, "logprobs"), _mask_from(mask, decoder),
+                          tuple(_tokens(layers, "hidden_layers")))
+    if kind == _PREFILL and type(kind) is int and len(value) == 13:
         (_, slot, tokens, sampling, want_hidden, start_pos, offset, last, logprobs,
-         prompt_logprobs, next_token, mask) = value
+         prompt_logprobs, next_token, mask, layers) = value
         if type(slot) is not int or type(start_pos) is not int or type(offset) is not int or \
                 type(want_hidden) is not bool or type(last) is not bool:
             raise WireError("prefill item: slot, start_pos and offset must be ints, "
@@ -439,7 +442,8 @@ def _item_from(value, cache: dict, decoder: _Decoder) -> PrefillItem | VerifyIte
                            want_hidden, start_pos, offset, last,
                            _optional_int(logprobs, "logprobs"),
                            _optional_int(prompt_logprobs, "prompt_logprobs"),
-                           _optional_int(next_token, "next_token"), _mask_from(mask, decoder))
+                           _optional_int(next_token, "next_token"), _mask_from(mask, decoder),
+                           tuple(_tokens(layers, "hidden_layers")))
     raise WireError(f"an item of unknown kind {kind!r} or with {len(value) - 1} fields")
 
 

@@ -125,3 +125,85 @@ def tv_tolerance(exact: np.ndarray, n: int, factor: float = 2.5) -> float:
     binomial frequency). TV concentrates around that mean, so 2.5x is several sigma."""
     p = np.asarray(exact, dtype=np.float64)
     return factor * 0.5 * float(np.sqrt(2 / np.pi) * np.sqrt(p * (1 - p) / n).sum())
+
+
+class LayeredRecorder:
+    """A hidden-conditioned drafter reading the residual streams of ``hidden_layers`` (``()``:
+    the final-norm rows), as EAGLE-3 declares itself: one session per request, each keeping
+    the rows it was sent, aligned to history positions the way a stateful drafter must
+    (rows continuing its tokens extend them; ``len(history) - 1`` rows start over; anything
+    else asks for a resync). It drafts what prompt lookup drafts (a point mass, so greedy
+    output cannot depend on it) and runs ahead the same way.
+
+    ``sessions``: every session made, in order (a released request's stays here for the
+    test to read); ``seen``: ``(history, rows)`` of every call that carried rows.
+    """
+
+    def __init__(self, hidden_layers=(1, 2, 4), max_draft_len: int = 4):
+        from drafter_worker.prompt_lookup import PromptLookupSpeculator
+        from specd_core.draft import DrafterCapabilities
+
+        self.lookup = PromptLookupSpeculator(2, max_draft_len)
+        self.capabilities = DrafterCapabilities(
+            wants_hidden=True, hidden_layers=tuple(hidden_layers),
+            max_draft_len=max_draft_len, sessions=True, samples=False)
+        self.sessions: list[LayeredSession] = []
+
+    def session(self, sampling=None, seed: int = 0) -> LayeredSession:
+        made = LayeredSession(self)
+        self.sessions.append(made)
+        return made
+
+    def propose(self, history, target_hidden, max_len):  # sessions only
+        raise AssertionError("a session drafter is driven through its sessions")
+
+
+class LayeredSession:
+    """One request's `LayeredRecorder` state: ``tokens`` (the history its rows follow) and
+    ``rows`` (float32 ``[len(tokens) - 1, width]``, row i for history position i)."""
+
+    def __init__(self, parent: LayeredRecorder):
+        self.parent = parent
+        self.tokens: list[int] = []
+        self.rows: torch.Tensor | None = None
+        self.seen: list[tuple[list[int], torch.Tensor]] = []
+
+    def _ingest(self, history, rows) -> None:
+        from drafter_worker.eagle import NeedsResync
+
+        n = len(history)
+        self.seen.append((list(history), rows.clone()))
+        if self.tokens and rows.shape[0] == n - len(self.tokens) and \
+                list(history[:len(self.tokens)]) == self.tokens:
+            self.rows = torch.cat([self.rows, rows])
+        elif rows.shape[0] == n - 1:
+            self.rows = rows.clone()
+        else:
+            held, self.tokens, self.rows = len(self.tokens), [], None
+            raise NeedsResync(f"{rows.shape[0]} rows for a {n}-token history after "
+                              f"{held} tokens")
+        self.tokens = list(history)
+
+    def propose(self, history, target_hidden, max_len):
+        return self.propose_ahead(history, target_hidden, (), max_len)
+
+    def propose_ahead(self, history, target_hidden, assumed, max_len):
+        from specd_core.draft import propose_ahead
+
+        if target_hidden is not None:
+            self._ingest(history, target_hidden)
+        if assumed:
+            return propose_ahead(self.parent.lookup, history, None, assumed, max_len)
+        return self.parent.lookup.propose(history, None, max_len)
+
+
+def captured_rows(decoder: Decoder, tokens: Sequence[int], layers=()) -> torch.Tensor:
+    """float32 ``[len(tokens), width]``: ``decoder``'s hidden rows for ``tokens`` from
+    position 0 by one plain forward (`Decoder.set_capture_layers` with ``layers``; ``()``
+    the final-norm rows), the setting restored after."""
+    before = decoder.capture_layers
+    decoder.set_capture_layers(layers)
+    try:
+        return decoder.forward_batch_with_hidden(list(tokens), 0, decoder.new_cache())[1]
+    finally:
+        decoder.capture_layers = before

@@ -42,12 +42,13 @@ class LocalService:
                  replicas: int = 1, drafters: int = 1, adaptive: bool = False,
                  cost_model=None, target_timeout_s: float | None = None,
                  restart_delay_s: float = 1.0, model: str = MODEL, pipeline: bool = False,
-                 http: bool = False, drafter_impl=None):
+                 http: bool = False, drafter_impl=None, hidden_dtype: str = "float32",
+                 dtype: str | None = None):
         # Fixed draft lengths by default: adaptive choices depend on measured time, and
         # tests asserting that drafts were verified need them not to. Adaptive has its own
         # tests (test_adaptive_service.py).
         self.model = model
-        self.decoder, self.tokenizer = load_model(model)
+        self.decoder, self.tokenizer = load_model(model, dtype)
         # Served by every drafter server (``drafter_impl``: another `Drafter`, e.g. a suffix
         # drafter with its cross-request cache).
         self.drafter_impl = drafter_impl or PromptLookupSpeculator(ngram_size, max_draft_len)
@@ -64,6 +65,7 @@ class LocalService:
         self.restart_delay_s = restart_delay_s
         self.pipeline = pipeline
         self.http = http  # also the OpenAI HTTP API (``http_address``)
+        self.hidden_dtype = hidden_dtype  # the drafter clients' wire dtype of hidden rows
         self.http_server = None
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -80,7 +82,8 @@ class LocalService:
             del self.engines[name]
 
         return LocalTarget(engine), stop, {"vocab_size": self.decoder.config.vocab_size,
-                                           "max_seq_len": self.decoder.config.max_seq_len}
+                                           "max_seq_len": self.decoder.config.max_seq_len,
+                                           "n_layers": self.decoder.config.n_layers}
 
     async def _start_drafter(self, name: str):
         server, port = await start_drafter_server(self.drafter_impl)
@@ -89,7 +92,8 @@ class LocalService:
         async def stop() -> None:
             await self.drafter_servers.pop(name).stop(None)
 
-        return DrafterClient(f"127.0.0.1:{port}", timeout_s=self.drafter_timeout_s), stop
+        return DrafterClient(f"127.0.0.1:{port}", timeout_s=self.drafter_timeout_s,
+                             hidden_dtype=self.hidden_dtype), stop
 
     async def _start(self) -> None:
         self.router = Router(self._start_replica, self._start_drafter,

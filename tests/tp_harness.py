@@ -102,9 +102,19 @@ def engine_script(decoder, vocab: int, steps: int = 8) -> dict:
     s2, reused = engine.allocate_prefix(long)
     chunked.append(engine.step([PrefillItem(s2, long[reused:], GREEDY, offset=reused)]))
     out["chunked"], out["reused"] = chunked, reused
+    # Hidden layers (EAGLE-3's capture): every rank's engine captures what the items ask.
+    layers = tuple(sorted({0, 1, decoder.config.n_layers}))
+    s3 = engine.allocate()
+    out["capture_layers"] = layers
+    out["captured"] = [
+        engine.step([PrefillItem(s3, a, GREEDY, want_hidden=True, hidden_layers=layers)]),
+        engine.step([VerifyItem(s3, len(a), [1, 2], GREEDY, want_hidden=True,
+                                hidden_layers=layers),
+                     VerifyItem(s1, len1 + 1, [3], SAMPLED)])]
     engine.free(s0)
     engine.free(s1)
     engine.free(s2)
+    engine.free(s3)
     return out
 
 

@@ -111,16 +111,18 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("name", "wants_hidden", "max_draft_len", "remembers_outputs")
+    __slots__ = ("name", "wants_hidden", "max_draft_len", "remembers_outputs", "hidden_layers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     WANTS_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_LEN_FIELD_NUMBER: _ClassVar[int]
     REMEMBERS_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     wants_hidden: bool
     max_draft_len: int
     remembers_outputs: bool
-    def __init__(self, name: _Optional[str] = ..., wants_hidden: _Optional[bool] = ..., max_draft_len: _Optional[int] = ..., remembers_outputs: _Optional[bool] = ...) -> None: ...
+    hidden_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., wants_hidden: _Optional[bool] = ..., max_draft_len: _Optional[int] = ..., remembers_outputs: _Optional[bool] = ..., hidden_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

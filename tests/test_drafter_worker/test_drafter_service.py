@@ -597,3 +597,163 @@ def test_the_persistent_stream_answers_as_unary_calls_do_over_one_stream():
     assert results[False][1:] == (len(results[False][0]) * 1, 0)
     ahead = results[True][0][-1][0]
     assert ahead == propose_ahead(lookup(), [1, 2, 3, 1, 2, 3, 1, 2, 3, 4, 1, 2], None, (3,), 3)
+
+
+# --- hidden layers (EAGLE-3's residual streams) ---------------------------------------------
+
+
+def test_info_reports_the_drafters_hidden_layers_over_grpc_and_in_process():
+    from drafters import LayeredRecorder
+
+    from drafter_worker.local import LocalDrafter
+
+    async def main():
+        for layers in [(4, 1, 2), ()]:
+            drafter = LayeredRecorder(layers)
+            server, port = await start_drafter_server(drafter)
+            try:
+                async with DrafterClient(f"127.0.0.1:{port}", timeout_s=5) as client:
+                    remote = await client.info()
+            finally:
+                await server.stop(None)
+            local = await LocalDrafter(drafter).info()
+            assert remote == local
+            assert (remote.wants_hidden, remote.hidden_layers) == (True, tuple(sorted(layers)))
+        server, port = await start_drafter_server(lookup())
+        try:
+            async with DrafterClient(f"127.0.0.1:{port}", timeout_s=5) as client:
+                assert (await client.info()).hidden_layers == ()
+        finally:
+            await server.stop(None)
+
+    run(main())
+
+
+def test_a_float16_wire_sends_rows_beyond_its_range_as_float32():
+    """Un-normed residual streams carry massive activations (SmolLM2's first position:
+    ~28,000); float16 would make a value past 65504 inf, so such a tensor goes as float32
+    and arrives exact, while one within range still halves its bytes."""
+    drafter = RecordingServicer(RecordingDrafter())
+    within = torch.randn(4, 16)
+    within[0, 3] = 60000.0
+    beyond = torch.randn(1, 16)
+    beyond[0, 5] = -70000.0
+
+    async def main():
+        server, address = await serve(drafter)
+        try:
+            async with DrafterClient(address, timeout_s=5, hidden_dtype="float16") as client:
+                await client.propose([ProposeJob("r", [1, 2, 3, 4, 5], 2, hidden=within)])
+                await client.propose([ProposeJob("r", [1, 2, 3, 4, 5, 6], 2, hidden=beyond)])
+        finally:
+            await server.stop(None)
+
+    run(main())
+    sent = [r.items[0].hidden.dtype for r in drafter.requests]
+    assert sent == ["float16", "float32"]
+    seen = drafter.drafter.seen_hidden
+    assert torch.equal(seen[0], within.half().float()) and seen[0][0, 3] == 60000.0
+    assert torch.equal(seen[1], beyond)
+
+
+def _layered_history(n: int, layers=(1, 2, 4)):
+    """A tiny 5-layer decoder's ``n``-token history and its captured rows (float32
+    ``[n - 1, 3 * 16]``), its context raised so the history is long."""
+    from dataclasses import replace
+
+    from target_worker.config import ModelConfig
+    from target_worker.model import Decoder
+
+    config = replace(ModelConfig.tiny_test(64, n_layers=5), max_seq_len=2048)
+    decoder = Decoder.random(config, seed=1)
+    rng = random.Random(3)
+    history = [rng.randrange(64) for _ in range(n)]
+    decoder.set_capture_layers(layers)
+    rows = decoder.forward_batch_with_hidden(history[:-1], 0, decoder.new_cache(),
+                                             last_logits_only=True)[1]
+    return history, rows
+
+
+@pytest.mark.parametrize("known", [0, 200], ids=["resync", "long-append"])
+def test_a_long_history_resend_with_three_layers_is_split_under_the_message_budget(known):
+    """A full resend of a long history's 3-layer rows larger than ``max_message_bytes`` goes
+    as items of the same id continuing each other over several requests, each within the
+    budget; the worker ends holding every row (float16-exact) and answers the last item's
+    proposal; the next step is one small message again."""
+    from drafters import LayeredRecorder
+
+    history, rows = _layered_history(1500)
+    drafter = LayeredRecorder((1, 2, 4))
+    servicer = RecordingServicer(drafter)
+    budget = 16 * 1024
+
+    async def main():
+        server, address = await serve(servicer)
+        try:
+            async with DrafterClient(address, timeout_s=10, hidden_dtype="float16",
+                                     max_message_bytes=budget) as client:
+                if known:
+                    await client.propose([ProposeJob("r", history[:known], 0,
+                                                     hidden_log=rows[:known - 1])])
+                before = len(servicer.requests)
+                (block,) = await client.propose([ProposeJob("r", history, 4,
+                                                            hidden_log=rows)])
+                split = servicer.requests[before:]
+                assert client.known("r") == len(history)
+                nxt = history + [7]
+                more = torch.cat([rows, torch.randn(1, rows.shape[1])])
+                await client.propose([ProposeJob("r", nxt, 4, hidden_log=more)])
+                return block, split, servicer.requests[-1]
+        finally:
+            await server.stop(None)
+
+    block, split, last = run(main())
+    assert len(split) > 5
+    assert all(r.ByteSize() <= budget for r in split)
+    items = [i for r in split for i in r.items]
+    assert [i.known for i in items][0] == known
+    for a, b in zip(items, items[1:], strict=False):  # each continues the last
+        assert b.known == a.known + len(a.append)
+    assert [i.max_len for i in items] == [0] * (len(items) - 1) + [4]
+    assert {i.hidden.dtype for i in items} == {"float16"}
+    assert block == lookup(2, 4).propose(history, None, 4)
+    (session,) = drafter.sessions
+    assert session.tokens == history + [7]
+    assert torch.equal(session.rows[:len(history) - 1], rows.half().float())
+    assert len(last.items) == 1 and last.items[0].known == len(history)
+
+
+def test_resyncs_of_several_smollm2_sized_histories_fit_grpcs_limit():
+    """Three requests resent whole at once (a restarted drafter), SmolLM2-sized: 8192
+    positions x 3 layers x 576 x float16 = 28 MB each, 85 MB together, past gRPC's 64 MB
+    message limit, go as requests within the default budget and arrive whole."""
+    from drafter_worker.client import PROPOSE_MESSAGE_BYTES
+    from drafter_worker.server import MAX_MESSAGE_BYTES
+
+    drafter = RecordingDrafter()
+    servicer = RecordingServicer(drafter)
+    servicer.propose_batch = lambda request, inner=servicer.propose_batch: (
+        servicer.requests.append(request.ByteSize()) or
+        DrafterServicer.propose_batch(servicer, request))
+    n, width = 8192, 3 * 576
+    gen = torch.Generator().manual_seed(0)
+    logs = [torch.randn(n - 1, width, generator=gen).half() for _ in range(3)]
+
+    async def main():
+        server, address = await serve(servicer)
+        try:
+            async with DrafterClient(address, timeout_s=60, hidden_dtype="float16") as client:
+                jobs = [ProposeJob(f"r{i}", [1 + i] * n, 2, hidden_log=log)
+                        for i, log in enumerate(logs)]
+                return await client.propose(jobs)
+        finally:
+            await server.stop(None)
+
+    blocks = run(main())
+    assert len(blocks) == 3
+    assert sum(servicer.requests) > MAX_MESSAGE_BYTES
+    assert len(servicer.requests) == 3
+    assert all(size <= PROPOSE_MESSAGE_BYTES for size in servicer.requests)
+    assert [tuple(h.shape) for h in drafter.seen_hidden] == [(n - 1, width)] * 3
+    for got, sent in zip(drafter.seen_hidden, logs, strict=True):
+        assert torch.equal(got, sent.float())

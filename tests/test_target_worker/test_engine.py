@@ -326,7 +326,8 @@ def test_actor_body_serves_a_request_without_ray():
         actor = TargetActor("tiny-random:vocab=32", max_slots=2, num_threads=1)
         assert actor._compute.run(torch.get_num_threads) == 1  # where its torch calls run
         assert actor.model_info() == {"model": "tiny-random:vocab=32", "vocab_size": 32,
-                                      "hidden_size": 16, "max_seq_len": 256}
+                                      "hidden_size": 16, "max_seq_len": 256,
+                                      "n_layers": 2}
         slot = actor.allocate()
         (out,) = actor.prefill([PrefillItem(slot, [1, 2, 3], SamplingParams())])
         assert isinstance(out.rows, GreedyRows) and out.hidden is None
@@ -365,3 +366,57 @@ def test_an_adopted_warm_cache_continues_at_its_length_and_refuses_positions_bef
     assert len(step.rows) == 2 and cache.seq_len == len(context) + len(prompt) + 2
     engine.free(slot)
     assert cache.seq_len == len(context) + len(prompt) + 2  # the cache stays its owner's
+
+
+def test_each_step_captures_the_layers_its_items_ask_and_leaves_the_decoder_as_it_was():
+    """`VerifyItem.hidden_layers` / `PrefillItem.hidden_layers`: the step's hidden rows are the
+    residual streams entering those layers (a plain forward with `set_capture_layers` on an
+    identical decoder gives the same rows); items that want none get none; the decoder's own
+    setting is back after every step; items asking different layers in one step, or layers
+    the decoder lacks, are refused before anything changes."""
+    config = ModelConfig.tiny_test(VOCAB, n_layers=5)
+    engine = TargetEngine(Decoder.random(config, seed=3), max_slots=3)
+    reference = Decoder.random(config, seed=3)
+    h, layers = config.hidden_size, (1, 2, 4)
+
+    def captured(tokens, capture):
+        reference.set_capture_layers(capture)
+        return reference.forward_batch_with_hidden(tokens, 0, reference.new_cache())[1]
+
+    a, b, c = engine.allocate(), engine.allocate(), engine.allocate()
+    pa, pb = [3, 1, 4, 1, 5], [9, 2, 6]
+    out = engine.step([PrefillItem(a, pa, SamplingParams(), want_hidden=True,
+                                   hidden_layers=layers),
+                       PrefillItem(b, pb, SamplingParams()),
+                       PrefillItem(c, [7, 7], SamplingParams(), hidden_layers=(0,))])
+    assert out[0].hidden.shape == (5, 3 * h) and out[1].hidden is None
+    assert out[2].hidden is None  # layers without want_hidden: nothing asked
+    torch.testing.assert_close(out[0].hidden, captured(pa, layers), rtol=1e-5, atol=1e-6)
+    assert engine.decoder.capture_layers == ()
+    # A verify step with other layers (and the final-norm rows for a () item next).
+    (v,) = engine.step([VerifyItem(a, 5, [2, 6], SamplingParams(), want_hidden=True,
+                                   hidden_layers=(0, 5))])
+    torch.testing.assert_close(v.hidden, captured([*pa, 2, 6], (0, 5))[5:], rtol=1e-5,
+                               atol=1e-6)
+    (w,) = engine.step([VerifyItem(b, 3, [5], SamplingParams(), want_hidden=True)])
+    torch.testing.assert_close(w.hidden, captured([*pb, 5], ())[3:], rtol=1e-5, atol=1e-6)
+    engine.decoder.set_capture_layers((3,))  # a caller's own setting survives steps
+    engine.step([VerifyItem(b, 4, [5], SamplingParams(), want_hidden=True)])
+    assert engine.decoder.capture_layers == (3,)
+    engine.decoder.set_capture_layers(())
+    lengths = [engine.slot_length(s) for s in (a, b)]
+    for items, match in [
+        ([VerifyItem(a, 7, [1], SamplingParams(), want_hidden=True, hidden_layers=(1, 2)),
+          VerifyItem(b, 5, [1], SamplingParams(), want_hidden=True, hidden_layers=(1, 3))],
+         "differ among the items"),
+        ([VerifyItem(a, 7, [1], SamplingParams(), want_hidden=True, hidden_layers=(1,)),
+          VerifyItem(b, 5, [1], SamplingParams(), want_hidden=True)],
+         "differ among the items"),
+        ([VerifyItem(a, 7, [1], SamplingParams(), want_hidden=True, hidden_layers=(6,))],
+         r"layer 6 is outside \[0, 5\]"),
+        ([VerifyItem(a, 7, [1], SamplingParams(), want_hidden=True, hidden_layers=(2, 2))],
+         "repeats"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            engine.step(items)
+        assert [engine.slot_length(s) for s in (a, b)] == lengths

@@ -73,9 +73,27 @@ def test_grammar_masks_round_trip_and_bad_masks_are_refused():
     assert decoded[0].mask.dtype == np.int32
     no_mask = decode_call(joined(encode_call("verify", ([VerifyItem(1, 7, [5], SAMPLING)],))))
     assert no_mask[1][0][0].mask is None
-    bad = [1, 1, 7, [5], VERIFY[4], False, None, ["int64", [1, 2], 0]]
+    bad = [1, 1, 7, [5], VERIFY[4], False, None, ["int64", [1, 2], 0], []]
     with pytest.raises(WireError, match="int32"):
         decode_call(message(["verify", [bad]], [np.zeros(2, "<i8").tobytes()]))
+
+
+def test_hidden_layers_travel_with_every_item_and_bad_ones_are_refused():
+    """Which residual streams a step's hidden rows are travels with its items (a per-step
+    field: no replica keeps a setting); only a list of ints decodes."""
+    items = [VerifyItem(slot=1, start_pos=7, tokens=[5, 6], sampling=SAMPLING, want_hidden=True,
+                        hidden_layers=(1, 2, 4)),
+             PrefillItem(slot=2, tokens=[1, 3], sampling=SAMPLING, want_hidden=True,
+                         hidden_layers=(0, 5)),
+             VerifyItem(slot=3, start_pos=2, tokens=[4], sampling=SAMPLING)]
+    _, (decoded,) = decode_call(joined(encode_call("verify", (items,))))
+    assert decoded == items
+    assert [d.hidden_layers for d in decoded] == [(1, 2, 4), (0, 5), ()]
+    full = [1, 1, 7, [5], VERIFY[4], True, None, None]
+    for layers in ([1.0], [True], "1", None, [[1]]):
+        with pytest.raises(WireError, match="hidden_layers|fields"):
+            decode_call(message(["verify", [[*full, layers]]]))
+    assert decode_call(message(["verify", [[*full, [2, 4]]]]))[1][0][0].hidden_layers == (2, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

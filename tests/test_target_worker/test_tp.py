@@ -9,6 +9,7 @@ from dataclasses import asdict, replace
 
 import pytest
 import torch
+from drafters import captured_rows
 from tp_harness import engine_script, rows_of, run_tp
 
 from target_worker.config import ModelConfig
@@ -50,6 +51,24 @@ def runs(tmp_path_factory):
 
 
 CASES = ["moe", "moe-replicated-vocab", "dense-untied-from-file"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tp2_captures_the_layers_its_steps_ask_as_one_process_does(runs, case):
+    """A TP=2 replica's hidden rows for items naming ``hidden_layers`` are the residual
+    streams a plain single-process forward captures (`Decoder.set_capture_layers`)."""
+    decoder, ranks = runs[case]
+    got, layers = ranks[0], ranks[0]["capture_layers"]
+    assert layers == (0, 1, decoder.config.n_layers)
+    prefill, verify = got["captured"]
+    assert all(o is None for o in ranks[1]["captured"][0])  # rank 0 answers
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = captured_rows(decoder, [*prompt, 1, 2], layers)
+    h = decoder.config.hidden_size
+    assert prefill[0].hidden.shape == (len(prompt), len(layers) * h)
+    torch.testing.assert_close(prefill[0].hidden, want[:len(prompt)], rtol=1e-4, atol=LOGIT_TOL)
+    torch.testing.assert_close(verify[0].hidden, want[len(prompt):], rtol=1e-4, atol=LOGIT_TOL)
+    assert verify[1].hidden is None
 
 
 @pytest.mark.parametrize("case", CASES)
