@@ -120,18 +120,7 @@ def speculative_decode_with(
         await scheduler.run_until_idle(after_step=deliver)
         await scheduler.settle_drafter()  # the drafter's release runs before the loop closes
 
-    # An EAGLE-3 drafter reads the residual streams entering its `hidden_layers`, not the
-    # final-norm rows: this in-process target returns those for the call (the service sets
-    # its replicas' capture itself). Restored after: the decoder is the caller's.
-    previous = tuple(getattr(decoder, "capture_layers", ()))
-    wanted = previous if drafter is None else tuple(getattr(drafter, "hidden_layers", ()))
-    if wanted != previous:
-        decoder.set_capture_layers(wanted)
-    try:
-        _run(drive())
-    finally:
-        if wanted != previous:
-            decoder.set_capture_layers(previous)
+    _run(drive())  # each step asks the engine for the drafter's `hidden_layers` rows
     keep = req.decode.cache_len  # the committed length: drop the last step's rejected rows
     if cache.seq_len > keep:
         cache.truncate(keep)

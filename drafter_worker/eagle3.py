@@ -1371,10 +1371,9 @@ class Eagle3Drafter:
     @property
     def capabilities(self) -> DrafterCapabilities:
         """Conditions on hidden rows, samples its drafts, one session per request."""
-        # TODO(hidden_layers): pass hidden_layers=self.hidden_layers once
-        # DrafterCapabilities has the field (specd_core/draft.py, the service plumbing).
         return DrafterCapabilities(wants_hidden=True, max_draft_len=self.max_draft_len,
-                                   sessions=True, samples=True)
+                                   sessions=True, samples=True,
+                                   hidden_layers=self.hidden_layers)
 
     def session(self, sampling: DraftSamplingParams | None = None, seed: int = 0
                 ) -> Eagle3Session:
@@ -1416,10 +1415,8 @@ class SuffixThenEagle3:
     @property
     def capabilities(self) -> DrafterCapabilities:
         """EAGLE-3's, with the longer cap and the suffix drafter's cross-request cache."""
-        # TODO(hidden_layers): pass hidden_layers=self.hidden_layers once
-        # DrafterCapabilities has the field.
         return DrafterCapabilities(wants_hidden=True, max_draft_len=self.max_draft_len or None,
-                                   sessions=True, samples=True,
+                                   sessions=True, samples=True, hidden_layers=self.hidden_layers,
                                    remembers=self.suffix.capabilities.remembers)
 
     def session(self, sampling: DraftSamplingParams | None = None, seed: int = 0,
