@@ -39,7 +39,7 @@ class ServiceConfig:
         model: a ``.gguf`` path, a Hugging Face model directory, ``None`` for the default
             SmolLM2, or ``tiny-random[:...]`` (a random test model).
         dtype: the target's weights/compute dtype, ``"auto"`` (bfloat16 on GPU and on CPUs
-            with native bf16 dot products, else float32:
+            where it measured faster, `target_worker.loader.cpu_prefers_bf16`; else float32:
             `target_worker.loader.resolve_dtype`), ``"float32"``, ``"bfloat16"`` or
             ``"float16"``.
         host, port: where the Generation API listens (port 0 picks a free one).

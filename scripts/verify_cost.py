@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=128)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"threads {args.threads}, context {args.context}, native bf16 dot products: "
-          f"{getattr(loader, 'cpu_has_bf16_dot', lambda: 'unknown')()}")
+    print(f"threads {args.threads}, context {args.context}, auto prefers bfloat16: "
+          f"{getattr(loader, 'cpu_prefers_bf16', lambda: 'unknown')()}")
     for dtype in args.dtype:
         decoder = loader.load_decoder(args.model, dtype)
         began = time.perf_counter()

@@ -41,17 +41,43 @@ __all__ = [
     "model_path",
     "needs_conversion",
     "cpu_has_bf16_dot",
+    "cpu_prefers_bf16",
     "resolve_dtype",
     "validate_model",
 ]
 
-#: ``--dtype`` choices; "auto" is bfloat16 on CUDA and on CPUs with native bfloat16 dot
-#: products (`cpu_has_bf16_dot`), float32 elsewhere.
+#: ``--dtype`` choices; "auto" is bfloat16 on CUDA and on CPUs where the batch-invariant
+#: bfloat16 forward is the faster one (`cpu_prefers_bf16`), float32 elsewhere.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 #: CPU feature flags (``/proc/cpuinfo``) that compute bfloat16 dot products in hardware:
 #: x86's AVX512-BF16 (``vdpbf16ps``) and AMX-BF16 tiles, Arm's BF16 extension (``bfdot``).
 BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+#: The flags with which "auto" takes bfloat16: AMX-BF16 tiles (x86) and Arm's BF16 extension.
+#: Batch invariance runs reduced precision on the CPU at one call shape (32-row oneDNN
+#: tiles: `target_worker.invariant.REDUCED_LINEAR_KERNELS`), which AMX computes cheaply (an
+#: AMX Xeon, one thread: bfloat16 72.8 ms per SmolLM2 token against float32 87.4) but
+#: AVX512-BF16 alone does not (an AMD EPYC Zen 4, 2 threads, 2026-12-03, `python
+#: scripts/verify_cost.py`: bfloat16 79.6 ms for one token and 98.2 for 9, float32 63.5 and
+#: 81.6). Arm's BF16 is unmeasured and kept as it was.
+BF16_AUTO_FLAGS = ("amx_bf16", "bf16")
+
+
+def _cpu_flags(cpuinfo: str | None) -> set[str]:
+    """The first processor's ``flags``/``Features`` in ``cpuinfo`` (default
+    ``/proc/cpuinfo``); empty where unknown."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
 
 
 def cpu_has_bf16_dot(cpuinfo: str | None = None) -> bool:
@@ -60,17 +86,14 @@ def cpu_has_bf16_dot(cpuinfo: str | None = None) -> bool:
     Without them a bf16 matmul converts every weight to float32 first: on an AVX2 CPU here
     one row took 16.7 ms for SmolLM2's layers but 8 rows 110 ms (float32: 37 / 51 ms), so
     verification would cost a row each (`scripts/verify_cost.py`). False where unknown."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return any(flag in value.split() for flag in BF16_DOT_FLAGS)
-    return False
+    return bool(_cpu_flags(cpuinfo).intersection(BF16_DOT_FLAGS))
+
+
+def cpu_prefers_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether "auto" takes bfloat16 on this CPU: `BF16_AUTO_FLAGS` (AMX-BF16, Arm BF16),
+    where the batch-invariant bfloat16 forward measured faster than float32. False where
+    unknown."""
+    return bool(_cpu_flags(cpuinfo).intersection(BF16_AUTO_FLAGS))
 
 
 def _decoder_from_state(config: ModelConfig, state: dict[str, torch.Tensor]) -> Decoder:
@@ -194,7 +217,7 @@ def load_model(
             ``"tiny-random[:vocab=V,seed=S,layers=L]"`` for a tiny random test model with a
             `target_worker.testing.TinyTokenizer` (see `target_worker.testing`).
         dtype: the decoder's weights and compute dtype (`resolve_dtype`; default "auto":
-            bfloat16 on a CPU with native bfloat16 dot products, else float32).
+            bfloat16 where it is the faster forward (`cpu_prefers_bf16`), else float32).
 
     Returns:
         ``(decoder, tokenizer)``; the tokenizer carries the source's ``eos_token_id`` and chat
@@ -236,8 +259,9 @@ def model_path(source: str | os.PathLike | None) -> Path:
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str = "cpu") -> torch.dtype:
     """The torch dtype for a ``--dtype`` value: ``"auto"`` or None is bfloat16 on CUDA and
-    on a CPU with native bfloat16 dot products (`cpu_has_bf16_dot`), else float32; otherwise
-    one of `DTYPES` (or a torch float dtype). Norms, softmax and sampling stay float32.
+    on a CPU where it is the faster forward (`cpu_prefers_bf16`: AMX, Arm BF16), else
+    float32; otherwise one of `DTYPES` (or a torch float dtype). Norms, softmax and sampling
+    stay float32.
 
     Raises:
         ValueError: naming the value when it is not one of `DTYPES`.
@@ -247,7 +271,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str = "cpu") -> torch
             raise ValueError(f"dtype must be a float dtype, got {dtype}")
         return dtype
     if dtype is None or dtype == "auto":
-        native = str(device).startswith("cuda") or cpu_has_bf16_dot()
+        native = str(device).startswith("cuda") or cpu_prefers_bf16()
         return torch.bfloat16 if native else torch.float32
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")

@@ -128,7 +128,7 @@ class TPRank(TargetActor):
             when ``tp == 1``.
         use_gpu: compute on this rank's GPU (NCCL, ``dtype`` default bfloat16).
         dtype: one of `target_worker.loader.DTYPES`; None or ``"auto"`` picks bfloat16 on GPU
-            and on CPUs with native bf16 dot products, else float32
+            and on CPUs where it measured faster (AMX, Arm BF16), else float32
             (`target_worker.loader.resolve_dtype`).
         vocab_parallel: split embeddings / LM head by vocabulary (see `target_worker.sharded`).
 

@@ -32,7 +32,7 @@ def smollm2():
 @pytest.fixture(scope="module")
 def smollm2_float32():
     """`smollm2` (float32 too), named for tests against transformers' float32 load or with
-    float32 bounds: ``auto`` is bfloat16 on a CPU with native bf16 dot products."""
+    float32 bounds: ``auto`` is bfloat16 on an AMX CPU (`cpu_prefers_bf16`)."""
     from target_worker.loader import load_model
 
     torch.set_num_threads(2)

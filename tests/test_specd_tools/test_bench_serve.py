@@ -585,7 +585,7 @@ def test_compare_specd_serve_with_transformers_serve(tiny_hf_dir, tmp_path, caps
         "--compare", str(tiny_hf_dir), "--dataset-name", "random", "--num-prompts", "4",
         "--input-len", "8", "--output-len", "16", "--rounds", "1", "--max-concurrency", "2",
         # float32 for both: two implementations agree on greedy text there, not in bfloat16
-        # (what "auto" is on a CPU with native bf16 dot products), where roundings differ.
+        # (what "auto" is on an AMX CPU), where roundings differ.
         "--dtype", "float32",
         "--specd-cmd", "{python} -m specd_tools.cli serve --model {model} --host 127.0.0.1 "
                        "--port 0 --http-port {port} --shutdown-grace 5 --threads 1 "

@@ -287,8 +287,8 @@ def test_stats_count_forwards_and_tokens():
 
 def test_tiny_random_spec_loads_the_documented_decoder_and_tokenizer():
     decoder, tok = load_model("tiny-random:vocab=40,seed=3,layers=1")
-    # In the machine's default dtype (`resolve_dtype`: bfloat16 where the CPU has native
-    # bfloat16 dot products), cast from the float32 weights the seed draws.
+    # In the machine's default dtype (`resolve_dtype`: bfloat16 where it is the faster
+    # forward), cast from the float32 weights the seed draws.
     want = Decoder.random(ModelConfig.tiny_test(40, n_layers=1), seed=3).to(
         resolve_dtype(None))
     assert decoder.config == want.config

@@ -34,7 +34,7 @@ def dirs(tmp_path_factory):
 def loaded(dirs):
     """{name: (specd float32 decoder, tokenizer, transformers float32 model, 40 prompt ids)}:
     float32 pinned, as the 1e-4 bounds and the float32 references below are float32's ("auto"
-    is bfloat16 on a CPU with native bf16 dot products)."""
+    is bfloat16 on an AMX CPU (`cpu_prefers_bf16`))."""
     out = {}
     for name, d in dirs.items():
         decoder, tokenizer = load_model(d, dtype="float32")

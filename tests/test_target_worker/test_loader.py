@@ -247,3 +247,18 @@ def test_cache_dir_env(monkeypatch, tmp_path):
     assert disk_cache.cache_dir() == tmp_path / "x"
     monkeypatch.delenv("SPECD_CACHE")
     assert disk_cache.cache_dir() == Path.home() / ".cache" / "specd"
+
+
+@pytest.mark.parametrize("flags, dot, prefers", [
+    ("fpu avx2 fma", False, False),                       # AVX2 only: bf16 costs a row a token
+    ("fpu avx512f avx512_bf16", True, False),             # Zen 4: float32 measured faster
+    ("fpu avx512_bf16 amx_bf16 amx_tile", True, True),    # AMX: bfloat16 measured faster
+])
+def test_auto_takes_bfloat16_only_where_it_measured_faster(flags, dot, prefers):
+    from target_worker.loader import cpu_has_bf16_dot, cpu_prefers_bf16
+
+    cpuinfo = f"processor\t: 0\nflags\t\t: {flags}\n"
+    assert cpu_has_bf16_dot(cpuinfo) is dot
+    assert cpu_prefers_bf16(cpuinfo) is prefers
+    assert cpu_prefers_bf16("Features\t: fp asimd bf16\n") is True  # Arm
+    assert cpu_prefers_bf16("") is False

@@ -36,7 +36,7 @@ def two_threads():
 @pytest.fixture(scope="module")
 def loaded():
     """float32, as transformers' reference load and the 1e-3 bounds are ("auto" is
-    bfloat16 on a CPU with native bf16 dot products)."""
+    bfloat16 on an AMX CPU (`cpu_prefers_bf16`))."""
     return load_model(dtype="float32")
 
 

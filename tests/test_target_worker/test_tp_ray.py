@@ -21,8 +21,8 @@ GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=0.8)
 MOE = "tiny-random:vocab=64,seed=1"
 DENSE = "tiny-random:vocab=64,seed=1,dense=1"
-#: The TP-against-TP=1 bounds here are float32's: "auto" is bfloat16 on a CPU with native bf16
-#: dot products, where the sharded sums round differently by far more (and can flip a token).
+#: The TP-against-TP=1 bounds here are float32's: "auto" is bfloat16 on an AMX CPU
+#: (`cpu_prefers_bf16`), where the sharded sums round differently by far more (and can flip a token).
 F32 = "float32"
 
 
