@@ -22,7 +22,8 @@ SAMPLED = SamplingParams(temperature=0.8)
 MOE = "tiny-random:vocab=64,seed=1"
 DENSE = "tiny-random:vocab=64,seed=1,dense=1"
 #: The TP-against-TP=1 bounds here are float32's: "auto" is bfloat16 on an AMX CPU
-#: (`cpu_prefers_bf16`), where the sharded sums round differently by far more (and can flip a token).
+#: (`cpu_prefers_bf16`), where the sharded sums round differently by far more (and can flip
+#: a token).
 F32 = "float32"
 
 
