@@ -209,6 +209,7 @@ class ServeBenchConfig:
     concurrencies: tuple[int | None, ...] = (None,)
     temperature: float = 0.0
     ignore_eos: bool = False
+    extra_body: dict = field(default_factory=dict)
     goodput: dict[str, float] = field(default_factory=dict)
     tokenizer: str | None = None
     warmup: int = 1
@@ -307,7 +308,7 @@ async def send_request(client, model: str, prompt: BenchPrompt, cfg: ServeBenchC
     """Streams one chat completion and times it (`chunk_timing`); never raises for a failed
     request: the outcome says why (``success`` False, ``error``)."""
     out = RequestOutcome(category=prompt.category)
-    extra = {"ignore_eos": True} if cfg.ignore_eos else None
+    extra = {**cfg.extra_body, **({"ignore_eos": True} if cfg.ignore_eos else {})} or None
     constrained = {} if prompt.schema is None else {"response_format": {
         "type": "json_schema",
         "json_schema": {"name": prompt.category or "answer", "schema": prompt.schema,
@@ -464,6 +465,7 @@ def run_record(label: str, rate: float, concurrency: int | None, cfg: ServeBench
         "output_len": cfg.output_len,
         "temperature": cfg.temperature,
         "ignore_eos": cfg.ignore_eos,
+        "extra_body": cfg.extra_body or None,
         "goodput_slos_ms": cfg.goodput or None,
     }
     record.update(compute_metrics(outcomes, duration, cfg.goodput))

@@ -155,6 +155,10 @@ def add_serve_parser(modes) -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos: true (an extra body field specd and vLLM take), so "
                         "every request generates --output-len tokens")
+    p.add_argument("--extra-body", type=parse_extra_body, default={}, metavar="JSON",
+                   help="a JSON object merged into every request's body, e.g. "
+                        "'{\"speculation\": {\"enabled\": false}}' to measure one specd server "
+                        "without drafting on the same prompts")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs for request_goodput: any of ttft:MS tpot:MS e2el:MS")
     p.add_argument("--warmup", type=int, default=1, metavar="N",
@@ -222,9 +226,25 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         seed=args.seed, rates=tuple(args.request_rate), burstiness=args.burstiness,
         concurrencies=tuple(args.max_concurrency or (None,)), temperature=args.temperature,
-        ignore_eos=args.ignore_eos, goodput=parse_goodput(args.goodput or ()),
+        ignore_eos=args.ignore_eos, extra_body=args.extra_body,
+        goodput=parse_goodput(args.goodput or ()),
         tokenizer=args.tokenizer, warmup=args.warmup, request_timeout=args.request_timeout,
         progress_bar=not args.disable_tqdm)
+
+
+def parse_extra_body(text: str) -> dict:
+    """``--extra-body``'s JSON object.
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or not an object (names the flag).
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--extra-body is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--extra-body must be a JSON object, got {text!r}")
+    return value
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:

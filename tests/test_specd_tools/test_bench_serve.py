@@ -272,6 +272,26 @@ def _run(capsys, argv) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+def test_extra_body_reaches_every_request_and_the_record(tmp_path, capsys):
+    rows = [{"prompt": f"w{i} one two"} for i in range(2)]
+    result = tmp_path / "r.json"
+    off = {"speculation": {"enabled": False}}
+    with FakeServer(tokens_per_chunk=4) as fake:
+        code, _out, _err = _run(capsys, [
+            "--base-url", fake.url, "--dataset-name", "custom", "--output-len", "4",
+            "--dataset-path", _dataset(tmp_path, rows), "--ignore-eos",
+            "--extra-body", json.dumps(off), "--result-json", str(result)])
+        bodies = fake.app.state.bodies
+    assert code == 0 and len(bodies) == 3  # the warm-up too
+    for body in bodies:
+        assert body["speculation"] == off["speculation"] and body["ignore_eos"] is True
+    assert json.loads(result.read_text())["extra_body"] == off
+    for bad, why in (("{nope", "not JSON"), ("[1]", "JSON object")):
+        with pytest.raises(SystemExit):
+            _run(capsys, ["--base-url", "http://127.0.0.1:9/v1", "--extra-body", bad])
+        assert why in capsys.readouterr().err
+
+
 def test_a_run_against_a_fake_server_reports_known_counts_and_timing(tmp_path, capsys):
     rows = [{"prompt": f"w{i} one two", "category": "ab"[i % 2]} for i in range(4)]
     result = tmp_path / "r.json"
