@@ -1,16 +1,19 @@
-"""Pipelined vs serial service steps, and the service beside the in-process core, in one run.
+"""Pipelined vs serial vs auto service steps, and the service beside the in-process core, in
+one run.
 
-Two embedded services on one local Ray, identical but for ``pipeline`` (``specd serve`` vs
-``specd serve --no-pipeline``), run the same greedy requests at each stream count, rounds
-interleaved (the order alternates) so machine drift hits both alike; then the in-process core
+Three embedded services on one local Ray, identical but for ``pipeline`` (``specd serve
+--pipeline on``, ``--pipeline off`` and ``--pipeline auto``, which measures both as it runs
+and keeps the faster), run the same greedy requests at each stream count, rounds
+interleaved (the order rotates) so machine drift hits them alike; then the in-process core
 (`speculative_decode_with`, the same drafter, adaptive) runs the 1-stream requests. Printed per
 mode and stream count: aggregate tok/s (median over rounds), and the step budget from the
 replica's own counters over that level, in ms per verification step: waiting for drafts
 before the verify could start, the verify call as the coordinator sees it (transport
 included), prefill calls spread over the steps, and the rest (the rule, bookkeeping, the
 loop); beside it the replica's own compute (forward + rows, prefills included); run-ahead
-hits and misses; the target busy fraction (that compute over the loop's busy time). Greedy
-outputs must be identical in every mode, round and stream (checked).
+hits and misses; the target busy fraction (that compute over the loop's busy time); for auto,
+the steps it ran pipelined / serial at that level. Greedy outputs must be identical in every
+mode, round and stream (checked). ``--modes`` picks a subset.
 
     python benchmarks/pipeline.py                      # tiny model, prompt lookup
     python benchmarks/pipeline.py --model default --drafter eagle+lookup --streams 8 \\
@@ -20,6 +23,7 @@ outputs must be identical in every mode, round and stream (checked).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +34,8 @@ import grpc
 from specd.v1 import generation_pb2, generation_pb2_grpc
 
 PROMPTS = Path(__file__).resolve().parent / "prompts"
+#: ``--modes``: each service's `ServiceConfig` ``pipeline``.
+MODES = {"pipelined": True, "serial": False, "auto": "auto"}
 #: Tiny-model prompts: short (its context is 256 tokens), different per stream.
 TINY_PROMPTS = ("def add(a, b):\n    return a + b\n", "The quick brown fox jumps over",
                 "SELECT name, count(*) FROM users", "for i in range(10):\n    print(i)")
@@ -61,8 +67,20 @@ def _counters(service) -> dict:
     replica = service.status()["replicas"][0]
     keys = ("steps", "active_seconds", "draft_wait_seconds", "target_verify_seconds",
             "target_verify_calls", "target_prefill_seconds", "runahead_hits",
-            "runahead_misses", "tokens_emitted")
+            "runahead_misses", "tokens_emitted", "pipelined_steps", "serial_steps")
     return {k: float(replica.get(k, 0)) for k in keys}
+
+
+def _schedule_costs(service) -> str:
+    """What an auto service's replica measured per bucket of active requests (`Status`'s
+    ``schedule_costs``), ms per committed token pipelined / serial, its choice starred."""
+    replica = service.status()["replicas"][0]
+    cells = []
+    for c in replica.get("schedule_costs", []):
+        p, s = c["pipelined_seconds_per_token"] * 1e3, c["serial_seconds_per_token"] * 1e3
+        cells.append(f"{c['active_requests']} active: {p:.3f}{'*' * (c['best'] == 'pipelined')}"
+                     f" / {s:.3f}{'*' * (c['best'] == 'serial')}")
+    return "; ".join(cells) + f" ({replica.get('schedule_switches', 0)} switches)"
 
 
 def _busy(service) -> float:
@@ -87,6 +105,7 @@ def _budget(before: dict, after: dict, busy: float) -> dict:
         "hits": int(d["runahead_hits"]), "misses": int(d["runahead_misses"]),
         "busy": busy / d["active_seconds"] if d["active_seconds"] else 0.0,
         "tokens_per_step": d["tokens_emitted"] / steps,
+        "pipelined_steps": int(d["pipelined_steps"]), "serial_steps": int(d["serial_steps"]),
     }
 
 
@@ -99,7 +118,12 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--target-threads", type=int, default=1)
+    p.add_argument("--modes", default="pipelined,serial,auto",
+                   help="services to compare, comma separated: pipelined, serial, auto")
     args = p.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        p.error(f"--modes: each of {', '.join(MODES)}, got {args.modes!r}")
 
     from coordinator.config import ServiceConfig
     from coordinator.service import Service, init_embedded_ray
@@ -115,10 +139,10 @@ def main() -> None:
     streams = [int(s) for s in args.streams.split(",")]
     init_embedded_ray()
     services = {}
-    for mode in ("pipelined", "serial"):
+    for mode in modes:
         services[mode] = Service(ServiceConfig(
             model=model, port=0, drafter=args.drafter, target_threads=args.target_threads,
-            pipeline=mode == "pipelined"))
+            pipeline=MODES[mode]))
         services[mode].start()
     rates = {(m, n): [] for m in services for n in streams}
     budgets = {(m, n): [] for m in services for n in streams}
@@ -130,7 +154,8 @@ def main() -> None:
             for n in streams:
                 reqs = [_request(texts[i % len(texts)], args.max_new_tokens, chat)
                         for i in range(n)]
-                order = list(services) if rnd % 2 == 0 else list(services)[::-1]
+                shift = rnd % len(services)
+                order = list(services)[shift:] + list(services)[:shift]
                 for mode in order:
                     service = services[mode]
                     before, busy0 = _counters(service), _busy(service)
@@ -141,6 +166,7 @@ def main() -> None:
                     for i, out in enumerate(outs):
                         ref = reference.setdefault(i % len(texts), out)
                         assert out == ref, f"{mode}, {n} streams: output {i} differs"
+        measured = _schedule_costs(services["auto"]) if "auto" in services else None
     finally:
         for service in services.values():
             service.stop()
@@ -152,7 +178,7 @@ def main() -> None:
           f"median of {args.rounds} rounds, target threads {args.target_threads}")
     print(f"{'mode':10} {'streams':>7} {'tok/s':>8} {'step ms':>8} {'wait':>6} {'verify':>7} "
           f"{'prefill':>8} {'rest':>6} {'compute':>8} {'tok/step':>8} {'hits':>6} "
-          f"{'misses':>6} {'busy':>5}")
+          f"{'misses':>6} {'busy':>5} {'P/S steps':>12}")
     for n in streams:
         for mode in services:
             b = {k: statistics.median(x[k] for x in budgets[mode, n]) for k in budgets[mode, n][0]}
@@ -160,15 +186,19 @@ def main() -> None:
                   f"{b['step_ms']:>8.2f} {b['wait_ms']:>6.2f} {b['verify_ms']:>7.2f} "
                   f"{b['prefill_ms']:>8.2f} {b['rest_ms']:>6.2f} {b['compute_ms']:>8.2f} "
                   f"{b['tokens_per_step']:>8.2f} {b['hits']:>6.0f} {b['misses']:>6.0f} "
-                  f"{b['busy']:>5.2f}")
+                  f"{b['busy']:>5.2f} "
+                  f"{b['pipelined_steps']:>5.0f}/{b['serial_steps']:<6.0f}")
     print()
     for n in streams:
-        ratio = statistics.median(rates["pipelined", n]) / statistics.median(rates["serial", n])
-        print(f"pipelined / serial at {n} stream(s): {ratio:.2f}x")
+        rate = {m: statistics.median(rates[m, n]) for m in services}
+        print(f"at {n} stream(s): " + ", ".join(
+            f"{a} / {b} {rate[a] / rate[b]:.2f}x" for a, b in itertools.combinations(services, 2)))
+    if measured:
+        print(f"auto's measurements, ms per committed token: {measured}")
     if in_process is not None:
-        print(f"in-process core, 1 stream: {in_process:.0f} tok/s; service (pipelined) / "
-              f"in-process: {statistics.median(rates['pipelined', 1]) / in_process:.2f}x, "
-              f"serial / in-process: {statistics.median(rates['serial', 1]) / in_process:.2f}x")
+        print(f"in-process core, 1 stream: {in_process:.0f} tok/s; " + ", ".join(
+            f"{m} / in-process {statistics.median(rates[m, 1]) / in_process:.2f}x"
+            for m in services))
 
 
 def _in_process(model, args, text: str, chat: bool, expected: list[int] | None) -> float:

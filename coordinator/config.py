@@ -13,6 +13,7 @@ from drafter_worker.registry import (
     default_draft_len,
 )
 
+from .schedule import check_pipeline
 from .step_plan import DEFAULT_MAX_BATCHED_TOKENS, ChunkPolicy
 
 #: Upper bound on a replica or drafter count (at start or in one `Router.scale` call): a typo
@@ -83,8 +84,12 @@ class ServiceConfig:
             port; None: off). Needs prometheus_client.
         max_prompt_bytes: refuse prompts over this many UTF-8 bytes before tokenizing; None
             derives it so the context stays reachable (`gateway.default_max_prompt_bytes`).
-        pipeline: draft the next block while the target verifies this one
-            (`coordinator.scheduler`); False keeps the serial step (``--no-pipeline``).
+        pipeline: the step schedule (`coordinator.scheduler`): ``"auto"`` (the default,
+            ``--pipeline auto``) measures the pipelined and the serial step on each replica
+            as it runs and keeps the faster (`coordinator.schedule.ScheduleChooser`); True
+            (``--pipeline on``) always drafts the next block while the target verifies this
+            one; False (``--pipeline off``, ``--no-pipeline``) always the serial step
+            (propose, then verify). The tokens are the same either way.
         drafter_threads: torch threads of each drafter worker (EAGLE's head); None: 1,
             so a drafter beside the target never oversubscribes the cores.
         max_batched_tokens: tokens one replica step feeds at most: verify blocks first, then
@@ -111,8 +116,8 @@ class ServiceConfig:
 
     Raises:
         ValueError: an invalid setting, named (unknown drafter, TLS half configured, bad
-            counts, threads, timeout, dtype, prefill budget, prompt cap, per-peer connection
-            cap or resource name, or
+            counts, threads, timeout, dtype, pipeline, prefill budget, prompt cap, per-peer
+            connection cap or resource name, or
             two of ``port``, ``http_port`` and ``metrics_port`` the same fixed port).
     """
 
@@ -141,7 +146,7 @@ class ServiceConfig:
     auth_tokens_file: str | None = None
     metrics_port: int | None = None
     max_prompt_bytes: int | None = None
-    pipeline: bool = True
+    pipeline: bool | str = "auto"
     drafter_threads: int | None = None
     http_port: int | None = None
     http_max_connections_per_peer: int = 64
@@ -169,6 +174,7 @@ class ServiceConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be a non-empty resource name, got {value!r}")
+        check_pipeline(self.pipeline)
         check_drafter(self.drafter, self.ngram_size, self.max_draft_len, self.drafter_path,
                       self.suffix_cache_requests)
         if self.max_draft_len is None:  # frozen: set the resolved default once, here

@@ -287,6 +287,8 @@ async def _abort_failed(context, exc: BaseException) -> None:
 
 def _replica_proto(r: dict) -> generation_pb2.ReplicaStatus:
     fields = generation_pb2.ReplicaStatus.DESCRIPTOR.fields_by_name
+    r = {**r, "schedule_costs": [generation_pb2.ScheduleCost(**c)
+                                 for c in r.get("schedule_costs", ())]}
     return generation_pb2.ReplicaStatus(**{k: v for k, v in r.items() if k in fields})
 
 

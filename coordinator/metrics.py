@@ -39,6 +39,14 @@ REPLICA_METRICS = (
      "Request-steps whose run-ahead block was stale, mis-guessed, late or failed.", "counter"),
     ("target_busy_fraction", "target_busy_fraction",
      "Replica compute seconds over the seconds it had requests (1: never idle).", "gauge"),
+    # The step schedule (`coordinator.schedule`): chosen by measurement with --pipeline auto.
+    ("pipelined", "pipeline",
+     "1 while the replica's steps run pipelined (drafting the next block during the verify), "
+     "0 while serial.", "gauge"),
+    ("pipelined_steps", "pipelined_steps", "Verification steps run pipelined.", "counter"),
+    ("serial_steps", "serial_steps", "Verification steps run serial.", "counter"),
+    ("schedule_switches", "schedule_switches",
+     "Times the replica's loop changed step schedule (--pipeline auto).", "counter"),
     ("grammar_forced_drafts", "forced_tokens",
      "Draft tokens a constraint forced (drafted by the grammar, always accepted).", "counter"),
     ("grammar_rejected_drafts", "grammar_rejected_tokens",
@@ -141,6 +149,19 @@ class RouterCollector:
                 for row in rows:
                     family.add_metric([row["name"]], float(row[key]))
                 yield family
+        family = GaugeMetricFamily(
+            "specd_replica_schedule_seconds_per_token",
+            "Wall time per committed token an auto-scheduled replica measured for a step "
+            "schedule, by bucket of active requests (its least count).",
+            labels=["replica", "schedule", "active_requests"])
+        for row in status["replicas"]:
+            for cost in row.get("schedule_costs", ()):
+                for schedule in ("pipelined", "serial"):
+                    value = cost[f"{schedule}_seconds_per_token"]
+                    if value:  # 0: not measured yet
+                        family.add_metric([row["name"], schedule,
+                                           str(cost["active_requests"])], value)
+        yield family
         for suffix, key, doc in LATENCY_METRICS:
             family = HistogramMetricFamily("specd_" + suffix, doc, labels=["replica"])
             for row in status["replicas"]:

@@ -182,7 +182,7 @@ class ReplicaScheduler(Scheduler):
 
     def __init__(self, name: str, target: MeteredTarget, drafter, ids: itertools.count,
                  max_active: int = 32, wants_hidden: bool = False, adaptive: bool = False,
-                 cost_model=None, pipeline: bool = False,
+                 cost_model=None, pipeline: bool | str = False,
                  on_failure: Callable[[ReplicaScheduler, list[ServiceRequest]], str | None]
                  | None = None, chunking: ChunkPolicy | None = None,
                  prefix_caching: bool = True, hidden_layers: Sequence[int] = ()):

@@ -51,7 +51,8 @@ _GAUGES = ("active_requests", "prefilling_requests", "waiting_requests", "used_s
            "total_slots")
 _COUNTERS = ("steps", "tokens_generated", "forward_calls", "drafter_failures", "completed",
              "cancelled", "failed", "draft_wait_seconds", "runahead_hits", "runahead_misses",
-             "active_seconds", "forced_tokens", "grammar_rejected_tokens")
+             "active_seconds", "forced_tokens", "grammar_rejected_tokens", "pipelined_steps",
+             "serial_steps", "schedule_switches")
 
 
 class Router(Supervision):
@@ -78,7 +79,8 @@ class Router(Supervision):
             that died while idle, seconds; None: only on `refresh` and `scale`.
         restart_delay_s: wait after a failed re-creation attempt (doubling, at most
             `coordinator.supervisor.MAX_RESTART_DELAY_S`), seconds.
-        pipeline: pipelined drafting in every replica's loop (`Scheduler` ``pipeline``).
+        pipeline: every replica loop's step schedule (`Scheduler` ``pipeline``: True,
+            False or ``"auto"``, each replica measuring for itself).
         chunking, prefix_caching: every replica loop's chunked prefill policy and prefix
             reuse (`Scheduler`).
     """
@@ -88,7 +90,7 @@ class Router(Supervision):
                  drafter_pool: DrafterPool | None = None, adaptive: bool = True,
                  cost_model=None, target_timeout_s: float | None = None,
                  probe_interval_s: float | None = 5.0, restart_delay_s: float = 1.0,
-                 pipeline: bool = False, chunking: ChunkPolicy | None = None,
+                 pipeline: bool | str = False, chunking: ChunkPolicy | None = None,
                  prefix_caching: bool = True, stall_factor: float = STALL_FACTOR,
                  stall_floor_s: float = STALL_FLOOR_S):
         if target_timeout_s is not None and not target_timeout_s > 0:
@@ -207,7 +209,12 @@ class Router(Supervision):
         drafts before its verify could start), ``runahead_hits`` / ``runahead_misses``, and
         ``target_busy_fraction``: the replica's own compute seconds (forward and rows, from
         its last ``status()``) over the seconds this loop had requests admitting or decoding,
-        at most 1 (what coordination leaves idle is the rest). Long prompts:
+        at most 1 (what coordination leaves idle is the rest). The step schedule
+        (`coordinator.schedule`): ``pipeline`` (the current step's is pipelined),
+        ``pipeline_mode`` (``auto``, ``on`` or ``off``), ``pipelined_steps`` /
+        ``serial_steps`` / ``schedule_switches``, and ``schedule_costs`` (with ``auto``: per
+        active-request bucket measured, seconds per committed token of each schedule,
+        `ScheduleChooser.status`). Long prompts:
         ``prefilling_requests``, ``ttft_p50_seconds`` / ``ttft_p90_seconds``,
         ``itl_p50_seconds`` / ``itl_p90_seconds`` and ``prefill_p50_seconds`` over the
         latest requests (`coordinator.latency`), and the replica's prefix reuse counters
@@ -215,6 +222,7 @@ class Router(Supervision):
         ``warm_bytes``: `target_worker.engine.TargetEngine.stats`) from its last
         ``status()``."""
         s = replica.scheduler.status()
+        schedule = s.pop("schedule")
         latency = replica.scheduler.latency
         m = replica.target.stats
         steps = m["verify_calls"]
@@ -241,6 +249,12 @@ class Router(Supervision):
             "target_busy_fraction": (min(1.0, busy / s["active_seconds"])
                                      if s["active_seconds"] else 0.0),
             "pipeline": replica.scheduler.pipeline,
+            "pipeline_mode": schedule["mode"],
+            "schedule_costs": [
+                {"active_requests": c["active"],
+                 "pipelined_seconds_per_token": c["pipelined"],
+                 "serial_seconds_per_token": c["serial"], "best": c["best"]}
+                for c in schedule["costs"]],
             **{f"{name}_p{q}_seconds": getattr(latency, name).quantile(q / 100)
                for name, q in (("ttft", 50), ("ttft", 90), ("itl", 50), ("itl", 90),
                                ("prefill", 50))},

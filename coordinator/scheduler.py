@@ -32,6 +32,14 @@ commits more tokens per second; both are lossless. Drafting never touches a requ
 generator, so seeded output with a point-mass drafter (prompt lookup) is the same pipelined or
 not.
 
+Chosen by measurement (``pipeline="auto"``, the service's default: which is faster depends on
+the machine and its load): `coordinator.schedule.ScheduleChooser` picks each step's
+schedule from the measured wall time per committed token of each, per replica, as it runs.
+Since both commit the same tokens, the loop may switch at any step boundary: a switch to
+serial waits for the run-aheads still in flight (one drafter call per request id at a time)
+and drops them unread, as a pipelined step drops stale ones; a switch to pipelined starts
+with no run-ahead, so its first step drafts fresh.
+
 A failure stays with its request: an exception while handling one request (slot allocation,
 building its items, `DecodeRequest.on_prefill` / ``on_verify``, the rule, stop-string
 detokenizing) fails that request alone with a `coordinator.errors.RequestError` on its queue,
@@ -73,6 +81,7 @@ from .errors import (
     literal,
 )
 from .latency import LatencyHistograms
+from .schedule import PIPELINED, SERIAL, ScheduleChooser, check_pipeline
 from .step_plan import ChunkPolicy, plan_prefill_chunks
 from .supervisor import ReplicaFailed
 
@@ -202,6 +211,11 @@ class SchedulerStats:
     #: (stale, wrong guess, late or failed).
     runahead_hits: int = 0
     runahead_misses: int = 0
+    #: Verification steps run pipelined / serial (their sum is ``steps``), and switches
+    #: between the two (``pipeline="auto"``).
+    pipelined_steps: int = 0
+    serial_steps: int = 0
+    schedule_switches: int = 0
     #: Seconds a step or a prefill was in progress (the target busy fraction's
     #: denominator: the replica's compute seconds over this).
     active_seconds: float = 0.0
@@ -236,8 +250,10 @@ class Scheduler(DraftingPolicy):
             the adaptive choice never asks for more.
         hidden_dtype: the dtype requests keep hidden rows in (float16: what the wire
             carries; the in-process path keeps float32, what the target computes).
-        pipeline: draft the next block while the target verifies this one (see the module
-            docstring); False: the serial step (propose, then verify). Output is the same.
+        pipeline: True: draft the next block while the target verifies this one (see the
+            module docstring); False: the serial step (propose, then verify); ``"auto"``:
+            each step's schedule chosen by measurement (``schedule_chooser``). Output is the
+            same. Without a drafter every step is serial.
         chunking: how a step shares its forward between verify blocks and prefill chunks
             (`coordinator.step_plan.ChunkPolicy`; default: whole prompts, no budget).
         prefix_caching: start a prompt from the target's warm slot sharing its longest prefix
@@ -245,20 +261,34 @@ class Scheduler(DraftingPolicy):
             drafter wants hidden rows (a reused prefix has none) or that continues a
             context (``start_pos``). Output is the same either way. Looked up, and kept
             warm, in the request's ``partition`` only.
+        schedule_chooser: the `ScheduleChooser` of ``pipeline="auto"`` (default: a new one
+            with its defaults; tests inject one with their own clock).
+
+    Raises:
+        ValueError: ``pipeline`` not True, False or ``"auto"``.
     """
 
     def __init__(self, target: Target, drafter=None, max_active: int = 32,
                  wants_hidden: bool = False, adaptive: bool = True,
                  cost_model: ForwardCostModel | None = None,
                  drafter_max_len: int | None = None,
-                 hidden_dtype: torch.dtype = torch.float16, pipeline: bool = False,
+                 hidden_dtype: torch.dtype = torch.float16, pipeline: bool | str = False,
                  chunking: ChunkPolicy | None = None, prefix_caching: bool = True,
-                 hidden_layers: Sequence[int] = ()):
+                 hidden_layers: Sequence[int] = (),
+                 schedule_chooser: ScheduleChooser | None = None):
+        #: The configured schedule: True, False or "auto".
+        self.pipeline_mode = check_pipeline(pipeline)
         self.target = target
         self.chunking = chunking or ChunkPolicy()
         self.prefix_caching = prefix_caching
         self.latency = LatencyHistograms()
-        self.pipeline = pipeline and drafter is not None
+        #: Measures and picks the schedule (``pipeline="auto"`` with a drafter), else None.
+        self.schedule_chooser = None if pipeline != "auto" or drafter is None else (
+            schedule_chooser if schedule_chooser is not None else ScheduleChooser())
+        #: The schedule of the current (or next) step: pipelined when True.
+        self.pipeline = drafter is not None and (
+            pipeline is True or (self.schedule_chooser is not None
+                                 and self.schedule_chooser.current == PIPELINED))
         self.drafter = drafter
         self.max_active = max_active
         self.wants_hidden = wants_hidden and drafter is not None
@@ -292,6 +322,8 @@ class Scheduler(DraftingPolicy):
         self.remember_outputs = False
         #: Drafter releases in flight (`settle_drafter` waits for them).
         self._releasing: set[asyncio.Task] = set()
+        #: The schedule just switched to serial: the next step drops run-aheads first.
+        self._leaving_pipelined = False
 
     # ---- public ----
 
@@ -351,8 +383,22 @@ class Scheduler(DraftingPolicy):
             "used_slots": self._slots_held,
             "total_slots": self.max_active,
             **vars(self.stats),
+            "schedule": self.schedule_status(),
             "latency": self.latency.snapshot(),
         }
+
+    def schedule_status(self) -> dict:
+        """``mode`` (``"auto"``, ``"on"`` or ``"off"``; ``"off"`` without a drafter),
+        ``schedule`` (``"pipelined"`` or ``"serial"``: the current step's), and with
+        ``"auto"`` the chooser's ``switches``, ``windows`` and ``costs``
+        (`ScheduleChooser.status`)."""
+        mode = "off" if self.drafter is None else {True: "on", False: "off"}.get(
+            self.pipeline_mode, "auto")
+        out = {"mode": mode, "schedule": PIPELINED if self.pipeline else SERIAL,
+               "switches": 0, "windows": 0, "costs": []}
+        if self.schedule_chooser is not None:
+            out.update(self.schedule_chooser.status())
+        return out
 
     async def run_until_idle(self, after_step: Callable[[], None] | None = None) -> None:
         """Steps until no request is waiting or decoding, on the caller's task (the
@@ -455,7 +501,12 @@ class Scheduler(DraftingPolicy):
         await self._drop_cancelled()
         if not self.active and not self._admitting:
             return
+        chooser = self.schedule_chooser
+        if chooser is not None and self.active:  # a step boundary: the schedule may change
+            self._set_pipeline(chooser.schedule(len(self.active)) == PIPELINED)
         began = time.perf_counter()
+        clock0 = chooser.clock() if chooser is not None else 0.0
+        outcome = None
         try:
             active = list(self.active)
             if not active:
@@ -463,11 +514,43 @@ class Scheduler(DraftingPolicy):
             elif self.pipeline:
                 drafts = await self._pipelined_drafts(active)
             else:
+                if self._leaving_pipelined:
+                    self._leaving_pipelined = False
+                    await self._drop_run_aheads(active)
                 drafts = await self._propose(active)
                 self.stats.draft_wait_seconds += time.perf_counter() - began
-            await self._execute(active, drafts)
+            outcome = await self._execute(active, drafts)
         finally:
             self.stats.active_seconds += time.perf_counter() - began
+        if chooser is not None and outcome is not None:
+            committed, verified, prefill = outcome
+            chooser.record(chooser.clock() - clock0, committed, verified, prefill)
+
+    def _set_pipeline(self, pipelined: bool) -> None:
+        """Switches the schedule at a step boundary (a serial step then drops the run-aheads
+        in flight: `_drop_run_aheads`)."""
+        if pipelined != self.pipeline:
+            self.pipeline = pipelined
+            self._leaving_pipelined = not pipelined
+            self.stats.schedule_switches += 1
+
+    async def _drop_run_aheads(self, active: list[ServiceRequest]) -> None:
+        """Before a serial step after pipelined ones: waits for the run-ahead calls of
+        ``active`` still in flight (the drafter takes one call per request id at a time)
+        and drops every run-ahead unread. Tokens are unaffected: a run-ahead never changes
+        the drafter's view of a request (it only assumes), and is used only on an exact
+        hit anyway."""
+        pending = {r.ahead.task for r in active
+                   if r.ahead is not None and not r.ahead.task.done()}
+        for req in active:
+            req.ahead = None
+            req.chose_no_draft = False
+            if req.adaptive is not None:  # pipelined steps never close it (serial ones do)
+                req.adaptive.awaiting_update = False
+        if pending:
+            began = time.perf_counter()
+            await asyncio.wait(pending)
+            self.stats.draft_wait_seconds += time.perf_counter() - began
 
     def _prefill_items(self, verify_tokens: int) -> tuple[list[ServiceRequest], list]:
         """This step's prompt chunks (`plan_prefill_chunks` under the chunk policy): the
@@ -504,11 +587,15 @@ class Scheduler(DraftingPolicy):
                 req.prefill_started_at = now
         return owners, items
 
-    async def _execute(self, active: list[ServiceRequest], drafts: list[DraftBlock]) -> None:
+    async def _execute(self, active: list[ServiceRequest], drafts: list[DraftBlock]
+                       ) -> tuple[int, int, bool] | None:
         """One target call for the step: a verify block per decoding request (``drafts``,
         one per request) and the prompt chunks the plan gives (`_prefill_items`), in one
         packed forward; then the rule per verified request and the chunks' bookkeeping.
-        When pipelined, each request's run-ahead is launched while the forward runs."""
+        When pipelined, each request's run-ahead is launched while the forward runs.
+
+        Returns (tokens the verify blocks committed, requests verified, whether prompt
+        chunks shared the forward), or None when nothing was verified."""
         from target_worker.engine import VerifyItem
 
         batch, items = [], []
@@ -534,7 +621,7 @@ class Scheduler(DraftingPolicy):
         verify_tokens = sum(len(item.tokens) for item in items)
         prefilling, chunk_items = self._prefill_items(verify_tokens)
         if not batch and not prefilling:
-            return
+            return None
         # Requests whose adaptive choice was to verify this step undrafted (recorded below,
         # so acceptance unknown there fades to the prior); `_run_ahead` sets the flag anew.
         chose_none = {r for r, d in batch if r.chose_no_draft and not len(d)}
@@ -553,18 +640,25 @@ class Scheduler(DraftingPolicy):
             self.cost_model.observe(verify_tokens, time.perf_counter() - began)
         await self._prefilled(prefilling, chunk_items, outputs[len(batch):])
         if not batch:
-            return
+            return None
         outputs = outputs[:len(batch)]
         self.stats.steps += 1
+        if self.pipeline:
+            self.stats.pipelined_steps += 1
+        else:
+            self.stats.serial_steps += 1
+        committed = 0
         still = []
         for (req, draft), out in zip(batch, outputs, strict=True):
             if out is None:  # failed with its call
                 continue
             try:
                 result = req.decode.result
+                generated_before = len(req.decode.generated)
                 accepted_before = result.accepted_tokens
                 forced, refused = result.forced_tokens, result.grammar_rejected_tokens
                 req.decode.on_verify(draft, out.rows, out.hidden, out.logprobs)
+                committed += len(req.decode.generated) - generated_before
                 accepted = result.accepted_tokens - accepted_before
                 self.stats.forced_tokens += result.forced_tokens - forced
                 self.stats.grammar_rejected_tokens += result.grammar_rejected_tokens - refused
@@ -584,6 +678,7 @@ class Scheduler(DraftingPolicy):
         # Requests whose last prompt chunk was in this step joined `active` in `_prefilled`:
         # they verify from the next step on.
         self.active = still + [r for r in self.active if r not in active]
+        return committed, len(batch), bool(prefilling)
 
     async def _prefilled(self, requests: list[ServiceRequest], items: list,
                          outputs: list) -> None:

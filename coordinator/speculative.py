@@ -42,7 +42,7 @@ def speculative_decode_with(
     options: SpeculativeOptions,
     on_tokens: Callable[[list[int]], None] | None = None,
     adaptive: AdaptiveDraftLength | None = None,
-    pipeline: bool = False,
+    pipeline: bool | str = False,
     fallback_threads: int | None = None,
 ) -> SpeculativeDecodeResult:
     """Generates up to ``options.max_new_tokens`` tokens with speculative decoding.
@@ -69,15 +69,16 @@ def speculative_decode_with(
             without it (`specd_core.rule`), with a sampling drafter it is identically
             distributed.
         pipeline: run the service's pipelined drafting schedule (`coordinator.scheduler`)
-            in process; the drafter runs on this thread, so nothing overlaps, but the
-            tokens are the same: this is how the losslessness tests reach that code.
+            in process (True), or choose it by measurement (``"auto"``); the drafter runs on
+            this thread, so nothing overlaps, but the tokens are the same: this is how the
+            losslessness tests reach that code.
         fallback_threads: torch threads a forward runs on instead of the caller's where they
             measure cheaper (None: always the caller's; `TargetEngine`).
 
     Raises:
-        ValueError: empty prompt, ``start_pos != cache.seq_len``, or prompt +
-            ``max_new_tokens`` beyond the model's context. Any error that fails the request
-            inside the loop is raised as it was raised there.
+        ValueError: empty prompt, ``start_pos != cache.seq_len``, prompt +
+            ``max_new_tokens`` beyond the model's context, or a bad ``pipeline``. Any error
+            that fails the request inside the loop is raised as it was raised there.
     """
     if options.start_pos != cache.seq_len:
         raise ValueError(

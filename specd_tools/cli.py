@@ -33,12 +33,14 @@ from specd_core.text import TextStream, encode_prompt
 from .bench.cli import add_bench_parser
 from .flags import AUTH_HELP, MODEL_HELP, port, positive_int, show_defaults
 from .generate import (
+    PIPELINE_CHOICES,
     GenerateOptions,
     constraint_spec,
     embedded_service_config,
     generate_request,
     in_process_fallback_threads,
     in_process_threads,
+    pipeline_setting,
     prefill_config,
     server_flags_refused,
 )
@@ -134,6 +136,9 @@ def _generate_in_process(args: argparse.Namespace, options: GenerateOptions) -> 
     sampling = o.sampling()
     check_drafter(o.drafter, o.ngram_size, o.max_draft_len, o.drafter_path,
                   o.suffix_cache_requests)
+    # In process the drafter runs on the loop's thread: nothing overlaps the forward, so
+    # "auto" is the serial step (measuring would only spend pipelined windows finding that).
+    pipelined = pipeline_setting(o) is True
     import torch
 
     torch.set_num_threads(o.target_threads or in_process_threads())
@@ -189,6 +194,7 @@ def _generate_in_process(args: argparse.Namespace, options: GenerateOptions) -> 
     start = time.perf_counter()
     result = speculative_decode_with(decoder, prompt, decoder.new_cache(), drafter, options,
                                      on_tokens=on_tokens, adaptive=adaptive,
+                                     pipeline=pipelined,
                                      fallback_threads=fallback)
     seconds = time.perf_counter() - start
     tail = stream.flush()  # never ends inside a UTF-8 character
@@ -353,7 +359,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=_serve_tokens(args), admin_token=args.admin_token or None,
         auth_tokens_file=args.auth_tokens_file,
-        max_prompt_bytes=args.max_prompt_bytes, pipeline=not args.no_pipeline,
+        max_prompt_bytes=args.max_prompt_bytes, pipeline=pipeline_setting(args),
         http_port=args.http_port,
         http_max_connections_per_peer=args.http_max_connections_per_peer,
         **prefill_config(args),
@@ -705,9 +711,15 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
                    action="store_true",
                    help="draft --max-draft-len every step instead of choosing the length "
                         "(0 included) from measured step cost and running acceptance")
-    p.add_argument("--no-pipeline", action="store_true",
-                   help="the serial service step (propose, then verify) instead of drafting "
-                        "the next block while the target verifies this one")
+    schedule = p.add_mutually_exclusive_group()
+    schedule.add_argument("--pipeline", choices=PIPELINE_CHOICES, default=d.pipeline,
+                          help="the service's step schedule: 'on' drafts the next block while "
+                               "the target verifies this one, 'off' is the serial step "
+                               "(propose, then verify), 'auto' (default) measures both on each "
+                               "replica as it runs and keeps the faster (--in-process: auto is "
+                               "off, nothing overlaps there); the tokens are the same")
+    schedule.add_argument("--no-pipeline", action="store_true",
+                          help="the same as --pipeline off")
     p.add_argument("--max-batched-tokens", type=int, default=d.max_batched_tokens,
                    metavar="N",
                    help="tokens one replica step feeds at most: verify blocks first, then "

@@ -157,8 +157,10 @@ def _table(headers: list[str], rows: list[list]) -> list[str]:
 def status_table(status: generation_pb2.StatusResponse) -> str:
     """A readable summary: the service line, then a replica table and a drafter table.
     ``tok/step`` is tokens emitted per verification step: the mean acceptance length with
-    the bonus token (1.0 without drafts). Drafters with a cross-request cache (suffix
-    decoding) add its outputs, approximate MB and global hit rate (`_cache_cells`)."""
+    the bonus token (1.0 without drafts); ``schedule`` is the step schedule now, prefixed
+    ``auto:`` where the replica chooses it by measurement, whose measurements follow the
+    table (`_schedule_lines`). Drafters with a cross-request cache (suffix decoding) add its
+    outputs, approximate MB and global hit rate (`_cache_cells`)."""
     s = status
     per_step = s.tokens_generated / s.steps if s.steps else 0.0
     lines = [
@@ -170,18 +172,19 @@ def status_table(status: generation_pb2.StatusResponse) -> str:
     ]
     lines += _table(
         ["replica", "node", "state", "tp", "active", "prefill", "waiting", "slots", "tok/s",
-         "tok/step", "step ms", "ttft p50/p90 ms", "itl p50 ms", "prefix hits",
+         "tok/step", "step ms", "schedule", "ttft p50/p90 ms", "itl p50 ms", "prefix hits",
          "warm pos/MB", "tokens",
          "restarts", "failed"],
         [[r.name, r.node or "-", r.state, r.tp, r.active_requests, r.prefilling_requests,
           r.waiting_requests,
           f"{r.used_slots}/{r.total_slots}", f"{r.tokens_per_second:.1f}",
           f"{r.tokens_emitted / r.steps:.2f}" if r.steps else "-",
-          f"{r.step_seconds * 1e3:.1f}",
+          f"{r.step_seconds * 1e3:.1f}", _schedule_cell(r),
           f"{r.ttft_p50_seconds * 1e3:.0f}/{r.ttft_p90_seconds * 1e3:.0f}",
           f"{r.itl_p50_seconds * 1e3:.0f}", f"{r.prefix_hits}/{r.prefix_queries}",
           f"{r.warm_positions}/{r.warm_bytes / 1e6:.1f}", r.tokens_emitted, r.restarts, r.failed]
          for r in s.replicas]) or ["(no replicas)"]
+    lines += _schedule_lines(s.replicas)
     lines.append("")
     if s.drafters:
         headers = ["drafter", "node", "state", "calls", "errors", "mean ms", "requests",
@@ -203,6 +206,38 @@ def status_table(status: generation_pb2.StatusResponse) -> str:
                         [[t.name, t.requests, t.prompt_tokens, t.generation_tokens]
                          for t in named])
     return "\n".join(lines)
+
+
+def _schedule_cell(r: generation_pb2.ReplicaStatus) -> str:
+    """The replica's step schedule now (``pipelined`` / ``serial``), ``auto:`` before it when
+    it is chosen by measurement."""
+    now = "pipelined" if r.pipeline else "serial"
+    return f"auto:{now}" if r.pipeline_mode == "auto" else now
+
+
+def _schedule_lines(replicas) -> list[str]:
+    """One line per auto-scheduled replica that measured something: its switches and steps
+    per schedule, then per active-request bucket the wall time per committed token of each
+    schedule (ms; ``-`` not measured yet), the better one starred."""
+    lines = []
+    for r in replicas:
+        if r.pipeline_mode != "auto" or not r.schedule_costs:
+            continue
+        cells = []
+        for c in r.schedule_costs:
+            p = "-" if not c.pipelined_seconds_per_token else \
+                f"{c.pipelined_seconds_per_token * 1e3:.3f}"
+            q = "-" if not c.serial_seconds_per_token else \
+                f"{c.serial_seconds_per_token * 1e3:.3f}"
+            star_p, star_s = ("*", "") if c.best == "pipelined" else \
+                ("", "*") if c.best == "serial" else ("", "")
+            cells.append(f"{c.active_requests}: {p}{star_p} / {q}{star_s}")
+        lines.append(f"schedule of {r.name}: {r.schedule_switches} switches, "
+                     f"{r.pipelined_steps} pipelined / {r.serial_steps} serial steps; ms per "
+                     f"token pipelined / serial by active requests: {'; '.join(cells)}")
+    if lines:
+        lines.insert(0, "")
+    return lines
 
 
 def _cache_cells(d: generation_pb2.DrafterStatus) -> list[str]:

@@ -23,6 +23,8 @@ __all__ = [
     "generate_request",
     "in_process_fallback_threads",
     "in_process_threads",
+    "PIPELINE_CHOICES",
+    "pipeline_setting",
     "prefill_config",
     "server_flags_refused",
 ]
@@ -68,6 +70,7 @@ class GenerateOptions:
     ngram_size: int = DEFAULT_NGRAM_SIZE
     max_draft_len: int | None = None
     no_adaptive: bool = False
+    pipeline: str = "auto"
     no_pipeline: bool = False
     max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS
     max_partial_prefills: int = 1
@@ -140,7 +143,7 @@ def constraint_spec(options: GenerateOptions):
 #: ``specd generate`` flags (their destinations) that configure the service a request runs
 #: on, not the request: refused with ``--server`` (`server_flags_refused`), whose service
 #: has its own.
-SERVICE_FLAGS = ("model", "dtype", "no_pipeline", "no_adaptive", "ngram_size",
+SERVICE_FLAGS = ("model", "dtype", "pipeline", "no_pipeline", "no_adaptive", "ngram_size",
                  "max_batched_tokens", "max_partial_prefills", "no_prefix_caching",
                  "drafter_path", "suffix_cache_requests", "target_threads")
 
@@ -215,9 +218,30 @@ def embedded_service_config(options):
         ngram_size=options.ngram_size,
         max_draft_len=options.max_draft_len, adaptive=not options.no_adaptive,
         drafter_path=options.drafter_path, target_threads=options.target_threads,
-        pipeline=not options.no_pipeline,
+        pipeline=pipeline_setting(options),
         suffix_cache_requests=getattr(options, "suffix_cache_requests", None),
         **prefill_config(options))
+
+
+#: ``--pipeline``'s values: the `ServiceConfig` ``pipeline`` each stands for.
+_PIPELINE = {"auto": "auto", "on": True, "off": False}
+PIPELINE_CHOICES = tuple(_PIPELINE)
+
+
+def pipeline_setting(options) -> bool | str:
+    """The `ServiceConfig` ``pipeline`` of ``--pipeline {auto,on,off}`` and its alias
+    ``--no-pipeline`` (off) in ``options`` (`GenerateOptions` or parsed flags): ``"auto"``,
+    True or False.
+
+    Raises:
+        ValueError: a ``pipeline`` other than auto, on or off, naming ``--pipeline``.
+    """
+    if getattr(options, "no_pipeline", False):
+        return False
+    value = getattr(options, "pipeline", "auto")
+    if value not in _PIPELINE:
+        raise ValueError(f"--pipeline must be auto, on or off, got {value!r}")
+    return _PIPELINE[value]
 
 
 def prefill_config(options) -> dict:

@@ -60,10 +60,10 @@ class Eagle3TrainConfig:
     ttt_steps: int = 4
     step_decay: float = 0.8
     epochs: float = 2.0
-    batch_tokens: int = 4096
+    batch_tokens: int = 2048
     max_len: int = 512
-    lr: float = 6e-4
-    warmup_steps: int = 100
+    lr: float = 2e-3
+    warmup_steps: int = 30
     min_lr_ratio: float = 0.05
     weight_decay: float = 0.0
     grad_clip: float = 0.5
@@ -355,7 +355,10 @@ def train(cfg: Eagle3TrainConfig, progress: bool = True) -> dict:
     lm = decoder.head_weight() if hasattr(decoder, "head_weight") else decoder.lm_head.weight
     lm = lm.detach().float()
     with torch.no_grad():
+        # The target's own head as the start: an output equal to the target's last stream
+        # then predicts what the target predicts (its final norm's weight included).
         head.lm_head.weight.copy_(lm[head.vocab_ids])
+        head.norm.weight.copy_(decoder.norm.weight.detach().float())
     teacher = Teacher(decoder.norm.weight.detach(), tc.rms_norm_eps, lm[head.vocab_ids])
     in_vocab = head.t2d.clone()
     data_stats = {

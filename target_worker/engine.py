@@ -15,7 +15,6 @@ active or prefilling. Pure torch: the Ray actor
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -23,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from specd_core.choice import MeasuredChoice
 from specd_core.grammar import apply_token_bitmask, bitmask_width
 from specd_core.logprobs import commit_candidates, row_logprobs
 from specd_core.rule import compact_rows, target_rows
@@ -61,9 +61,10 @@ THREAD_CHOICE_MARGIN = 0.15
 THREAD_RETRY_ABOVE = 0.3
 
 
-class ThreadChooser:
+class ThreadChooser(MeasuredChoice):
     """Chooses torch threads for one kind of step from their measured seconds per token (or
-    per step: `record`'s ``tokens``).
+    per step: `record`'s ``tokens``): a `specd_core.choice.MeasuredChoice` over thread counts,
+    the process's count first.
 
     More threads pay only while every thread has a core: OpenMP threads spin-wait for each
     other, so beside one busy process 2 threads on 2 cores ran SmolLM2 prompt chunks 2x
@@ -102,55 +103,9 @@ class ThreadChooser:
                  alpha: float = 0.3, warmup: int = 1, margin: float = 0.0,
                  retry_above: float | None = None,
                  max_explore_every: int | None = None) -> None:
-        self.options = tuple(dict.fromkeys(options))
-        self.explore_every = explore_every
-        self.alpha = alpha
-        self.margin = margin
-        self.retry_above = retry_above
-        self.max_explore_every = max(explore_every, max_explore_every or explore_every)
-        self._interval = explore_every
-        self._next_explore = explore_every
-        self._best: int | None = None
-        #: The least EMA cost the first option has had.
-        self._floor: float | None = None
-        #: Seconds per token by thread count (EMA), for the options measured so far.
-        self.cost: dict[int, float] = {}
-        self._steps = 0
-        self._unbooked = dict.fromkeys(self.options, warmup)
-
-    def pick(self) -> int:
-        """Threads for the next step: an unmeasured option first (until its warm-up steps are
-        done and one time is booked), else the cheapest, else (every ``explore_every``-th
-        step) the next other option in turn."""
-        self._steps += 1
-        for option in self.options:
-            if option not in self.cost:
-                return option
-        first = self.options[0]
-        best = min(self.options, key=lambda o: self.cost[o] / (
-            1.0 if o == first else 1.0 - self.margin))
-        if best != self._best:  # a new best: explore at the base rate again
-            self._best, self._interval = best, self.explore_every
-            self._next_explore = self._steps + self.explore_every
-        settled = (self.retry_above is not None and best == first
-                   and self.cost[first] <= self._floor * (1.0 + self.retry_above))
-        if len(self.options) > 1 and not settled and self._steps >= self._next_explore:
-            others = [o for o in self.options if o != best]
-            self._next_explore = self._steps + self._interval
-            self._interval = min(2 * self._interval, self.max_explore_every)
-            return others[(self._steps // self.explore_every) % len(others)]
-        return best
-
-    def record(self, threads: int, seconds: float, tokens: int) -> None:
-        """Books a step of ``tokens`` tokens that took ``seconds`` on ``threads`` threads."""
-        if self._unbooked.get(threads, 0) > 0:
-            self._unbooked[threads] -= 1
-            return
-        rate = seconds / max(tokens, 1)
-        old = self.cost.get(threads)
-        self.cost[threads] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
-        if threads == self.options[0]:
-            self._floor = min(self.cost[threads], self._floor or math.inf)
+        super().__init__(options, explore_every=explore_every, alpha=alpha, warmup=warmup,
+                         margin=margin, retry_above=retry_above,
+                         max_explore_every=max_explore_every)
 
 
 class _Slot:

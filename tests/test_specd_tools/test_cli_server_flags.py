@@ -61,6 +61,7 @@ def capture(monkeypatch):
     (["--model", TINY], "--model"),
     (["--dtype", "auto"], "--dtype"),  # given, even at the default's value
     (["--no-pipeline"], "--no-pipeline"),
+    (["--pipeline", "on"], "--pipeline"),
     (["--no-adaptive"], "--no-adaptive"),
     (["--threads", "1"], "--threads"),
     (["--suffix-cache-requests", "4"], "--suffix-cache-requests"),
