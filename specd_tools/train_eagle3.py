@@ -56,6 +56,7 @@ class Eagle3TrainConfig:
     data_dir: str
     val_dir: str
     model: str | None = None
+    init: str | None = None  # a head directory to continue from (its draft vocabulary too)
     draft_vocab: int = 8192
     ttt_steps: int = 4
     step_decay: float = 0.8
@@ -348,17 +349,28 @@ def train(cfg: Eagle3TrainConfig, progress: bool = True) -> dict:
     if layers[-1] != tc.n_layers or len(aux_layers) != 3:
         raise ValueError(f"the data holds layers {list(layers)}: EAGLE-3 needs 3 aux layers "
                          f"and the last layer's output ({tc.n_layers})")
-    ids = choose_draft_vocab(train_data, cfg.draft_vocab, tc.vocab_size)
-    config = Eagle3Config.for_target(tc, draft_vocab_size=ids.numel(), aux_layers=aux_layers)
-    head = Eagle3Head.random(config, seed=cfg.seed, draft_vocab=ids)
-    head.set_target_embedding(decoder.embed_tokens.weight)
     lm = decoder.head_weight() if hasattr(decoder, "head_weight") else decoder.lm_head.weight
     lm = lm.detach().float()
-    with torch.no_grad():
-        # The target's own head as the start: an output equal to the target's last stream
-        # then predicts what the target predicts (its final norm's weight included).
-        head.lm_head.weight.copy_(lm[head.vocab_ids])
-        head.norm.weight.copy_(decoder.norm.weight.detach().float())
+    if cfg.init:
+        # Continue a head (its weights and draft vocabulary), e.g. on more data.
+        from drafter_worker.eagle3 import load_eagle3
+
+        head = load_eagle3(cfg.init, tc)[0].float()
+        if tuple(head.config.aux_layers) != tuple(aux_layers):
+            raise ValueError(f"init: the head reads layers {list(head.config.aux_layers)}, "
+                             f"the data holds {list(aux_layers)}")
+        ids = head.vocab_ids
+    else:
+        ids = choose_draft_vocab(train_data, cfg.draft_vocab, tc.vocab_size)
+        config = Eagle3Config.for_target(tc, draft_vocab_size=ids.numel(),
+                                         aux_layers=aux_layers)
+        head = Eagle3Head.random(config, seed=cfg.seed, draft_vocab=ids)
+        with torch.no_grad():
+            # The target's own head as the start: an output equal to the target's last
+            # stream then predicts what the target predicts (its final norm's weight too).
+            head.lm_head.weight.copy_(lm[head.vocab_ids])
+            head.norm.weight.copy_(decoder.norm.weight.detach().float())
+    head.set_target_embedding(decoder.embed_tokens.weight)
     teacher = Teacher(decoder.norm.weight.detach(), tc.rms_norm_eps, lm[head.vocab_ids])
     in_vocab = head.t2d.clone()
     data_stats = {
@@ -478,7 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in asdict(Eagle3TrainConfig(out="", data_dir="", val_dir="")).items():
         if name in ("out", "data_dir", "val_dir", "extra"):
             continue
-        kind = type(value) if value is not None else str
+        if isinstance(value, bool):
+            kind = lambda text: text.lower() in ("1", "true", "yes", "on")  # noqa: E731
+        else:
+            kind = type(value) if value is not None else str
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=value)
     args = vars(p.parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -110,6 +110,13 @@ def test_training_learns_and_saves_the_best_head_in_a_published_layout(data, tmp
     assert (tmp_path / "head" / "training.png").is_file()
     recipe = summary["recipe"]
     assert recipe["ttt_steps"] == 2 and summary["data"]["train_conversations"] > 0
+    # Training continues from a saved head: its draft vocabulary and weights to start with.
+    more = train(dataclasses.replace(cfg, out=str(tmp_path / "more"), init=str(tmp_path / "head"),
+                                     epochs=2, eval_every=100), progress=False)
+    assert more["history"]["eval"][0]["acceptance_length"] == pytest.approx(
+        again["acceptance_length"], abs=0.05)
+    assert torch.equal(load_eagle3(tmp_path / "more", decoder.config)[0].vocab_ids,
+                       head.vocab_ids)
     # Another target's shape is refused before anything is trained.
     with pytest.raises(ValueError, match="3 aux layers"):
         train(dataclasses.replace(cfg, model="tiny-random", out=str(tmp_path / "x")),
