@@ -74,6 +74,7 @@ __all__ = [
     "Eagle3Head",
     "Eagle3Session",
     "SuffixThenEagle3",
+    "check_fits",
     "default_aux_layers",
     "inspect_eagle3",
     "load_eagle3",
@@ -456,31 +457,13 @@ class Eagle3Head(nn.Module):
 
     def validate_against(self, target_config) -> None:
         """Refuses, before serving, a head that does not fit ``target_config`` (a
-        `target_worker.ModelConfig`): the rows' width (``target_hidden_size`` vs the target's
-        ``hidden_size``), ``vocab_size``, aux layer ids outside ``[0, n_layers]`` (or no
-        distinct default), the target's embedding width for a head without its own, and
-        everything `check` checks.
+        `target_worker.ModelConfig`): everything `check_fits` checks, then everything
+        `check` checks.
 
         Raises:
             ValueError: naming the field or tensor and both values.
         """
-        c, t = self.config, target_config
-        if c.target_hidden_size != t.hidden_size:
-            raise ValueError(f"target_hidden_size: the head reads rows of 3 x "
-                             f"{c.target_hidden_size}, the target's hidden_size is "
-                             f"{t.hidden_size}")
-        if c.vocab_size != t.vocab_size:
-            raise ValueError(f"vocab_size: the head's is {c.vocab_size}, the target's is "
-                             f"{t.vocab_size}")
-        layers = c.aux_layers if c.aux_layers is not None else default_aux_layers(t.n_layers)
-        bad = [i for i in layers if not 0 <= i <= t.n_layers]
-        if bad:
-            raise ValueError(f"aux_layers: layer {bad[0]} of {list(layers)} is outside [0, "
-                             f"{t.n_layers}] (the target has {t.n_layers} layers)")
-        if not self.has_own_embedding and c.hidden_size != t.hidden_size:
-            raise ValueError(f"embed_tokens: the head has none and the target's embedding is "
-                             f"{t.hidden_size} wide, the head's hidden_size is "
-                             f"{c.hidden_size}")
+        check_fits(self.config, target_config, self.has_own_embedding)
         self.check()
 
     # ---- math shared by training and drafting ----
@@ -715,6 +698,36 @@ class Eagle3Head(nn.Module):
     def load(cls, path: str | os.PathLike, target_config=None) -> Eagle3Head:
         """`load_eagle3` without the info."""
         return load_eagle3(path, target_config)[0]
+
+
+def check_fits(config: Eagle3Config, target_config, own_embedding: bool | None) -> None:
+    """Refuses a head shape (``config``) that does not fit ``target_config`` (a
+    `target_worker.ModelConfig`), from the config alone (no weights read): the rows' width
+    (``target_hidden_size`` vs the target's ``hidden_size``), ``vocab_size``, aux layer ids
+    outside ``[0, n_layers]`` (or no distinct default), and, for a head without its own
+    embeddings (``own_embedding`` False; None: not known, not checked), the target's
+    embedding width against the head's ``hidden_size``.
+
+    Raises:
+        ValueError: naming the field and both values.
+    """
+    c, t = config, target_config
+    if c.target_hidden_size != t.hidden_size:
+        raise ValueError(f"target_hidden_size: the head reads rows of 3 x "
+                         f"{c.target_hidden_size}, the target's hidden_size is "
+                         f"{t.hidden_size}")
+    if c.vocab_size != t.vocab_size:
+        raise ValueError(f"vocab_size: the head's is {c.vocab_size}, the target's is "
+                         f"{t.vocab_size}")
+    layers = c.aux_layers if c.aux_layers is not None else default_aux_layers(t.n_layers)
+    bad = [i for i in layers if not 0 <= i <= t.n_layers]
+    if bad:
+        raise ValueError(f"aux_layers: layer {bad[0]} of {list(layers)} is outside [0, "
+                         f"{t.n_layers}] (the target has {t.n_layers} layers)")
+    if own_embedding is False and c.hidden_size != t.hidden_size:
+        raise ValueError(f"embed_tokens: the head has none and the target's embedding is "
+                         f"{t.hidden_size} wide, the head's hidden_size is "
+                         f"{c.hidden_size}")
 
 
 def _check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
@@ -1052,16 +1065,21 @@ def _check_tensor_names(shapes: dict[str, tuple[int, ...]], config: Eagle3Config
                          f"{config.draft_vocab_size} < vocab_size {config.vocab_size}")
 
 
-def inspect_eagle3(path: str | os.PathLike | None) -> tuple[Eagle3Config, dict]:
-    """Checks a head without loading its weights: the config (any layout) and, for
-    safetensors, every tensor's name and shape from the file headers.
+def inspect_eagle3(path: str | os.PathLike | None, target_config=None
+                   ) -> tuple[Eagle3Config, dict]:
+    """Checks a head without loading its weights: the config (any layout), for safetensors
+    every tensor's name and shape from the file headers, and with ``target_config`` (a
+    `target_worker.ModelConfig`) that it fits that target (`check_fits`; what a service
+    checks before any worker starts).
 
     Returns:
-        ``(config, info)`` as `load_eagle3` (``aux_layers`` None when the config names none).
+        ``(config, info)`` as `load_eagle3` (``aux_layers`` None when the config names none;
+        ``embedding`` "own", "target", or None for a ``.bin`` head, whose tensors are not
+        read here).
 
     Raises:
         FileNotFoundError: as `resolve_head_dir`, or no weights file.
-        ValueError: naming the file and field or tensor.
+        ValueError: naming the file and field or tensor (and both values for a misfit).
     """
     directory = resolve_head_dir(path)
     where = str(directory / CONFIG_FILE)
@@ -1071,9 +1089,18 @@ def inspect_eagle3(path: str | os.PathLike | None) -> tuple[Eagle3Config, dict]:
         raise ValueError(f"{where}: not readable JSON ({exc})") from None
     config, info = _parse_config(raw, where)
     shapes = _weight_shapes(directory)
+    own = None
     if shapes is not None:
-        _check_tensor_names(_normalise_names(shapes, str(directory)), config, str(directory))
+        shapes = _normalise_names(shapes, str(directory))
+        _check_tensor_names(shapes, config, str(directory))
+        own = "embed_tokens.weight" in shapes
     info["directory"] = str(directory)
+    info["embedding"] = None if own is None else "own" if own else "target"
+    if target_config is not None:
+        try:
+            check_fits(config, target_config, own)
+        except ValueError as exc:
+            raise ValueError(f"{directory}: {exc}") from None
     return config, info
 
 

@@ -344,7 +344,10 @@ def test_a_full_draft_vocabulary_with_zero_or_absent_d2t_drafts_target_ids_direc
 # ---- refusals, by name, before anything serves ----
 
 
-def _refused(tmp_path, match, target_config=TARGET, writer=write_eagle, **changes):
+def _refused(tmp_path, match, target_config=TARGET, writer=write_eagle, unloaded=False,
+             **changes):
+    """Loading the head refuses it; ``unloaded``: so do `inspect_eagle3` and `check_drafter`
+    given the target's config, without reading a weight (what a service checks first)."""
     w = make_weights(seed=9)
     for key, value in changes.items():
         name = key.replace("__", ".")
@@ -355,6 +358,12 @@ def _refused(tmp_path, match, target_config=TARGET, writer=write_eagle, **change
     path = writer(tmp_path / "h", w)
     with pytest.raises(ValueError, match=match):
         load_eagle3(path, target_config)
+    if unloaded:
+        inspect_eagle3(path)  # fine on its own: only the target makes it a misfit
+        with pytest.raises(ValueError, match=match):
+            inspect_eagle3(path, target_config)
+        with pytest.raises(ValueError, match=match):
+            check_drafter("eagle3", drafter_path=str(path), target_config=target_config)
 
 
 def test_tensor_mismatches_are_refused_naming_the_tensor_and_both_shapes(tmp_path):
@@ -395,20 +404,28 @@ def test_vocabulary_map_mismatches_are_refused_naming_the_ids(tmp_path):
 
 def test_target_mismatches_are_refused_naming_the_field_and_both_values(tmp_path):
     _refused(tmp_path / "a", r"target_hidden_size: the head reads rows of 3 x 64, the "
-                             r"target's hidden_size is 32", target_config=NARROW)
+                             r"target's hidden_size is 32", target_config=NARROW, unloaded=True)
     other_vocab = ModelConfig(**{**TARGET.__dict__, "vocab_size": 80})
     _refused(tmp_path / "b", r"vocab_size: the head's is 96, the target's is 80",
-             target_config=other_vocab)
+             target_config=other_vocab, unloaded=True)
     _refused(tmp_path / "c", r"aux_layers: layer 9 of \[2, 4, 9\] is outside \[0, 8\]",
-             writer=lambda d, w: write_speculators(d, w, False, [2, 4, 9]))
+             writer=lambda d, w: write_speculators(d, w, False, [2, 4, 9]), unloaded=True)
     shallow = ModelConfig(**{**TARGET.__dict__, "n_layers": 6})
     _refused(tmp_path / "d", r"aux_layers: a 6-layer target has no distinct default",
-             target_config=shallow)
+             target_config=shallow, unloaded=True)
     # A head without embeddings, wider than the target: the target's table cannot serve it.
     w = make_weights(seed=1, ht=32)
     path = write_eagle(tmp_path / "e", w, ht=32)
-    with pytest.raises(ValueError, match=r"embed_tokens: the head has none and the target's "
-                                         r"embedding is 32 wide, the head's hidden_size is 64"):
+    match = r"embed_tokens: the head has none and the target's embedding is 32 wide, the " \
+            r"head's hidden_size is 64"
+    with pytest.raises(ValueError, match=match):
+        load_eagle3(path, NARROW)
+    with pytest.raises(ValueError, match=match):  # the safetensors header says: no embedding
+        inspect_eagle3(path, NARROW)
+    # A .bin head's tensors are not read before loading: only loading finds that one.
+    path = write_eagle(tmp_path / "f", w, "bin", ht=32)
+    assert inspect_eagle3(path, NARROW)[1]["embedding"] is None
+    with pytest.raises(ValueError, match=match):
         load_eagle3(path, NARROW)
 
 
