@@ -288,11 +288,12 @@ class Service:
     job, a test). Usable as a context manager.
 
     Raises:
-        ValueError: from `start`, a model or TP degree the model cannot be split into
-            (checked before any actor starts; the rest of the configuration is checked by
-            `ServiceConfig` itself), or an API port that cannot be bound, the message
-            starting with its setting (``port:``, ``http_port:``, ``metrics_port:``), whether
-            found taken before Ray starts or only when the coordinator binds it.
+        ValueError: from `start`, a model, a TP degree the model cannot be split into, or a
+            drafter head that does not fit the model (checked before any actor starts; the
+            rest of the configuration is checked by `ServiceConfig` itself), or an API port
+            that cannot be bound, the message starting with its setting (``port:``,
+            ``http_port:``, ``metrics_port:``), whether found taken before Ray starts or only
+            when the coordinator binds it.
     """
 
     def __init__(self, config: ServiceConfig):
@@ -318,6 +319,7 @@ class Service:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        from drafter_worker.registry import check_drafter
         from target_worker.loader import needs_conversion, validate_model
         from target_worker.tp import validate_tp
 
@@ -335,8 +337,13 @@ class Service:
         if progress is not None and needs_conversion(cfg.model):
             progress("first load of this model: it is converted to specd's weights and "
                      "tokenizer caches (once; tens of seconds)", 0, workers)
-        validate_model(cfg.model)  # config, weights' shapes, tokenizer: before any actor starts
+        # Config, weights' shapes, tokenizer: before any actor starts.
+        target_config = validate_model(cfg.model)
         validate_tp(cfg.model, cfg.tp)
+        # A drafter head that does not fit the target (EAGLE-3: width, vocabulary, layer ids)
+        # is refused here, by name, not by a drafter actor failing after Ray is up.
+        check_drafter(cfg.drafter, cfg.ngram_size, cfg.max_draft_len, cfg.drafter_path,
+                      cfg.suffix_cache_requests, target_config=target_config)
         began = time.monotonic()
         if not ray.is_initialized():
             if cfg.address is None:

@@ -74,6 +74,7 @@ __all__ = [
     "Eagle3Head",
     "Eagle3Session",
     "SuffixThenEagle3",
+    "check_fits",
     "default_aux_layers",
     "inspect_eagle3",
     "load_eagle3",
@@ -281,22 +282,67 @@ class _HeadCache:
         self.seq_len = n
 
 
+class _Linear(nn.Linear):
+    """``nn.Linear`` without bias whose weight may be stored in another dtype than the
+    activations (`Eagle3Head.set_weight_dtype`): the input is cast to the weight's dtype and
+    the output back to the input's, so activations, norms, the KV cache and the logits'
+    softmax stay float32 while the matmuls read bfloat16 weights (half the bytes).
+
+    A bfloat16 weight is also kept in oneDNN's reordered layout (`pack`) for drafting, which
+    runs under inference mode: at one row (Zen 4 with AVX512-BF16, 1 thread, a busy machine,
+    weights not in cache) oneDNN's bfloat16 inner product took 93-376 us on the layer's and a
+    4k-row lm_head's shapes where ATen's bfloat16 took 147-792 us and float32 185-1063 us
+    (`default_head_dtype`: the whole head).
+    The packed copy is used only while the weight is unchanged (same storage and version) and
+    never with autograd on, so training reads the plain weight."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+        self._packed: tuple[object, tuple[int, int]] | None = None
+
+    def pack(self) -> None:
+        """Keeps a oneDNN-reordered copy of a bfloat16 weight (nothing for another dtype, or
+        where oneDNN is unavailable or refuses it: the plain weight serves)."""
+        w = self.weight
+        self._packed = None
+        if (w.dtype != torch.bfloat16 or w.device.type != "cpu"
+                or not torch.backends.mkldnn.is_available()):
+            return
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+        except (RuntimeError, AttributeError, NotImplementedError):  # no oneDNN kernel here
+            return
+        self._packed = (packed, (w.data_ptr(), w._version))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if x.dtype == w.dtype:  # float32 weights (and training's autocast): plain
+            return F.linear(x, w)
+        packed = self._packed
+        if (packed is not None and x.dim() == 2 and not torch.is_grad_enabled()
+                and packed[1] == (w.data_ptr(), w._version)):
+            out = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), packed[0], None, "none",
+                                                     [], "")
+            return out.to(x.dtype)
+        return F.linear(x.to(w.dtype), w).to(x.dtype)
+
+
 class _Attention(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
         h, nh, nkv, d = c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim
-        self.q_proj = nn.Linear(2 * h, nh * d, bias=False)
-        self.k_proj = nn.Linear(2 * h, nkv * d, bias=False)
-        self.v_proj = nn.Linear(2 * h, nkv * d, bias=False)
-        self.o_proj = nn.Linear(nh * d, h, bias=False)
+        self.q_proj = _Linear(2 * h, nh * d)
+        self.k_proj = _Linear(2 * h, nkv * d)
+        self.v_proj = _Linear(2 * h, nkv * d)
+        self.o_proj = _Linear(nh * d, h)
 
 
 class _MLP(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(c.ffn_dim, c.hidden_size, bias=False)
+        self.gate_proj = _Linear(c.hidden_size, c.ffn_dim)
+        self.up_proj = _Linear(c.hidden_size, c.ffn_dim)
+        self.down_proj = _Linear(c.ffn_dim, c.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -316,7 +362,8 @@ class _MidLayer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
-    """The EAGLE-3 head (see the module docstring); plain float32 torch.
+    """The EAGLE-3 head (see the module docstring); plain float32 torch (the matmul weights
+    may be stored in bfloat16 for drafting: `set_weight_dtype`).
 
     Tensor names are the EAGLE checkpoints' (``fc``, ``midlayer.*``, ``norm``, ``lm_head``,
     buffers ``d2t`` int64 ``[Vd]`` and ``t2d`` bool ``[V]``; ``embed_tokens`` only when the
@@ -333,10 +380,10 @@ class Eagle3Head(nn.Module):
         c = self.config = config
         h, ht = c.hidden_size, c.target_hidden_size
         self.input_norm = RMSNorm(3 * ht, c.rms_norm_eps) if c.norm_before_fc else None
-        self.fc = nn.Linear(3 * ht, h, bias=False)
+        self.fc = _Linear(3 * ht, h)
         self.midlayer = _MidLayer(c)
         self.norm = RMSNorm(h, c.rms_norm_eps)
-        self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
+        self.lm_head = _Linear(h, c.draft_vocab_size)
         self.embed_tokens: nn.Embedding | None = None
         if own_embedding:
             self.embed_tokens = nn.Embedding(c.vocab_size, h)
@@ -431,6 +478,31 @@ class Eagle3Head(nn.Module):
         """int64 ``[Vd]``: the target id of each draft id (``arange(Vd) + d2t``)."""
         return torch.arange(self.config.draft_vocab_size) + self.d2t
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype of the head's matmul weights (`set_weight_dtype`; float32 as built)."""
+        return self.lm_head.weight.dtype
+
+    def set_weight_dtype(self, dtype: torch.dtype) -> Eagle3Head:
+        """Stores the matmul weights (``fc``, the layer's projections, ``lm_head``) in
+        ``dtype`` (bfloat16: half the bytes each drafted token reads); norms, embeddings,
+        the KV cache and all activations stay float32, and `draft_logits` returns float32
+        logits (the bfloat16 products, widened), so the softmax a draft is sampled from and
+        the q it reports are one float32 distribution. Returns the head.
+
+        Raises:
+            ValueError: a dtype other than float32, bfloat16 or float16.
+        """
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype: the head's weights must be float32, bfloat16 or "
+                             f"float16, got {dtype}")
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, _Linear):
+                    module.weight.data = module.weight.data.to(dtype)
+                    module.pack()
+        return self
+
     def resolve_aux_layers(self, n_layers: int) -> None:
         """Sets ``config.aux_layers`` to the default for an ``n_layers`` target when the
         checkpoint named none (`Eagle3Config.resolved`)."""
@@ -456,31 +528,13 @@ class Eagle3Head(nn.Module):
 
     def validate_against(self, target_config) -> None:
         """Refuses, before serving, a head that does not fit ``target_config`` (a
-        `target_worker.ModelConfig`): the rows' width (``target_hidden_size`` vs the target's
-        ``hidden_size``), ``vocab_size``, aux layer ids outside ``[0, n_layers]`` (or no
-        distinct default), the target's embedding width for a head without its own, and
-        everything `check` checks.
+        `target_worker.ModelConfig`): everything `check_fits` checks, then everything
+        `check` checks.
 
         Raises:
             ValueError: naming the field or tensor and both values.
         """
-        c, t = self.config, target_config
-        if c.target_hidden_size != t.hidden_size:
-            raise ValueError(f"target_hidden_size: the head reads rows of 3 x "
-                             f"{c.target_hidden_size}, the target's hidden_size is "
-                             f"{t.hidden_size}")
-        if c.vocab_size != t.vocab_size:
-            raise ValueError(f"vocab_size: the head's is {c.vocab_size}, the target's is "
-                             f"{t.vocab_size}")
-        layers = c.aux_layers if c.aux_layers is not None else default_aux_layers(t.n_layers)
-        bad = [i for i in layers if not 0 <= i <= t.n_layers]
-        if bad:
-            raise ValueError(f"aux_layers: layer {bad[0]} of {list(layers)} is outside [0, "
-                             f"{t.n_layers}] (the target has {t.n_layers} layers)")
-        if not self.has_own_embedding and c.hidden_size != t.hidden_size:
-            raise ValueError(f"embed_tokens: the head has none and the target's embedding is "
-                             f"{t.hidden_size} wide, the head's hidden_size is "
-                             f"{c.hidden_size}")
+        check_fits(self.config, target_config, self.has_own_embedding)
         self.check()
 
     # ---- math shared by training and drafting ----
@@ -510,7 +564,8 @@ class Eagle3Head(nn.Module):
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``lm_head(norm(hidden))``: float32 ``[..., Vd]`` over the draft vocabulary for
-        pre-norm outputs ``[..., H]`` (draft id ``i`` is target id ``vocab_ids[i]``)."""
+        float32 pre-norm outputs ``[..., H]`` (draft id ``i`` is target id ``vocab_ids[i]``;
+        with bfloat16 weights, the bfloat16 products widened to float32)."""
         return self.lm_head(self.norm(hidden))
 
     def _rope(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -580,7 +635,10 @@ class Eagle3Head(nn.Module):
         group = c.n_heads // c.n_kv_heads
         keys = cache.k[:, :end].repeat_interleave(group, 0)  # [nh, end, d]
         values = cache.v[:, :end].repeat_interleave(group, 0)
-        visible = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        # One query (every drafting step) sees every key: no mask, which lets SDPA take its
+        # fused kernel (~0.2 ms against ~0.3 ms a step here with 300 positions).
+        visible = None if n == 1 else (
+            torch.arange(end)[None, :] <= torch.arange(start, end)[:, None])
         o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible)
         cache.seq_len = end
         return self._finish(o.transpose(0, 1).reshape(n, c.n_heads * c.head_dim), residual)
@@ -715,6 +773,36 @@ class Eagle3Head(nn.Module):
     def load(cls, path: str | os.PathLike, target_config=None) -> Eagle3Head:
         """`load_eagle3` without the info."""
         return load_eagle3(path, target_config)[0]
+
+
+def check_fits(config: Eagle3Config, target_config, own_embedding: bool | None) -> None:
+    """Refuses a head shape (``config``) that does not fit ``target_config`` (a
+    `target_worker.ModelConfig`), from the config alone (no weights read): the rows' width
+    (``target_hidden_size`` vs the target's ``hidden_size``), ``vocab_size``, aux layer ids
+    outside ``[0, n_layers]`` (or no distinct default), and, for a head without its own
+    embeddings (``own_embedding`` False; None: not known, not checked), the target's
+    embedding width against the head's ``hidden_size``.
+
+    Raises:
+        ValueError: naming the field and both values.
+    """
+    c, t = config, target_config
+    if c.target_hidden_size != t.hidden_size:
+        raise ValueError(f"target_hidden_size: the head reads rows of 3 x "
+                         f"{c.target_hidden_size}, the target's hidden_size is "
+                         f"{t.hidden_size}")
+    if c.vocab_size != t.vocab_size:
+        raise ValueError(f"vocab_size: the head's is {c.vocab_size}, the target's is "
+                         f"{t.vocab_size}")
+    layers = c.aux_layers if c.aux_layers is not None else default_aux_layers(t.n_layers)
+    bad = [i for i in layers if not 0 <= i <= t.n_layers]
+    if bad:
+        raise ValueError(f"aux_layers: layer {bad[0]} of {list(layers)} is outside [0, "
+                         f"{t.n_layers}] (the target has {t.n_layers} layers)")
+    if own_embedding is False and c.hidden_size != t.hidden_size:
+        raise ValueError(f"embed_tokens: the head has none and the target's embedding is "
+                         f"{t.hidden_size} wide, the head's hidden_size is "
+                         f"{c.hidden_size}")
 
 
 def _check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int) -> None:
@@ -1052,16 +1140,21 @@ def _check_tensor_names(shapes: dict[str, tuple[int, ...]], config: Eagle3Config
                          f"{config.draft_vocab_size} < vocab_size {config.vocab_size}")
 
 
-def inspect_eagle3(path: str | os.PathLike | None) -> tuple[Eagle3Config, dict]:
-    """Checks a head without loading its weights: the config (any layout) and, for
-    safetensors, every tensor's name and shape from the file headers.
+def inspect_eagle3(path: str | os.PathLike | None, target_config=None
+                   ) -> tuple[Eagle3Config, dict]:
+    """Checks a head without loading its weights: the config (any layout), for safetensors
+    every tensor's name and shape from the file headers, and with ``target_config`` (a
+    `target_worker.ModelConfig`) that it fits that target (`check_fits`; what a service
+    checks before any worker starts).
 
     Returns:
-        ``(config, info)`` as `load_eagle3` (``aux_layers`` None when the config names none).
+        ``(config, info)`` as `load_eagle3` (``aux_layers`` None when the config names none;
+        ``embedding`` "own", "target", or None for a ``.bin`` head, whose tensors are not
+        read here).
 
     Raises:
         FileNotFoundError: as `resolve_head_dir`, or no weights file.
-        ValueError: naming the file and field or tensor.
+        ValueError: naming the file and field or tensor (and both values for a misfit).
     """
     directory = resolve_head_dir(path)
     where = str(directory / CONFIG_FILE)
@@ -1071,9 +1164,18 @@ def inspect_eagle3(path: str | os.PathLike | None) -> tuple[Eagle3Config, dict]:
         raise ValueError(f"{where}: not readable JSON ({exc})") from None
     config, info = _parse_config(raw, where)
     shapes = _weight_shapes(directory)
+    own = None
     if shapes is not None:
-        _check_tensor_names(_normalise_names(shapes, str(directory)), config, str(directory))
+        shapes = _normalise_names(shapes, str(directory))
+        _check_tensor_names(shapes, config, str(directory))
+        own = "embed_tokens.weight" in shapes
     info["directory"] = str(directory)
+    info["embedding"] = None if own is None else "own" if own else "target"
+    if target_config is not None:
+        try:
+            check_fits(config, target_config, own)
+        except ValueError as exc:
+            raise ValueError(f"{directory}: {exc}") from None
     return config, info
 
 
@@ -1148,6 +1250,41 @@ def load_eagle3(path: str | os.PathLike | None, target_config=None
 
 
 # ---- drafting ----
+
+
+def default_head_dtype() -> torch.dtype:
+    """The dtype of a drafting head's matmul weights unless told: bfloat16 where the CPU
+    computes bfloat16 dot products natively (`target_worker.loader.cpu_has_bf16_dot`; the
+    head always drafts on the CPU), else float32.
+
+    Why (``python scripts/eagle3_draft_cost.py``, SmolLM2-shaped heads, 1 thread, Zen 4 with
+    AVX512-BF16 and no AMX, beside a busy training job, medians of 9 interleaved rounds,
+    2026-12-03): a drafted token cost 1.8 / 2.4 / 3.5 / 5.0 ms in bfloat16 against 3.5 / 4.5
+    / 7.2 / 11.2 ms in float32 for draft vocabularies of 4k / 8k / 16k / 32k (oneDNN's
+    reordered bfloat16 weights, `_Linear`), and ingesting a step's 1-4 rows 2.2-3.3 against
+    3.1-5.6 ms. Without native bfloat16 a bfloat16 matmul converts every weight first, so
+    float32 there.
+    """
+    from target_worker.loader import cpu_has_bf16_dot
+
+    return torch.bfloat16 if cpu_has_bf16_dot() else torch.float32
+
+
+def resolve_head_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """``dtype`` as a torch dtype: None or ``"auto"`` is `default_head_dtype`.
+
+    Raises:
+        ValueError: naming the value unless float32, bfloat16 or float16.
+    """
+    if dtype is None or dtype == "auto":
+        return default_head_dtype()
+    if isinstance(dtype, str):
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16}.get(dtype, dtype)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype: the EAGLE-3 head's weights must be auto, float32, bfloat16 "
+                         f"or float16, got {dtype!r}")
+    return dtype
 
 
 class Eagle3Session:
@@ -1295,18 +1432,21 @@ class Eagle3Drafter:
         stop_token_ids: a drafted stop token ends the block.
         min_confidence: dynamic draft length (EAGLE-2): a block stops before the position
             where the product of the head's top probabilities falls below it; 0: off.
+        dtype: the head's matmul weights (`Eagle3Head.set_weight_dtype`, applied to
+            ``head``): ``"float32"``, ``"bfloat16"`` (or a torch dtype), or None / ``"auto"``:
+            `default_head_dtype`. Activations, norms and the softmax stay float32 either way.
 
     Raises:
         ValueError: unresolved ``aux_layers``, a head without embeddings and no
             ``embed_weight`` (or one of another shape), max_draft_len < 1, min_confidence
-            outside [0, 1].
+            outside [0, 1], an unknown dtype.
     """
 
     wants_hidden = True
 
     def __init__(self, head: Eagle3Head, embed_weight: torch.Tensor | None = None,
                  max_draft_len: int = 6, stop_token_ids: Sequence[int] = (),
-                 min_confidence: float = 0.0):
+                 min_confidence: float = 0.0, dtype: str | torch.dtype | None = None):
         if head.config.aux_layers is None:
             raise ValueError("aux_layers: unresolved; load the head with the target's config "
                              "(load_eagle3(path, target_config)) or resolve_aux_layers(n)")
@@ -1323,7 +1463,7 @@ class Eagle3Drafter:
             raise ValueError(f"max_draft_len must be >= 1, got {max_draft_len}")
         if not 0.0 <= min_confidence <= 1.0:
             raise ValueError(f"min_confidence must be in [0, 1], got {min_confidence}")
-        self.head = head.eval()
+        self.head = head.set_weight_dtype(resolve_head_dtype(dtype)).eval()
         self.vocab_ids = head.vocab_ids
         self.max_draft_len = int(max_draft_len)
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)

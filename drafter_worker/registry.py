@@ -128,14 +128,20 @@ def default_draft_len(name: str, adaptive: bool = False) -> int | None:
 
 def check_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
                   max_draft_len: int | None = None, drafter_path: str | None = None,
-                  suffix_cache_requests: int | None = None) -> None:
+                  suffix_cache_requests: int | None = None, target_config=None) -> None:
     """Validates `build_drafter`'s arguments without loading any weights (what a service
     checks before starting workers).
+
+    Args:
+        target_config: the target's `target_worker.ModelConfig`, when known: an EAGLE-3
+            head must fit it (`drafter_worker.eagle3.check_fits`: width, vocabulary, layer
+            ids), so a misfit is refused before any worker starts rather than by the worker.
 
     Raises:
         ValueError: an unknown name, invalid sizes, or a head path for a drafter that has no
             head ("none" accepts and ignores everything); for the EAGLE-3 drafters a head
-            config or (safetensors) tensor `drafter_worker.eagle3.inspect_eagle3` refuses.
+            config or (safetensors) tensor `drafter_worker.eagle3.inspect_eagle3` refuses,
+            or a head that does not fit ``target_config`` (naming the field and both values).
         FileNotFoundError: a missing head file or directory.
     """
     spec = drafter_spec(name)
@@ -155,9 +161,9 @@ def check_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
     if name in EAGLE3_DRAFTERS:
         from .eagle3 import inspect_eagle3
 
-        # The config and (safetensors) every tensor's name and shape; the target-dependent
-        # checks run when the drafter is built against the target.
-        inspect_eagle3(drafter_path)
+        # The config and (safetensors) every tensor's name and shape, and the fit to the
+        # target when it is given; the rest runs when the drafter is built against it.
+        inspect_eagle3(drafter_path, target_config)
     elif spec.has_head:
         from .eagle import DEFAULT_HEAD
 

@@ -295,7 +295,9 @@ def test_each_layout_drafts_exactly_what_the_reference_architecture_computes(nam
     assert info["layout"] == layout
     assert head.config.aux_layers == aux and head.config.norm_before_residual == nbr
     assert info["embedding"] == ("own" if "embed_tokens.weight" in w else "target")
-    drafter = Eagle3Drafter(head, decoder.embed_tokens.weight, max_draft_len=4)
+    # float32 weights: the reference computes in float32 (bfloat16: the q test below).
+    drafter = Eagle3Drafter(head, decoder.embed_tokens.weight, max_draft_len=4,
+                            dtype="float32")
     assert drafter.hidden_layers == aux
     table = w.get("embed_tokens.weight", decoder.embed_tokens.weight)
     rows = rows_of(decoder, aux, HISTORY[:-1])
@@ -335,7 +337,8 @@ def test_a_full_draft_vocabulary_with_zero_or_absent_d2t_drafts_target_ids_direc
         path = write_eagle(tmp_path / "h", w)
     head, _ = load_eagle3(path, TARGET)
     assert torch.equal(head.vocab_ids, torch.arange(V)) and bool(head.t2d.all())
-    drafter = Eagle3Drafter(head, decoder.embed_tokens.weight, max_draft_len=4)
+    drafter = Eagle3Drafter(head, decoder.embed_tokens.weight, max_draft_len=4,
+                            dtype="float32")
     rows = rows_of(decoder, drafter.hidden_layers, HISTORY[:-1])
     block = drafter.session().propose(HISTORY, rows, 4)
     assert list(block.tokens) == ref_chain(w, decoder.embed_tokens.weight, rows, HISTORY, 4)
@@ -344,7 +347,10 @@ def test_a_full_draft_vocabulary_with_zero_or_absent_d2t_drafts_target_ids_direc
 # ---- refusals, by name, before anything serves ----
 
 
-def _refused(tmp_path, match, target_config=TARGET, writer=write_eagle, **changes):
+def _refused(tmp_path, match, target_config=TARGET, writer=write_eagle, unloaded=False,
+             **changes):
+    """Loading the head refuses it; ``unloaded``: so do `inspect_eagle3` and `check_drafter`
+    given the target's config, without reading a weight (what a service checks first)."""
     w = make_weights(seed=9)
     for key, value in changes.items():
         name = key.replace("__", ".")
@@ -355,6 +361,12 @@ def _refused(tmp_path, match, target_config=TARGET, writer=write_eagle, **change
     path = writer(tmp_path / "h", w)
     with pytest.raises(ValueError, match=match):
         load_eagle3(path, target_config)
+    if unloaded:
+        inspect_eagle3(path)  # fine on its own: only the target makes it a misfit
+        with pytest.raises(ValueError, match=match):
+            inspect_eagle3(path, target_config)
+        with pytest.raises(ValueError, match=match):
+            check_drafter("eagle3", drafter_path=str(path), target_config=target_config)
 
 
 def test_tensor_mismatches_are_refused_naming_the_tensor_and_both_shapes(tmp_path):
@@ -395,20 +407,28 @@ def test_vocabulary_map_mismatches_are_refused_naming_the_ids(tmp_path):
 
 def test_target_mismatches_are_refused_naming_the_field_and_both_values(tmp_path):
     _refused(tmp_path / "a", r"target_hidden_size: the head reads rows of 3 x 64, the "
-                             r"target's hidden_size is 32", target_config=NARROW)
+                             r"target's hidden_size is 32", target_config=NARROW, unloaded=True)
     other_vocab = ModelConfig(**{**TARGET.__dict__, "vocab_size": 80})
     _refused(tmp_path / "b", r"vocab_size: the head's is 96, the target's is 80",
-             target_config=other_vocab)
+             target_config=other_vocab, unloaded=True)
     _refused(tmp_path / "c", r"aux_layers: layer 9 of \[2, 4, 9\] is outside \[0, 8\]",
-             writer=lambda d, w: write_speculators(d, w, False, [2, 4, 9]))
+             writer=lambda d, w: write_speculators(d, w, False, [2, 4, 9]), unloaded=True)
     shallow = ModelConfig(**{**TARGET.__dict__, "n_layers": 6})
     _refused(tmp_path / "d", r"aux_layers: a 6-layer target has no distinct default",
-             target_config=shallow)
+             target_config=shallow, unloaded=True)
     # A head without embeddings, wider than the target: the target's table cannot serve it.
     w = make_weights(seed=1, ht=32)
     path = write_eagle(tmp_path / "e", w, ht=32)
-    with pytest.raises(ValueError, match=r"embed_tokens: the head has none and the target's "
-                                         r"embedding is 32 wide, the head's hidden_size is 64"):
+    match = r"embed_tokens: the head has none and the target's embedding is 32 wide, the " \
+            r"head's hidden_size is 64"
+    with pytest.raises(ValueError, match=match):
+        load_eagle3(path, NARROW)
+    with pytest.raises(ValueError, match=match):  # the safetensors header says: no embedding
+        inspect_eagle3(path, NARROW)
+    # A .bin head's tensors are not read before loading: only loading finds that one.
+    path = write_eagle(tmp_path / "f", w, "bin", ht=32)
+    assert inspect_eagle3(path, NARROW)[1]["embedding"] is None
+    with pytest.raises(ValueError, match=match):
         load_eagle3(path, NARROW)
 
 
@@ -536,7 +556,9 @@ def test_unrolled_training_forward_equals_what_a_session_drafts_with_teacher_tok
         for name, p in head.named_parameters():
             if "norm" in name:
                 p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-    drafter = Eagle3Drafter(head, decoder.embed_tokens.weight, max_draft_len=4)
+    # float32 weights, as the trainer's forward.
+    drafter = Eagle3Drafter(head, decoder.embed_tokens.weight, max_draft_len=4,
+                            dtype="float32")
     stream = [1, 17, 5, 33, 9, 60, 2, 41, 7, 3, 88, 12]
     rows = rows_of(decoder, drafter.hidden_layers, stream)
     t = len(stream) - 1
@@ -636,12 +658,16 @@ def test_stop_tokens_end_a_block_and_min_confidence_cuts_it():
         Eagle3Drafter(head, decoder.embed_tokens.weight, min_confidence=1.5)
 
 
-def test_first_sampled_position_is_distributed_as_the_q_it_reports():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_first_sampled_position_is_distributed_as_the_q_it_reports(dtype):
     decoder = target(seed=4)
     head = Eagle3Head.random(Eagle3Config.for_target(TARGET, draft_vocab_size=VD), seed=5)
     with torch.no_grad():
         head.lm_head.weight.mul_(4)  # a peaked q, so a wrong draw would show
-    drafter = Eagle3Drafter(head, decoder.embed_tokens.weight, max_draft_len=4)
+    drafter = Eagle3Drafter(head, decoder.embed_tokens.weight, max_draft_len=4, dtype=dtype)
+    weights = {name: p.dtype for name, p in head.named_parameters()}
+    assert weights["lm_head.weight"] == weights["fc.weight"] == getattr(torch, dtype)
+    assert weights["norm.weight"] == torch.float32  # norms (and activations) stay float32
     rows = rows_of(decoder, drafter.hidden_layers, HISTORY[:-1])
     session = drafter.session(DraftSamplingParams(temperature=1.0, top_k=8), seed=7)
     n, counts, reported = 1500, np.zeros(V), None
@@ -656,6 +682,41 @@ def test_first_sampled_position_is_distributed_as_the_q_it_reports():
     for token, p in reported.items():
         exact[token] = p
     assert 0.5 * np.abs(counts / n - exact).sum() < tv_tolerance(exact, n)
+    # q is the float32 softmax of the logits this head computes (bfloat16 products, widened):
+    # the same head drafting in float32 reports another q.
+    with torch.inference_mode():  # as drafting runs (bfloat16: the packed kernel)
+        logits = head.draft_logits(session._hidden)[0]
+    assert logits.dtype == torch.float32
+    probs = torch.softmax(logits, 0)
+    top = probs.topk(8)
+    expected = dict(zip(drafter.vocab_ids[top.indices].tolist(),
+                        (top.values / top.values.sum()).tolist(), strict=True))
+    assert reported.keys() == expected.keys()
+    assert max(abs(reported[t] - expected[t]) for t in reported) < 1e-6
+    other = Eagle3Drafter(Eagle3Head.random(head.config, seed=5), decoder.embed_tokens.weight,
+                          dtype="bfloat16" if dtype == "float32" else "float32")
+    with torch.no_grad():
+        other.head.lm_head.weight.mul_(4)
+    theirs = dict(other.session(DraftSamplingParams(temperature=1.0, top_k=8), seed=7)
+                  .propose(HISTORY, rows, 1).dists[0].support())
+    assert theirs != reported
+
+
+def test_the_head_drafts_in_bfloat16_by_default_where_the_cpu_has_bfloat16_dot_products(
+        monkeypatch):
+    import target_worker.loader as loader
+
+    decoder = target(seed=4)
+    config = Eagle3Config.for_target(TARGET, draft_vocab_size=VD)
+    for native, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(loader, "cpu_has_bf16_dot", lambda native=native: native)
+        head = Eagle3Drafter(Eagle3Head.random(config), decoder.embed_tokens.weight).head
+        assert head.weight_dtype == dtype
+    head = Eagle3Drafter(Eagle3Head.random(config), decoder.embed_tokens.weight,
+                         dtype="float32").head
+    assert head.weight_dtype == torch.float32
+    with pytest.raises(ValueError, match="dtype: .* got 'int8'"):
+        Eagle3Drafter(Eagle3Head.random(config), decoder.embed_tokens.weight, dtype="int8")
 
 
 # ---- losslessness in process ----

@@ -80,8 +80,9 @@ def test_held_out_acceptance_is_what_greedy_chain_drafting_gives(data):
     with torch.no_grad():
         head.lm_head.weight.copy_(decoder.lm_head.weight[head.vocab_ids])
     got = acceptance(head, val, K)
-    steps, tokens = _replay(Eagle3Drafter(head, decoder.embed_tokens.weight, max_draft_len=K),
-                            val)
+    # float32 drafting weights: `acceptance` replays the trainer's float32 head.
+    steps, tokens = _replay(Eagle3Drafter(head, decoder.embed_tokens.weight, max_draft_len=K,
+                                          dtype="float32"), val)
     assert (got["steps"], got["tokens"]) == (steps, tokens)
     assert got["acceptance_length"] == pytest.approx(tokens / steps)
     assert got["steps"] > 0 and 1.0 <= got["acceptance_length"] <= K + 1
