@@ -42,9 +42,11 @@ a checkpoint never runs code. `Eagle3Head.save` writes the speculators layout, s
 specd ships loads by the same loader.
 
 Drafting (`Eagle3Session`) mirrors `drafter_worker.eagle.EagleSession`: a KV cache over the
-committed positions, rolled back after every proposal; honest ``q`` (a point mass at
-temperature 0, the exact sampled distribution, mapped to target ids, above it); dynamic
-draft length by the head's own confidence (EAGLE-2); stop tokens end a block.
+committed positions, rolled back after every proposal; drafts are the head's argmax at every
+temperature, reported as point masses (vLLM drafts EAGLE's argmax too), so the rule couples
+each position to plain sampling and a seeded request's tokens are the same drafted or not
+(`specd_core.rule`); dynamic draft length by the head's own confidence (EAGLE-2); stop
+tokens end a block.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from specd_core.sampling import DraftSamplingParams
 from target_worker.config import RopeScaling
 from target_worker.model import RMSNorm, apply_rope, rope_tables
 
-from .eagle import HEADS_DIR, NeedsResync, draft_distribution
+from .eagle import HEADS_DIR, NeedsResync
 
 __all__ = [
     "DEFAULT_EAGLE3_HEAD",
@@ -487,8 +489,7 @@ class Eagle3Head(nn.Module):
         """Stores the matmul weights (``fc``, the layer's projections, ``lm_head``) in
         ``dtype`` (bfloat16: half the bytes each drafted token reads); norms, embeddings,
         the KV cache and all activations stay float32, and `draft_logits` returns float32
-        logits (the bfloat16 products, widened), so the softmax a draft is sampled from and
-        the q it reports are one float32 distribution. Returns the head.
+        logits (the bfloat16 products, widened). Returns the head.
 
         Raises:
             ValueError: a dtype other than float32, bfloat16 or float16.
@@ -1306,8 +1307,9 @@ class Eagle3Session:
     def __init__(self, drafter: Eagle3Drafter, sampling: DraftSamplingParams | None = None,
                  seed: int = 0):
         self.drafter = drafter
-        self.sampling = sampling or DraftSamplingParams()
-        self.generator = torch.Generator().manual_seed(int(seed) & ((1 << 63) - 1))
+        # Drafts are the head's argmax whatever the sampling (see `_draft`): the request's
+        # sampling and seed are taken for the `Drafter` session interface and not used.
+        del sampling, seed
         self.max_draft_len = drafter.max_draft_len
         self.cache = drafter.head.new_cache()
         self.tokens: list[int] = []  # history whose pairs (row t, x_{t+1}) are in the cache
@@ -1387,25 +1389,18 @@ class Eagle3Session:
             for token in assumed:
                 hidden = head.step(hidden, torch.tensor([int(token)]), self.cache)
             for i in range(k):
+                # The head's argmax at every temperature, reported as a point mass: the rule
+                # then draws each position as plain sampling would (one uniform, inverse
+                # CDF) and accepts iff the draw is the draft, so a seeded request's tokens
+                # never depend on whether, how far or how late it drafted
+                # (`specd_core.rule`); accepted with probability p(draft).
                 logits = head.draft_logits(hidden)[0]
-                if self.sampling.temperature == 0.0:
-                    j = int(torch.argmax(logits))
-                    reach *= float(torch.softmax(logits, 0)[j])
-                    if reach < drafter.min_confidence:
-                        break
-                    token = int(vocab_ids[j])
-                    dist = DraftDist.deterministic(token)
-                else:
-                    idx, probs = draft_distribution(logits, self.sampling)
-                    # Decided from the distribution before drawing, so whether position i is
-                    # drafted depends only on earlier drafts and q stays what is drawn from.
-                    reach *= float(probs[0])
-                    if reach < drafter.min_confidence:
-                        break
-                    pick = int(torch.multinomial(probs, 1, generator=self.generator))
-                    ids = vocab_ids[idx]
-                    token = int(ids[pick])
-                    dist = DraftDist.from_support(zip(ids.tolist(), probs.tolist(), strict=True))
+                j = int(torch.argmax(logits))
+                reach *= float(torch.softmax(logits.float(), 0)[j])
+                if reach < drafter.min_confidence:
+                    break
+                token = int(vocab_ids[j])
+                dist = DraftDist.deterministic(token)
                 tokens.append(token)
                 dists.append(dist)
                 if token in drafter.stop_token_ids or i == k - 1:
@@ -1512,7 +1507,7 @@ class Eagle3Drafter:
     def capabilities(self) -> DrafterCapabilities:
         """Conditions on hidden rows, samples its drafts, one session per request."""
         return DrafterCapabilities(wants_hidden=True, max_draft_len=self.max_draft_len,
-                                   sessions=True, samples=True,
+                                   sessions=True, samples=False,
                                    hidden_layers=self.hidden_layers)
 
     def session(self, sampling: DraftSamplingParams | None = None, seed: int = 0
@@ -1533,7 +1528,7 @@ class SuffixThenEagle3:
 
     The EAGLE-3 session ingests every hidden row either way, so its KV cache stays current;
     its draft loop runs only when the suffix trees propose nothing. Suffix drafts are point
-    masses and EAGLE-3's q is honest, so mixing them per step stays lossless. Finished outputs
+    masses and so are EAGLE-3's, so mixing them per step stays lossless and coupled. Finished outputs
     go to the suffix drafter's cross-request cache (`remember`).
     """
 
@@ -1556,7 +1551,7 @@ class SuffixThenEagle3:
     def capabilities(self) -> DrafterCapabilities:
         """EAGLE-3's, with the longer cap and the suffix drafter's cross-request cache."""
         return DrafterCapabilities(wants_hidden=True, max_draft_len=self.max_draft_len or None,
-                                   sessions=True, samples=True, hidden_layers=self.hidden_layers,
+                                   sessions=True, samples=False, hidden_layers=self.hidden_layers,
                                    remembers=self.suffix.capabilities.remembers)
 
     def session(self, sampling: DraftSamplingParams | None = None, seed: int = 0,

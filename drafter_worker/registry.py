@@ -77,7 +77,9 @@ class DrafterSpec:
 _EAGLE_CAPS = DrafterCapabilities(wants_hidden=True, sessions=True, samples=True)
 _SUFFIX_CAPS = DrafterCapabilities(wants_hidden=False, sessions=True, samples=False,
                                    remembers=True)
-_EAGLE3_SUFFIX_CAPS = DrafterCapabilities(wants_hidden=True, sessions=True, samples=True,
+#: EAGLE-3 drafts the head's argmax (a point mass) at every temperature.
+_EAGLE3_CAPS = DrafterCapabilities(wants_hidden=True, sessions=True, samples=False)
+_EAGLE3_SUFFIX_CAPS = DrafterCapabilities(wants_hidden=True, sessions=True, samples=False,
                                           remembers=True)
 
 #: Every drafter by name, in help order.
@@ -94,7 +96,7 @@ REGISTRY: dict[str, DrafterSpec] = {spec.name: spec for spec in (
     DrafterSpec("eagle+lookup", "prompt lookup when it matches, EAGLE otherwise",
                 EAGLE_MAX_DRAFT_LEN, EAGLE_MAX_DRAFT_LEN, True, _EAGLE_CAPS),
     DrafterSpec("eagle3", "EAGLE-3 head over three target layers",
-                EAGLE_MAX_DRAFT_LEN, EAGLE_MAX_DRAFT_LEN, True, _EAGLE_CAPS),
+                EAGLE_MAX_DRAFT_LEN, EAGLE_MAX_DRAFT_LEN, True, _EAGLE3_CAPS),
     DrafterSpec("eagle3+suffix", "suffix decoding when it drafts, EAGLE-3 otherwise",
                 EAGLE_MAX_DRAFT_LEN, EAGLE_MAX_DRAFT_LEN, True, _EAGLE3_SUFFIX_CAPS),
     DrafterSpec("none", "plain decoding, one token per forward", None, None, False, None),
