@@ -1528,8 +1528,8 @@ class SuffixThenEagle3:
 
     The EAGLE-3 session ingests every hidden row either way, so its KV cache stays current;
     its draft loop runs only when the suffix trees propose nothing. Suffix drafts are point
-    masses and so are EAGLE-3's, so mixing them per step stays lossless and coupled. Finished outputs
-    go to the suffix drafter's cross-request cache (`remember`).
+    masses and so are EAGLE-3's, so mixing them per step stays lossless and coupled.
+    Finished outputs go to the suffix drafter's cross-request cache (`remember`).
     """
 
     wants_hidden = True

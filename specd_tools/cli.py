@@ -624,8 +624,13 @@ def _add_train_drafter_parser(sub) -> None:
     d = TrainConfig(out="")
     tr = sub.add_parser("train-drafter", help="train an EAGLE drafter head for a target, "
                                               "offline on this machine")
-    tr.add_argument("--out", required=True, help="head file to write (.safetensors); a .json "
-                                                 "recipe and a .png of the curves go next to it")
+    tr.add_argument("--arch", choices=("eagle", "eagle3"), default="eagle",
+                    help="eagle: the EAGLE-1 head (a .safetensors file); eagle3: an EAGLE-3 "
+                         "head (a directory in the speculators layout) trained on "
+                         "self-distilled conversations (the 'EAGLE-3 training' flags)")
+    tr.add_argument("--out", required=True, help="eagle: head file to write (.safetensors; a "
+                                                 ".json recipe and a .png of the curves go "
+                                                 "next to it); eagle3: the head's directory")
     tr.add_argument("--model", default=None, help=MODEL_HELP)
     tr.add_argument("--data-dir", default=d.data_dir,
                     help="cache of the target's hidden states (reused when the recipe matches)")
@@ -660,11 +665,81 @@ def _add_train_drafter_parser(sub) -> None:
     tr.add_argument("--threads", type=int, default=d.threads, help="torch threads")
     tr.add_argument("--seed", type=int, default=d.seed)
     tr.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib)")
-    tr.set_defaults(func=cmd_train_drafter)
+    from specd_tools.train_eagle3 import Eagle3TrainConfig
+
+    e3 = Eagle3TrainConfig(out="", data_dir="", val_dir="")
+    g = tr.add_argument_group("EAGLE-3 training (--arch eagle3; --data-dir, --epochs, --lr, "
+                              "--draft-vocab, --threads, --seed and --time-budget-min apply)")
+    g.add_argument("--conversations", type=int, default=1024,
+                   help="self-distilled conversations to have in --data-dir (generated, or "
+                        "continued after its last shard, before training)")
+    g.add_argument("--gen-dtype", default="bfloat16",
+                   help="the target's dtype while generating conversations")
+    g.add_argument("--val-dir", default=None,
+                   help="held-out conversations (default: DATA_DIR-val, the target's answers "
+                        "to --val-prompts, made if missing)")
+    g.add_argument("--val-prompts", default="train-prompts",
+                   help="held-out prompts: mt-bench, train-prompts or a file, one per line")
+    g.add_argument("--ttt-steps", type=int, default=e3.ttt_steps,
+                   help="unrolled drafting steps (EAGLE-3's training-time test)")
+    g.add_argument("--batch-tokens", type=int, default=e3.batch_tokens)
+    g.add_argument("--eval-every", type=int, default=e3.eval_every)
+    g.add_argument("--eval-k", type=int, default=e3.eval_k,
+                   help="drafts per step in the held-out acceptance")
+    g.add_argument("--init", default=None, help="a head directory to continue from")
+    tr.set_defaults(func=cmd_train_drafter,
+                    train_defaults={a.dest: a.default for a in tr._actions})
+
+
+#: `train-drafter` flags only the EAGLE-1 trainer reads.
+_EAGLE1_ONLY = ("max_prompts", "max_new_tokens", "gen_batch", "stdlib_tokens", "seq_len",
+                "ffn_dim", "batch_size", "chat_repeat", "unroll", "ce_weight", "noise")
+#: `train-drafter` flags only the EAGLE-3 trainer reads.
+_EAGLE3_ONLY = ("conversations", "gen_dtype", "val_dir", "val_prompts", "ttt_steps",
+                "batch_tokens", "eval_every", "eval_k", "init")
+
+
+def cmd_train_eagle3(args: argparse.Namespace, parser_defaults: dict) -> int:
+    """``specd train-drafter --arch eagle3``: self-distilled conversations (made or
+    continued), held-out answers (made if missing), then training (`specd_tools.train_eagle3`).
+    """
+    from specd_tools import distill
+    from specd_tools.train_eagle3 import Eagle3TrainConfig, train
+
+    changed = [n for n in _EAGLE1_ONLY if getattr(args, n) != parser_defaults[n]]
+    if changed:
+        raise ValueError(f"--arch eagle3 does not use "
+                         f"{', '.join('--' + n.replace('_', '-') for n in changed)}")
+    gen = distill.DistillConfig(model=args.model, dtype=args.gen_dtype, seed=args.seed)
+    val_dir = args.val_dir or f"{args.data_dir.rstrip('/')}-val"
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    made = distill.generate(gen, args.data_dir, args.conversations, args.threads)
+    held = distill.generate_answers(gen, val_dir, distill.prompt_set(args.val_prompts),
+                                    args.threads)
+    cfg = Eagle3TrainConfig(
+        out=args.out, data_dir=args.data_dir, val_dir=val_dir, model=args.model,
+        init=args.init, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps,
+        epochs=float(args.epochs), batch_tokens=args.batch_tokens, lr=args.lr,
+        eval_every=args.eval_every, eval_k=args.eval_k,
+        time_budget_s=args.time_budget_min * 60, threads=args.threads, seed=args.seed,
+        extra={"command": "specd " + " ".join(sys.argv[1:]), "generated": made,
+               "held_out_generated": held})
+    summary = train(cfg)
+    print(json.dumps({"out": args.out, "best": summary["best"], "data": summary["data"],
+                      "seconds": summary["seconds"]}, indent=2))
+    return 0
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     from specd_tools.train_eagle import TrainConfig, train
+
+    defaults = args.train_defaults
+    if args.arch == "eagle3":
+        return cmd_train_eagle3(args, defaults)
+    changed = [n for n in _EAGLE3_ONLY if getattr(args, n) != defaults[n]]
+    if changed:
+        raise ValueError(f"--arch eagle does not use "
+                         f"{', '.join('--' + n.replace('_', '-') for n in changed)}")
 
     cfg = TrainConfig(
         out=args.out, model=args.model, data_dir=args.data_dir, max_prompts=args.max_prompts,

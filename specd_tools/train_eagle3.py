@@ -339,8 +339,8 @@ def train(cfg: Eagle3TrainConfig, progress: bool = True) -> dict:
     train_data = Conversations.load(cfg.data_dir, cfg.max_len)
     val = Conversations.load(cfg.val_dir, cfg.max_len, cfg.eval_conversations)
     if not len(train_data) or not len(val):
-        raise ValueError(f"no conversations: {len(train_data)} in {cfg.data_dir}, "
-                         f"{len(val)} in {cfg.val_dir} (make them with specd_tools.distill)")
+        raise ValueError(f"too few conversations to train on: {len(train_data)} with an "
+                         f"answer in {cfg.data_dir}, {len(val)} in {cfg.val_dir}")
     recipe = distill.read_shard(distill.shards(cfg.data_dir)[0])["recipe"]
     decoder = load_decoder(cfg.model, "float32")
     tc = decoder.config

@@ -129,3 +129,32 @@ def test_config_refuses_out_of_range_values():
         Eagle3TrainConfig(out="o", data_dir="d", val_dir="v", step_decay=0)
     with pytest.raises(ValueError, match="ttt_steps"):
         Eagle3TrainConfig(out="o", data_dir="d", val_dir="v", ttt_steps=0)
+
+
+def test_the_cli_generates_conversations_and_held_out_answers_then_trains(data, tmp_path,
+                                                                          capsys):
+    import json
+
+    from specd_tools import cli
+
+    model, _, _ = data
+    prompts = tmp_path / "held.txt"
+    prompts.write_text("def add(a, b):\nThe quick brown fox\n")
+    argv = ["train-drafter", "--arch", "eagle3", "--model", str(model), "--out",
+            str(tmp_path / "head"), "--data-dir", str(tmp_path / "convs"), "--conversations",
+            "64", "--gen-dtype", "float32", "--val-prompts", str(prompts), "--epochs", "2",
+            "--draft-vocab", "32", "--threads", "1", "--eval-every", "5"]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["data"]["val_conversations"] == 2 and out["data"]["train_conversations"] >= 1
+    assert len(distill.shards(tmp_path / "convs")) == 1  # one batch of 64
+    assert len(distill.shards(tmp_path / "convs-val")) == 1
+    decoder, _ = load_model(str(model), "float32")
+    assert load_eagle3(tmp_path / "head", decoder.config)[0].config.draft_vocab_size == 32
+    # A flag of the other trainer is refused by name.
+    for bad, flag in (([*argv, "--chat-repeat", "2"], "--chat-repeat"),
+                      (["train-drafter", "--out", "x.safetensors", "--ttt-steps", "2"],
+                       "--ttt-steps")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(bad)
+        assert exc.value.code == 2 and flag in capsys.readouterr().err
