@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -53,7 +54,7 @@ class Eagle3TrainConfig:
     """
 
     out: str
-    data_dir: str
+    data_dir: str  # conversations (`specd_tools.distill`); several: separated by os.pathsep
     val_dir: str
     model: str | None = None
     init: str | None = None  # a head directory to continue from (its draft vocabulary too)
@@ -103,15 +104,18 @@ class Conversations:
 
     @classmethod
     def load(cls, data_dir: str | Path, max_len: int, limit: int = 0) -> Conversations:
+        """The conversations of ``data_dir`` (several directories: joined by
+        ``os.pathsep``), each cut to ``max_len`` tokens; at most ``limit`` (0: all)."""
         out = cls([], [], [])
-        for tokens, prompt_len, feats in distill.iter_conversations(data_dir):
-            if prompt_len >= min(tokens.numel() - 1, max_len - 1):
-                continue  # no answer position inside the window
-            out.tokens.append(tokens[:max_len])
-            out.prompt_lens.append(prompt_len)
-            out.features.append(feats[: max_len - 1])
-            if limit and len(out.tokens) >= limit:
-                break
+        for directory in str(data_dir).split(os.pathsep):
+            for tokens, prompt_len, feats in distill.iter_conversations(directory):
+                if prompt_len >= min(tokens.numel() - 1, max_len - 1):
+                    continue  # no answer position inside the window
+                out.tokens.append(tokens[:max_len])
+                out.prompt_lens.append(prompt_len)
+                out.features.append(feats[: max_len - 1])
+                if limit and len(out.tokens) >= limit:
+                    return out
         return out
 
     def __len__(self) -> int:
@@ -341,7 +345,11 @@ def train(cfg: Eagle3TrainConfig, progress: bool = True) -> dict:
     if not len(train_data) or not len(val):
         raise ValueError(f"too few conversations to train on: {len(train_data)} with an "
                          f"answer in {cfg.data_dir}, {len(val)} in {cfg.val_dir}")
-    recipe = distill.read_shard(distill.shards(cfg.data_dir)[0])["recipe"]
+    recipes = [distill.read_shard(distill.shards(d)[0])["recipe"]
+               for d in str(cfg.data_dir).split(os.pathsep) if distill.shards(d)]
+    recipe = recipes[0]
+    if any(r["layers"] != recipe["layers"] or r["model"] != recipe["model"] for r in recipes):
+        raise ValueError(f"data_dir: the directories hold other targets or layers: {recipes}")
     decoder = load_decoder(cfg.model, "float32")
     tc = decoder.config
     layers = tuple(recipe["layers"])
@@ -413,6 +421,9 @@ def train(cfg: Eagle3TrainConfig, progress: bool = True) -> dict:
         if res["acceptance_length"] > best["acceptance_length"]:
             best = res
             best_state = {k: v.detach().clone() for k, v in head.state_dict().items()}
+            # On disk at once, so a run stopped early (or out of time) keeps its best head.
+            head.save(cfg.out, metadata={"recipe": asdict(cfg), "best": best, "partial": True},
+                      dtype=torch.float16, speculative_tokens=cfg.eval_k)
         head.train()
 
     evaluate()

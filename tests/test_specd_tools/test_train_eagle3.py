@@ -5,6 +5,7 @@ saved head is the best one and loads as a published-layout head, and training le
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -72,6 +73,9 @@ def test_held_out_acceptance_is_what_greedy_chain_drafting_gives(data):
     model, _, val_dir = data
     decoder, _ = load_model(str(model), "float32")
     val = Conversations.load(val_dir, 512)
+    both = Conversations.load(f"{data[1]}{os.pathsep}{val_dir}", 512)
+    assert len(both) == len(Conversations.load(data[1], 512)) + len(val)
+    assert torch.equal(both.tokens[-1], val.tokens[-1])
     ids = choose_draft_vocab(val, 40, decoder.config.vocab_size)
     head = Eagle3Head.random(Eagle3Config.for_target(decoder.config, ids.numel()), seed=3,
                              draft_vocab=ids)
