@@ -69,6 +69,24 @@ class NeedsResync(ValueError):
     the whole history with every hidden row (the gRPC service answers ``resync``)."""
 
 
+def rows_continue(held: Sequence[int], history: Sequence[int], rows: int) -> bool:
+    """Whether ``rows`` hidden rows for ``history`` continue a session that holds the pairs of
+    ``held`` (the committed rows since its previous call: True), or are every row of the
+    history but the pending anchor's (``len(history) - 1``: False, start over).
+
+    Raises:
+        NeedsResync: neither (rows were lost, or the history is another one).
+    """
+    n = len(history)
+    if held and len(held) <= n and rows == n - len(held) and list(history[: len(held)]) == \
+            list(held):
+        return True
+    if rows != n - 1:
+        raise NeedsResync(f"{rows} hidden rows neither continue the {len(held)} committed "
+                          f"tokens nor cover the {n}-token history")
+    return False
+
+
 @dataclass(frozen=True)
 class EagleConfig:
     """Shape of an EAGLE head.
@@ -419,16 +437,12 @@ class EagleSession:
         if rows.dim() != 2 or rows.shape[1] != self.drafter.head.config.hidden_size:
             raise ValueError(f"hidden rows must be [rows, {self.drafter.head.config.hidden_size}]"
                              f", got {tuple(rows.shape)}")
-        continues = (bool(self.tokens) and len(self.tokens) <= n
-                     and rows.shape[0] == n - len(self.tokens)
-                     and list(history[: len(self.tokens)]) == self.tokens)
-        if not continues:
-            if rows.shape[0] != n - 1:
-                self.reset()
-                raise NeedsResync(
-                    f"{rows.shape[0]} hidden rows neither continue the {len(self.tokens)} "
-                    f"committed tokens nor cover the {n}-token history")
+        try:
+            if not rows_continue(self.tokens, history, rows.shape[0]):
+                self.reset()  # every row of the history: start over
+        except NeedsResync:
             self.reset()
+            raise
         if rows.shape[0] == 0:
             return
         start = self.cache.seq_len  # == len(self.tokens) - 1, or 0 when fresh

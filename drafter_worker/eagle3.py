@@ -67,7 +67,7 @@ from specd_core.sampling import DraftSamplingParams
 from target_worker.config import RopeScaling
 from target_worker.model import RMSNorm, apply_rope, rope_tables
 
-from .eagle import HEADS_DIR, NeedsResync
+from .eagle import HEADS_DIR, NeedsResync, rows_continue
 
 __all__ = [
     "DEFAULT_EAGLE3_HEAD",
@@ -1337,16 +1337,12 @@ class Eagle3Session:
             raise ValueError(f"hidden rows must be [rows, {width}] (target layers "
                              f"{list(self.hidden_layers)} side by side: "
                              f"Decoder.set_capture_layers), got {tuple(rows.shape)}")
-        continues = (bool(self.tokens) and len(self.tokens) <= n
-                     and rows.shape[0] == n - len(self.tokens)
-                     and list(history[: len(self.tokens)]) == self.tokens)
-        if not continues:
-            if rows.shape[0] != n - 1:
-                self.reset()
-                raise NeedsResync(
-                    f"{rows.shape[0]} hidden rows neither continue the {len(self.tokens)} "
-                    f"committed tokens nor cover the {n}-token history")
+        try:
+            if not rows_continue(self.tokens, history, rows.shape[0]):
+                self.reset()  # every row of the history: start over
+        except NeedsResync:
             self.reset()
+            raise
         if rows.shape[0] == 0:
             return
         start = self.cache.seq_len  # == len(self.tokens) - 1, or 0 when fresh

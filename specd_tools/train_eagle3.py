@@ -68,6 +68,7 @@ class Eagle3TrainConfig:
     warmup_steps: int = 30
     min_lr_ratio: float = 0.05
     weight_decay: float = 0.0
+    freeze_lm_head: bool = True  # keep the target's own rows (speculators freezes them too)
     grad_clip: float = 0.5
     eval_every: int = 200
     eval_k: int = 3
@@ -379,6 +380,10 @@ def train(cfg: Eagle3TrainConfig, progress: bool = True) -> dict:
             head.lm_head.weight.copy_(lm[head.vocab_ids])
             head.norm.weight.copy_(decoder.norm.weight.detach().float())
     head.set_target_embedding(decoder.embed_tokens.weight)
+    if cfg.freeze_lm_head:
+        # The head then has to produce what the target's last stream would be, in the
+        # target's own output space: a prior that matters with little data.
+        head.lm_head.weight.requires_grad_(False)
     teacher = Teacher(decoder.norm.weight.detach(), tc.rms_norm_eps, lm[head.vocab_ids])
     in_vocab = head.t2d.clone()
     data_stats = {
