@@ -72,6 +72,8 @@ class RequestOutcome:
         schema_valid: a constrained request's answer parsed as JSON and matched its schema
             (`jsonschema` when installed, else parsing only); None when unconstrained or
             not finished ("length").
+        speculation: the ``speculation`` counters a specd server sends on the finish chunk
+            (`coordinator.gateway.speculation_counters`); None from other servers.
     """
 
     success: bool = False
@@ -82,6 +84,7 @@ class RequestOutcome:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     text: str = ""
+    speculation: dict | None = None
     category: str | None = None
     start: float = 0.0
     chunks: int = 0
@@ -157,6 +160,15 @@ def compute_metrics(outcomes: Sequence[RequestOutcome], duration: float,
     if goodput:
         good = sum(1 for o in done if meets_slos(o, goodput))
         metrics["request_goodput"] = per_s(good)
+    counted = [o.speculation for o in done if o.speculation is not None]
+    if counted:  # a specd server: its own counters, summed over the requests
+        steps = sum(c.get("verification_steps", 0) for c in counted)
+        tokens = sum(c.get("acceptance_length", 0.0) * c.get("verification_steps", 0)
+                     for c in counted)  # tokens committed by verification steps
+        metrics["forward_calls"] = sum(c.get("forward_calls", 0) for c in counted)
+        metrics["drafted_tokens"] = sum(c.get("drafted_tokens", 0) for c in counted)
+        metrics["accepted_tokens"] = sum(c.get("accepted_tokens", 0) for c in counted)
+        metrics["acceptance_length"] = tokens / steps if steps else None
     checked = [o.schema_valid for o in done if o.schema_valid is not None]
     if checked:  # a constrained workload: how many finished answers matched their schema
         metrics["schema_checked"], metrics["schema_valid"] = len(checked), sum(checked)
@@ -328,6 +340,9 @@ async def send_request(client, model: str, prompt: BenchPrompt, cfg: ServeBenchC
             now = time.perf_counter()
             if chunk.usage is not None:
                 usage = chunk.usage
+            counters = (chunk.model_extra or {}).get("speculation")
+            if isinstance(counters, dict):
+                out.speculation = counters
             for choice in chunk.choices or ():
                 finish = choice.finish_reason or finish
                 text = choice.delta.content if choice.delta is not None else None

@@ -23,6 +23,8 @@ _TABLE = (
     ("Request goodput (req/s)", "request_goodput", "{:.2f}"),
     ("Output token throughput (tok/s)", "output_throughput", "{:.2f}"),
     ("Total token throughput (tok/s)", "total_token_throughput", "{:.2f}"),
+    ("Target forward calls (specd)", "forward_calls", "{:d}"),
+    ("Acceptance length (specd)", "acceptance_length", "{:.2f}"),
 )
 _TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
            "itl": "Inter-token Latency (per chunk)", "e2el": "End-to-end Latency"}
@@ -43,7 +45,7 @@ def format_run(record: dict[str, Any]) -> str:
 
     def rows(spec) -> None:
         for label, key, fmt in spec:
-            if key in record:
+            if record.get(key) is not None:
                 lines.append(f"{label + ':':<40}{fmt.format(record[key]):>10}")
 
     rows(_TABLE)
@@ -62,14 +64,18 @@ def format_run(record: dict[str, Any]) -> str:
 
 
 def category_table(cats: dict[str, dict[str, Any]]) -> str:
-    """One row per category: completed, output tokens, median TTFT/TPOT/ITL/E2EL in ms."""
+    """One row per category: completed, output tokens, median TTFT/TPOT/ITL/E2EL in ms, and
+    the acceptance length when a specd server sent its counters."""
+    spec = any(m.get("acceptance_length") is not None for m in cats.values())
     head = (f"{'category':<12}{'done':>6}{'out tok':>9}{'p50 TTFT':>10}{'p50 TPOT':>10}"
-            f"{'p50 ITL':>9}{'p50 E2EL':>10}")
+            f"{'p50 ITL':>9}{'p50 E2EL':>10}" + (f"{'acc len':>9}" if spec else ""))
     lines = ["per category (ms):", head]
     for name, m in cats.items():
+        al = m.get("acceptance_length")
         lines.append(f"{name[:12]:<12}{m['completed']:>6d}{m['total_output_tokens']:>9d}"
                      f"{m['median_ttft_ms']:>10.1f}{m['median_tpot_ms']:>10.1f}"
-                     f"{m['median_itl_ms']:>9.1f}{m['median_e2el_ms']:>10.1f}")
+                     f"{m['median_itl_ms']:>9.1f}{m['median_e2el_ms']:>10.1f}"
+                     + ((f"{al:>9.2f}" if al is not None else f"{'-':>9}") if spec else ""))
     return "\n".join(lines)
 
 

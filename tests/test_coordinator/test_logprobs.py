@@ -172,7 +172,7 @@ def test_prefix_reuse_is_skipped_for_a_request_scoring_its_prompt(decoder):
     check_against_reference(decoder, prompt, found[0], 0)
 
 
-def test_requests_without_logprobs_ship_none_and_compute_last_rows_only(decoder):
+def test_requests_without_logprobs_ship_none_and_compute_last_rows_only(decoder, monkeypatch):
     engine = TargetEngine(decoder, max_slots=2)
     a, b = engine.allocate(), engine.allocate()
     seen = []
@@ -182,8 +182,8 @@ def test_requests_without_logprobs_ship_none_and_compute_last_rows_only(decoder)
         seen.append(list(last_only))
         return forward(segments, last_only)
 
-    engine.decoder = type("Spy", (), {"forward_packed": staticmethod(spy),
-                                      "config": decoder.config})()
+    # An instance attribute (undone after the test): the decoder keeps the rest.
+    monkeypatch.setattr(decoder, "forward_packed", spy)
     greedy = SamplingParams()
     outs = engine.step([PrefillItem(a, LONG[:10], greedy),
                         PrefillItem(b, LONG[:10], greedy, prompt_logprobs=2, logprobs=2)])

@@ -59,7 +59,13 @@ def make_app(tokens_per_chunk: int = 2, first_delay: float = 0.0, gap: float = 0
             for i, text in enumerate(chunks):
                 await asyncio.sleep(first_delay if i == 0 else gap)
                 yield event([{"index": 0, "delta": {"content": text}, "finish_reason": None}])
-            yield event([{"index": 0, "delta": {}, "finish_reason": "length"}])
+            # specd's counters ride on the finish chunk: steps of 4 tokens, 3 of them drafted.
+            steps = -(-n // 4)
+            yield event([{"index": 0, "delta": {}, "finish_reason": "length"}],
+                        speculation={"forward_calls": steps + 1, "verification_steps": steps,
+                                     "drafted_tokens": 3 * steps,
+                                     "accepted_tokens": n - steps,
+                                     "acceptance_length": n / steps})
             if include:
                 words = len(prompt.split())
                 yield event([], usage={"prompt_tokens": words, "completion_tokens": n,

@@ -307,6 +307,10 @@ def test_a_run_against_a_fake_server_reports_known_counts_and_timing(tmp_path, c
     assert (r["completed"], r["failed"]) == (4, 0)
     assert r["total_output_tokens"] == 48 and r["total_input_tokens"] == 12
     assert r["token_sources"] == ["usage"] * 4
+    # specd's counters from the finish chunks, summed: 12 tokens in 3 steps per request.
+    assert (r["forward_calls"], r["drafted_tokens"], r["accepted_tokens"]) == (16, 36, 36)
+    assert r["acceptance_length"] == pytest.approx(4.0)
+    assert "Acceptance length (specd):" in out and "acc len" in out
     assert r["request_goodput"] == pytest.approx(4 / r["duration"])
     for i, text in enumerate(r["generated_texts"]):
         assert text == "".join(f"w{i}{k} " for k in range(12))
