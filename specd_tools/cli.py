@@ -810,7 +810,8 @@ def _add_drafter_flags(p: argparse.ArgumentParser) -> None:
                    help="EAGLE head file for --drafter eagle / eagle+lookup (default: the head "
                         "shipped for SmolLM2; train one with 'specd train-drafter'); EAGLE-3 "
                         "head directory (EAGLE, speculators or SpecForge layout) for --drafter "
-                        "eagle3 / eagle3+suffix")
+                        "eagle3 / eagle3+suffix (default: the head shipped for SmolLM2; train "
+                        "one with 'specd train-drafter --arch eagle3')")
     p.add_argument("--suffix-cache-requests", type=int, default=None, metavar="N",
                    help="--drafter suffix / suffix+lookup: previous outputs each drafter "
                         "worker's global cache keeps, in all partitions (tenant, cache_salt) "

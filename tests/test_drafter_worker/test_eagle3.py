@@ -791,7 +791,7 @@ def test_registry_builds_and_checks_eagle3_heads(tmp_path, monkeypatch):
     assert torch.equal(by_name.head._target_embed, decoder.embed_tokens.weight)
     with pytest.raises(ValueError, match="suffix_cache_requests"):
         check_drafter("eagle3", drafter_path=str(path), suffix_cache_requests=3)
-    # The default head: a clear error while none is shipped.
+    # The default head moved away (an install without it): a clear error.
     import drafter_worker.eagle3 as eagle3
 
     monkeypatch.setattr(eagle3, "DEFAULT_EAGLE3_HEAD", tmp_path / "not-shipped")
