@@ -65,7 +65,9 @@ class ServiceConfig:
             divided (`default_target_threads`) where that measures cheaper
             (`target_worker.engine.TargetEngine`'s ``fallback_threads``): the coordinator and
             drafters run beside every step, and more threads than free cores collapse.
-        drafter_timeout_s: deadline of one Propose call; a miss decodes the step undrafted.
+        drafter_timeout_s: deadline of one Propose call, plus 1 ms per hidden row it
+            carries (`drafter_worker.client.ROW_DEADLINE_S`); a miss decodes the step
+            undrafted.
         target_timeout_s: the most one target call (allocate, prefill, verify, free) may
             take, seconds; a replica that misses its call's deadline is treated as stalled:
             its requests fail with UNAVAILABLE and it is re-created. Each call's deadline is

@@ -41,6 +41,15 @@ _UINT64_MASK = (1 << 64) - 1
 #: 3 x 576 x 2 B = 28 MB each), which goes as several messages (`DrafterClient.propose`).
 PROPOSE_MESSAGE_BYTES = MAX_MESSAGE_BYTES // 2
 
+#: Seconds a Propose's deadline grows per hidden row it carries. A model drafter ingests
+#: every row it is sent before it drafts, so a prompt's rows (or a resend's) take longer
+#: than a step's: the EAGLE-3 head for SmolLM2 ingests a 4400-row prompt in ~0.7 s on one
+#: CPU thread (~0.16 ms a row), beside a fixed 1 s deadline meant for a step of a few rows,
+#: which it missed (before its fused attention, 2.5 s) and then, resent whole to each
+#: replacement drafter, kept missing. 1 ms a row leaves ~6x for a busy machine or a larger
+#: head, and a hung worker is still found within ``timeout_s`` on every ordinary step.
+ROW_DEADLINE_S = 1e-3
+
 #: Bytes an item's framing adds per appended token at most (a varint int32 token id).
 _TOKEN_BYTES = 5
 #: Bytes of an item's hidden tensor header (dtype, a 2-D shape), the length prefixes of its
@@ -196,7 +205,8 @@ class DrafterClient:
             call; None sends none (a worker started without one).
         stream: send proposals over one persistent ``ProposeStream`` (a round trip costs
             ~0.15-0.2 ms on loopback here against ~0.45-0.5 ms per unary ``Propose``);
-            False: a unary call each. The deadline is ``timeout_s`` per proposal either way.
+            False: a unary call each. The deadline is ``timeout_s`` per proposal either way,
+            plus `ROW_DEADLINE_S` per hidden row the message carries (`deadline_s`).
         max_message_bytes: the most bytes one ``ProposeRequest`` carries (default
             `PROPOSE_MESSAGE_BYTES`); a call whose items exceed it goes as several requests,
             in order, each with its own deadline, and a single item above it (a long
@@ -398,8 +408,8 @@ class DrafterClient:
                 if self.stream:
                     reply = await self._over_stream(request)
                 else:
-                    reply = await self._get_stub().Propose(request, timeout=self.timeout_s,
-                                                           metadata=self._metadata)
+                    reply = await self._get_stub().Propose(
+                        request, timeout=self.deadline_s(request), metadata=self._metadata)
                 replies.append(reply)
                 if len(reply.results) != len(request.items):
                     break
@@ -451,6 +461,13 @@ class DrafterClient:
         requests.append(drafter_pb2.ProposeRequest(items=current))
         return requests
 
+    def deadline_s(self, request: drafter_pb2.ProposeRequest) -> float:
+        """Seconds ``request`` may take: ``timeout_s`` plus `ROW_DEADLINE_S` per hidden row
+        its items carry (the rows the worker must ingest before it drafts)."""
+        rows = sum(item.hidden.shape[0] for item in request.items
+                   if item.HasField("hidden") and item.hidden.shape)
+        return self.timeout_s + ROW_DEADLINE_S * rows
+
     async def _over_stream(self, request: drafter_pb2.ProposeRequest
                            ) -> drafter_pb2.ProposeResponse:
         """One request/response on the persistent ``ProposeStream``, opened on first use.
@@ -459,14 +476,15 @@ class DrafterClient:
         once on a new one: safe, since a proposal applied twice only asks for a resync.
 
         Raises:
-            DrafterUnavailable: no answer within ``timeout_s`` (DEADLINE_EXCEEDED), or the
+            DrafterUnavailable: no answer within `deadline_s` (DEADLINE_EXCEEDED), or the
                 stream failed (the gRPC status named).
         """
         if self._stream_lock is None:
             self._stream_lock = asyncio.Lock()
+        deadline = self.deadline_s(request)
         async with self._stream_lock:
             try:
-                async with asyncio.timeout(self.timeout_s):
+                async with asyncio.timeout(deadline):
                     for attempt in range(2):
                         fresh = self._stream is None or self._stream.done()
                         if fresh:
@@ -491,7 +509,7 @@ class DrafterClient:
             except TimeoutError as e:
                 self._drop_stream()
                 raise DrafterUnavailable(
-                    f"DEADLINE_EXCEEDED: no answer within {self.timeout_s} s") from e
+                    f"DEADLINE_EXCEEDED: no answer within {deadline:.3g} s") from e
             except asyncio.CancelledError:
                 self._drop_stream()
                 raise

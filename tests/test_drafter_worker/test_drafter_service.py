@@ -440,6 +440,48 @@ def test_deadline_raises_drafter_unavailable_then_the_next_call_resends_everythi
     run(main())
 
 
+class SlowIngestDrafter(RecordingDrafter):
+    """A model drafter whose every call takes `SECONDS` (as ingesting a long prompt's rows
+    does), longer than the client's base deadline in the test below."""
+
+    SECONDS = 0.3
+
+    def propose(self, history, target_hidden, max_len):
+        threading.Event().wait(self.SECONDS)  # the work itself, not a wait for a race
+        return super().propose(history, target_hidden, max_len)
+
+
+def test_a_call_carrying_hidden_rows_gets_time_to_ingest_them():
+    # The deadline is timeout_s plus ROW_DEADLINE_S per row carried: a prompt's 2000 rows
+    # get 2 s more, so the slow ingest answers; the same slowness on a step without rows
+    # misses the base deadline (before, the first call of every long prompt to the EAGLE-3
+    # drafter timed out, and so did each resend to the drafters that replaced it).
+    from drafter_worker.client import ROW_DEADLINE_S
+
+    drafter = SlowIngestDrafter()
+    history = list(range(2001))
+
+    async def main():
+        server, port = await start_drafter_server(drafter)
+        try:
+            async with DrafterClient(f"127.0.0.1:{port}", timeout_s=0.05,
+                                     hidden_dtype="float16") as client:
+                job = ProposeJob("r", history, 2, hidden_log=torch.randn(2000, 8))
+                (request,) = client._pack(client._items(job))
+                assert client.deadline_s(request) == pytest.approx(0.05 + 2000 * ROW_DEADLINE_S)
+                (block,) = await client.propose([job])
+                assert list(block.tokens) == [history[-1]] and client.known("r") == len(history)
+                # The next step carries one row: back to about the base deadline.
+                step = ProposeJob("r", [*history, 7], 2, hidden_log=torch.randn(2001, 8))
+                with pytest.raises(DrafterUnavailable, match="DEADLINE_EXCEEDED"):
+                    await client.propose([step])
+        finally:
+            await server.stop(None)
+
+    run(main())
+    assert drafter.seen_hidden[0].shape == (2000, 8)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_hidden_rows_arrive_intact(dtype):
     drafter = RecordingDrafter()
