@@ -889,14 +889,15 @@ def resolve_head_dir(path: str | os.PathLike | None) -> Path:
     Raises:
         FileNotFoundError: no such directory or file, or no ``config.json`` in it.
     """
-    p = Path(DEFAULT_EAGLE3_HEAD if path is None else path)
-    if p.is_file():
-        p = p.parent
+    given = Path(DEFAULT_EAGLE3_HEAD if path is None else path)
+    p = given.parent if given.is_file() else given
     if not p.is_dir():
         hint = " (the default head; give --drafter-path DIR)" if path is None else ""
         raise FileNotFoundError(f"EAGLE-3 head not found: {p}{hint}")
     if not (p / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"EAGLE-3 head {p}: no {CONFIG_FILE} in it")
+        # Name what was given: a stray file's directory (often ".") says nothing.
+        where = given if given == p else f"{given} (a file: its directory {p.resolve()})"
+        raise FileNotFoundError(f"EAGLE-3 head {where}: no {CONFIG_FILE} in it")
     return p
 
 

@@ -42,11 +42,16 @@ for spec in "${drafters[@]}"; do
         [[ -n "$head" ]] && args+=(--drafter-path "$head")
         # shellcheck disable=SC2206
         args+=(${SERVE_ARGS:-})
+        # Something else answering on the port would be measured instead of our server.
+        if curl -s -o /dev/null "http://127.0.0.1:$port/health"; then
+            echo "served_gain.sh: port $port already answers: set PORT" >&2
+            exit 1
+        fi
         "$specd" "${args[@]}" >"$out/$tag.server.log" 2>&1 &
         server=$!
         for _ in $(seq 600); do
-            curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
             kill -0 "$server" 2>/dev/null || { cat "$out/$tag.server.log"; exit 1; }
+            curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
             sleep 0.5
         done
         # Untimed: the same load on other prompts, so that one-time costs (the adaptive

@@ -279,6 +279,21 @@ def grammar_tokenizer(tokenizer, vocab_size: int, eos_token_id: int | None = Non
                                   n_vocab=vocab_size, eos_token=int(eos))
 
 
+def _reason(error: str) -> str:
+    """llguidance's error in one line: its first line, and, where that line only introduces
+    a multi-line report ("regex parse error:" over a caret drawing), the report's own
+    ``error: ...`` line ("regex parse error: unclosed character class")."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    if not lines:
+        return "no reason given"
+    first = lines[0]
+    if first.endswith(":"):
+        detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+        if detail is not None:
+            first = f"{first} {detail.removeprefix('error:').strip()}"
+    return first
+
+
 class Grammar:
     """A compiled constraint for one tokenizer: immutable and shared by every request using
     it; `matcher` gives each request (each choice) its own state.
@@ -298,7 +313,7 @@ class Grammar:
         error = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)
         if error:
             raise GrammarError(f"{spec.field}: unsupported {spec.kind.replace('_', ' ')}: "
-                               f"{error.strip().splitlines()[0]}")
+                               f"{_reason(error)}")
         # Building the matcher is the expensive part (it drops the GIL; up to ~1 s for huge
         # grammars): done once here, off the event loop; requests deep-copy it.
         self._template = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
@@ -369,7 +384,7 @@ class GrammarMatcher:
             return
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
         if self._m.is_error():
-            first = self._m.get_error().strip().splitlines()[0]
+            first = _reason(self._m.get_error())
             if first.startswith("NoExtension") or str(self._m.stop_reason()).startswith(
                     "NoExtension"):
                 out[:] = 0  # nothing this tokenizer can spell continues the output

@@ -844,8 +844,9 @@ def user_flags(message: str, parser: argparse.ArgumentParser,
     def flag(m: re.Match) -> str:
         return flags.get(m.group(2), m.group(0))
 
-    # (?<!-): a name already written as a flag ("--seed must ...") stays as it is.
-    return re.sub(r"(?<!-)(SamplingParams\.|sampling\.|\b)([a-z][a-z0-9_]*)(?=[:=]| must)",
+    # (?<![-./]): a name already written as a flag ("--seed must ...") stays as it is, and
+    # so does the end of a path or file name ("HEAD/config.json: not readable JSON").
+    return re.sub(r"(?<![-./])(SamplingParams\.|sampling\.|\b)([a-z][a-z0-9_]*)(?=[:=]| must)",
                   flag, message)
 
 

@@ -54,8 +54,14 @@ SHARD = "shard-{:05d}.safetensors"
 
 def eagle3_layers(n_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's default target layers for an ``n_layers``-layer target: the residual stream
-    entering layers 2, N // 2 and N - 3 (SafeAILab/EAGLE, vLLM and SGLang agree)."""
-    return (2, n_layers // 2, n_layers - 3)
+    entering layers 2, N // 2 and N - 3 (SafeAILab/EAGLE, vLLM and SGLang agree).
+
+    Raises:
+        ValueError: a target with fewer than 7 layers (`default_aux_layers`).
+    """
+    from drafter_worker.eagle3 import default_aux_layers
+
+    return default_aux_layers(n_layers)
 
 
 @dataclass(frozen=True)

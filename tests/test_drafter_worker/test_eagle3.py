@@ -481,6 +481,11 @@ def test_paths_resolve_from_a_directory_or_a_file_inside_it_and_missing_ones_are
         assert load_eagle3(given, TARGET)[1]["directory"] == str(path)
     with pytest.raises(FileNotFoundError, match="EAGLE-3 head not found"):
         load_eagle3(tmp_path / "nowhere", TARGET)
+    # A file that is not in a head directory: the message names that file.
+    stray = tmp_path / "notes.md"
+    stray.write_text("not a head")
+    with pytest.raises(FileNotFoundError, match=r"EAGLE-3 head .*notes\.md .*no config\.json"):
+        load_eagle3(stray, TARGET)
     (path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no weights"):
         load_eagle3(path, TARGET)

@@ -111,6 +111,17 @@ def test_the_grammar_drafts_forced_tokens_and_keeps_a_refused_drafter_token_for_
     assert allowed(m.mask()) == [B]
 
 
+def test_an_invalid_pattern_error_says_what_is_wrong_with_it():
+    # llguidance reports a regex error over several lines (a caret drawing, then the
+    # reason): the one-line message keeps the reason.
+    with pytest.raises(GrammarError, match="regex parse error: unclosed character class$"):
+        compiled("regex", "([")
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(["}}}
+    with pytest.raises(GrammarError, match="^response_format: unsupported json schema: "
+                                           "regex parse error: unclosed character class$"):
+        compiled("json_schema", schema)
+
+
 def test_a_constraint_that_allows_nothing_fails_with_a_clear_error():
     with pytest.raises(GrammarError, match="regex"):
         compiled("regex", "(B")

@@ -361,3 +361,15 @@ def test_in_process_and_server_together_are_refused(capsys):
         cli.main(["generate", "hi", "--in-process", "--server", "127.0.0.1:1"])
     assert info.value.code == 2
     assert "--in-process and --server exclude each other" in capsys.readouterr().err
+
+
+def test_error_messages_name_flags_but_leave_paths_alone():
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "hi", "--json"])
+    # An internal name starting a clause becomes the flag the user typed ...
+    assert cli.user_flags("seed: must be >= 0", parser, args) == "--seed: must be >= 0"
+    # ... but the end of a path or file name is not a flag, even where one is spelled alike
+    # (generate has --json; this read "HEAD/config.--json" before).
+    message = "/tmp/h/config.json: not readable JSON (Expecting value)"
+    assert cli.user_flags(message, parser, args) == message
+    assert cli.user_flags("a/json: x", parser, args) == "a/json: x"

@@ -162,3 +162,11 @@ def test_answers_to_given_prompts_are_stored_in_order(checkpoint, tmp_path):
     assert distill.generate_answers(config, tmp_path, prompts)["shards"] == 0  # kept as is
     with pytest.raises(FileNotFoundError, match="no prompt set"):
         distill.prompt_set(str(tmp_path / "missing.txt"))
+
+
+def test_eagle3_layers_refuse_a_target_too_shallow_for_distinct_defaults():
+    from specd_tools.distill import eagle3_layers
+
+    assert eagle3_layers(30) == (2, 15, 27)  # SmolLM2: the head shipped reads these
+    with pytest.raises(ValueError, match="aux_layers: a 2-layer target"):
+        eagle3_layers(2)  # (2, 1, -1) before: a negative capture layer
