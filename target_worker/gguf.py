@@ -14,7 +14,7 @@ import torch
 
 from .config import ModelConfig
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "gguf_config", "read_gguf"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "gguf_config", "read_gguf", "read_gguf_stored"]
 
 # llama.cpp permutes Q/K rows for these architectures (its converter's LlamaModel.permute);
 # qwen2 is converted without the permutation (NEOX-style RoPE in llama.cpp).
@@ -165,6 +165,52 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
     if tensors:
         raise ValueError(f"{path}: unexpected tensors {sorted(tensors)[:8]}")
     return config, state
+
+
+def read_gguf_stored(path: str | os.PathLike) -> dict[str, Any]:
+    """The weight matrices of a GGUF file as it stores them, for the native forward: name ->
+    `target_worker.native.StoredWeight` (uint8 rows of whole blocks, a copy in memory), for
+    every matrix whose type the native forward reads (`target_worker.native.GGML_TYPES`;
+    others are left to the float32 weights). Names: ``embed``, ``head`` (untied files only),
+    ``{i}.q``, ``{i}.k``, ``{i}.v``, ``{i}.o``, ``{i}.gate``, ``{i}.up``, ``{i}.down``; Q and
+    K rows are un-permuted as `read_gguf` does, so a row holds what the float32 weights'
+    same row holds.
+
+    Raises:
+        ValueError: as `read_gguf`.
+    """
+    from .native import GGML_TYPES, StoredWeight
+
+    path = Path(path)
+    reader = _open_gguf(path)
+    config, arch = _config_from_reader(reader, path)
+    tensors: dict[str, Any] = {t.name: t for t in reader.tensors}
+    permute = arch in _PERMUTED_QK
+    out: dict[str, Any] = {}
+
+    def put(name: str, gguf_name: str, heads: int | None = None) -> None:
+        t = tensors.get(gguf_name)
+        if t is None or int(t.tensor_type) not in GGML_TYPES or len(t.shape) != 2:
+            return
+        k, n = (int(x) for x in t.shape)  # ggml lists the row length first
+        rows = np.ascontiguousarray(np.asarray(t.data).view(np.uint8).reshape(n, -1))
+        if heads is not None:
+            rows = np.ascontiguousarray(_permute_reverse(rows, heads))
+        out[name] = StoredWeight(int(t.tensor_type), n, k, torch.from_numpy(rows.copy()))
+
+    put("embed", "token_embd.weight")
+    if not config.tie_embeddings:
+        put("head", "output.weight")
+    for i in range(config.n_layers):
+        b = f"blk.{i}."
+        put(f"{i}.q", b + "attn_q.weight", config.n_heads if permute else None)
+        put(f"{i}.k", b + "attn_k.weight", config.n_kv_heads if permute else None)
+        put(f"{i}.v", b + "attn_v.weight")
+        put(f"{i}.o", b + "attn_output.weight")
+        put(f"{i}.gate", b + "ffn_gate.weight")
+        put(f"{i}.up", b + "ffn_up.weight")
+        put(f"{i}.down", b + "ffn_down.weight")
+    return out
 
 
 def gguf_config(path: str | os.PathLike) -> ModelConfig:

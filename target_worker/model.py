@@ -701,7 +701,7 @@ class Decoder(nn.Module):
         return model
 
     def new_cache(self, capacity: int | None = None) -> KvCache:
-        """An empty cache for this model, float32.
+        """An empty cache for this model, of `kv_dtype`.
 
         Args:
             capacity: initial positions; default ``min(1024, max_seq_len)``. Grows on demand.
@@ -713,7 +713,17 @@ class Decoder(nn.Module):
         if capacity is None:
             capacity = min(DEFAULT_CACHE_CAPACITY, c.max_seq_len)
         return KvCache(c.n_layers, self.cache_kv_heads, c.head_dim, capacity, c.max_seq_len,
-                       dtype=self.dtype)
+                       dtype=self.kv_dtype)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of this decoder's KV caches: its compute dtype, or float16 when the
+        native forward runs in ``q8`` (`target_worker.native.KV_DTYPES`)."""
+        if self._native_wanted:
+            from .native import KV_DTYPES
+
+            return KV_DTYPES[self.native_mode]
+        return self.dtype
 
     @property
     def cache_kv_heads(self) -> int:
@@ -748,24 +758,58 @@ class Decoder(nn.Module):
         self.capture_layers = tuple(sorted(layers))
     #: The thread counts `make_batch_invariant` proved its plans for (None: not made so).
     _invariant_threads: tuple[int, ...] | None = None
+    #: The native forward (`target_worker.native`) when `make_batch_invariant` chose it;
+    #: None in a copy, which builds its own at its first forward.
+    _native = None
+    #: Whether forwards run natively (`make_batch_invariant` chose it).
+    _native_wanted: bool = False
+    #: The weights as the model file stores them (`target_worker.native.StoredWeight` by
+    #: name: ``embed``, ``head``, ``{layer}.q`` / ``k`` / ``v`` / ``o`` / ``gate`` / ``up`` /
+    #: ``down``), set by the loader; the native forward multiplies these while
+    #: ``stored_fingerprint`` (`target_worker.native.fingerprint`) says the float32 weights
+    #: are still the ones they were loaded with.
+    stored_weights: dict | None = None
+    stored_fingerprint: tuple | None = None
+    #: The native forward's arithmetic (`target_worker.native.MODES`): ``float32``, or
+    #: ``q8`` (activations rounded to 8-bit blocks for quantized weights, as llama.cpp).
+    native_mode: str = "float32"
 
     def make_batch_invariant(self, threads: Sequence[int] | None = None) -> dict:
-        """Runs every matmul of the forward by a batch-invariant plan from now on: each
-        row's logits, hidden state and KV entries are then bitwise the same whatever else
-        the forward computes (one token, a verify block, a prompt chunk of any size, other
-        sequences, which chunk a position was prefilled in).
+        """Runs the forward batch-invariantly from now on: each row's logits, hidden state
+        and KV entries are then bitwise the same whatever else the forward computes (one
+        token, a verify block, a prompt chunk of any size, other sequences, which chunk a
+        position was prefilled in, the thread count).
 
-        Each weight shape (and attention's two batched matmuls) gets the first kernel and
+        A float32 dense decoder on the CPU runs the native forward (`target_worker.native`:
+        invariant by construction, and proven so on this machine once, at each of
+        ``threads``). Any other decoder, or where the native forward cannot be built, has
+        each weight shape (and attention's two batched matmuls) take the first kernel and
         padding that `target_worker.invariant` proves invariant on this machine at each of
         ``threads`` (default: the current count); the verdicts are checked once per
         machine and kept on disk. Called again after ``Module.to`` moves the weights.
 
         Returns:
-            A report: ``{"linear": {"OUTxIN dtype": plan, ...}, "scores": plan, "values":
-            plan}``, each plan `target_worker.invariant.InvariancePlan`.
+            A report: natively ``{"native": {"isa": ..., "weights": [type names]}}``; else
+            ``{"linear": {"OUTxIN dtype": plan, ...}, "scores": plan, "values": plan}``,
+            each plan `target_worker.invariant.InvariancePlan`, with ``"native_off"`` saying
+            why the native forward is not used.
         """
         threads = tuple(dict.fromkeys(threads or (torch.get_num_threads(),)))
-        report: dict = {"linear": {}}
+        from . import native
+
+        why = native.supports(self) if native.native_enabled() else "SPECD_NATIVE=0"
+        if why is None:
+            try:
+                self._native_wanted = True
+                self._native = None
+                report = native.prove(self, threads)
+                self._invariant_threads = threads
+                return {"native": report}
+            except native.NativeUnavailable as exc:
+                why = str(exc)
+        self._native_wanted = False
+        self._native = None
+        report: dict = {"linear": {}, "native_off": why}
         weights: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -803,6 +847,17 @@ class Decoder(nn.Module):
         if self._invariant_threads is not None:
             self.make_batch_invariant(self._invariant_threads)
         return out
+
+    def _native_forward(self):
+        """The native forward this decoder runs (built at first use, e.g. in a copy), or
+        None when it runs the torch forward."""
+        if not self._native_wanted:
+            return None
+        if self._native is None:
+            from .native import NativeForward
+
+            self._native = NativeForward(self, self.native_mode)
+        return self._native
 
     @property
     def dtype(self) -> torch.dtype:
@@ -965,6 +1020,14 @@ class Decoder(nn.Module):
                 if single:
                     raise
                 raise ValueError(f"segment {i}: {e}") from None
+        native = self._native_forward()
+        if native is not None:
+            for idx, (_, start, cache) in zip(ids, segments, strict=True):
+                cache.reserve(start + idx.numel())
+            out = native.forward(self, ids, segments, last_logits_only, self.capture_layers)
+            for idx, (_, start, cache) in zip(ids, segments, strict=True):
+                cache._seq_len = start + idx.numel()
+            return out
         head = self.head_weight()
         if self._invariant_threads is not None and head is not None and planned(head) is None:
             # A copy (deepcopy) or reassigned weights: plan the tensors it multiplies now.
