@@ -848,6 +848,24 @@ class Decoder(nn.Module):
             self.make_batch_invariant(self._invariant_threads)
         return out
 
+    def __getstate__(self):
+        # A copy's stored weights describe its own float32 weights when the original's
+        # described the original's: `__setstate__` records the copy's fingerprint then.
+        state = super().__getstate__()
+        if self.stored_weights:
+            from .native import fingerprint
+
+            state["_stored_current"] = self.stored_fingerprint == fingerprint(self)
+        return state
+
+    def __setstate__(self, state):
+        current = state.pop("_stored_current", False)
+        super().__setstate__(state)
+        if current:
+            from .native import fingerprint
+
+            self.stored_fingerprint = fingerprint(self)
+
     def _native_forward(self):
         """The native forward this decoder runs (built at first use, e.g. in a copy), or
         None when it runs the torch forward."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..flags import positive_int
 from .serve import GOODPUT_KEYS, RANDOM_NUM_PROMPTS, ServeBenchConfig, bench_endpoint
-from .serve_compare import DEFAULT_PEER_CMD, DEFAULT_SPECD_CMD
+from .serve_compare import DEFAULT_PEER_CMD, DEFAULT_SPECD_CMD, LLAMA_SERVER_CMD, PEERS
 from .serve_data import DATASETS
 from .serve_report import format_run, sweep_table, write_plots
 
@@ -174,16 +174,22 @@ def add_serve_parser(modes) -> argparse.ArgumentParser:
     from target_worker.loader import DTYPES
 
     c = p.add_argument_group("--compare: specd serve against a peer server, in turn")
-    c.add_argument("--compare", default=None, metavar="MODEL_DIR",
-                   help="start 'specd serve --http-port' and the peer on this model "
-                        "directory one after the other and run the workload against each")
+    c.add_argument("--compare", default=None, metavar="MODEL",
+                   help="start 'specd serve --http-port' and the peer on this model (a "
+                        "directory, or a GGUF file for llama.cpp) one after the other and run "
+                        "the workload against each")
     c.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="both servers' weights/compute dtype, the {dtype} of their commands "
                         "(auto: what specd serve picks on this machine, given to the peer "
                         "by name) (default: auto)")
-    c.add_argument("--peer-cmd", default=DEFAULT_PEER_CMD, metavar="CMD",
-                   help="the peer's command; {port}, {model}, {dtype} and {python} are "
-                        "filled in (default: %(default)s)")
+    c.add_argument("--peer", choices=sorted(PEERS), default="transformers",
+                   help="the peer: transformers serve, or llama.cpp's llama-server "
+                        "($LLAMA_SERVER, scripts/build_llama_server.sh's build, or on PATH) "
+                        "(default: %(default)s)")
+    c.add_argument("--peer-cmd", default=None, metavar="CMD",
+                   help="the peer's command, instead of --peer's; {port}, {model}, {dtype}, "
+                        "{python}, {threads} and {llama_server} are filled in (transformers: "
+                        f"{DEFAULT_PEER_CMD}; llama.cpp: {LLAMA_SERVER_CMD})")
     c.add_argument("--specd-cmd", default=DEFAULT_SPECD_CMD, metavar="CMD",
                    help="specd's command, as --peer-cmd (default: %(default)s)")
     c.add_argument("--rounds", type=positive_int, default=2,
@@ -267,7 +273,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         from .serve_compare import CompareConfig, format_compare, run_compare
 
         result = run_compare(cfg, CompareConfig(
-            model_dir=args.compare, peer_cmd=args.peer_cmd, specd_cmd=args.specd_cmd,
+            model_dir=args.compare, peer_cmd=args.peer_cmd or PEERS[args.peer],
+            specd_cmd=args.specd_cmd,
             dtype=args.dtype, rounds=args.rounds, server_timeout=args.server_timeout,
             stop_timeout=args.stop_timeout, log_dir=args.log_dir), progress)
         print(format_compare(result))

@@ -1,6 +1,6 @@
-"""`specd bench serve --compare MODEL_DIR`: ``specd serve --http-port`` against a peer server
-(``transformers serve --continuous-batching`` unless ``--peer-cmd``) on the same model, under
-the same workload.
+"""`specd bench serve --compare MODEL`: ``specd serve --http-port`` against a peer server
+(``transformers serve --continuous-batching``, or llama.cpp's ``llama-server`` with ``--peer
+llama.cpp``, or any ``--peer-cmd``) on the same model, under the same workload.
 
 The two servers never run at once: each round starts one, waits until it lists a model at
 ``/v1/models`` (its start-up time), runs the warm-up and the workload at every load point,
@@ -46,6 +46,14 @@ from .serve_report import point_label
 #: openai): paged-attention continuous batching, no speculation.
 DEFAULT_PEER_CMD = ("transformers serve {model} --continuous-batching --host 127.0.0.1 "
                     "--port {port} --device cpu --dtype {dtype}")
+#: llama.cpp's server on the same GGUF file (`scripts/build_llama_server.sh` builds the
+#: pinned release): plain decoding, 8 slots, every core, its own chat template.
+LLAMA_SERVER_CMD = ("{llama_server} -m {model} --host 127.0.0.1 --port {port} -t {threads} "
+                    "-np 8 -c 32768 --jinja")
+#: ``--peer`` presets.
+PEERS = {"transformers": DEFAULT_PEER_CMD, "llama.cpp": LLAMA_SERVER_CMD}
+#: Where `scripts/build_llama_server.sh` puts its build (under the cache root).
+LLAMA_SERVER_BUILD = Path("peers") / "llama.cpp-11434" / "llama-server"
 #: specd's side: the HTTP API on {port}, gRPC on any free port, a short drain on SIGTERM.
 DEFAULT_SPECD_CMD = ("{python} -m specd_tools.cli serve --model {model} --host 127.0.0.1 "
                      "--port 0 --http-port {port} --shutdown-grace 5 --dtype {dtype}")
@@ -86,28 +94,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def llama_server() -> str:
+    """The ``llama-server`` to run: ``$LLAMA_SERVER``, else `scripts/build_llama_server.sh`'s
+    build under the cache root, else ``llama-server`` (looked up on ``PATH``)."""
+    from target_worker.disk_cache import cache_dir
+
+    if os.environ.get("LLAMA_SERVER"):
+        return os.environ["LLAMA_SERVER"]
+    built = cache_dir() / LLAMA_SERVER_BUILD
+    return str(built) if built.is_file() else "llama-server"
+
+
 def server_argv(template: str, port: int, model: str, dtype: str = "float32") -> list[str]:
     """``template`` split as a shell would, each word with ``{port}``, ``{model}``,
-    ``{dtype}`` and ``{python}`` (this interpreter) filled in; a bare program name is looked
-    up beside this interpreter first (the venv's ``transformers``), then on ``PATH``.
+    ``{dtype}``, ``{python}`` (this interpreter), ``{threads}`` (this machine's cores) and
+    ``{llama_server}`` (`llama_server`) filled in; a bare program name is looked up beside
+    this interpreter first (the venv's ``transformers``), then on ``PATH``.
 
     Raises:
         ValueError: an unknown placeholder, or the program is not found (names the flag).
     """
     try:
-        argv = [w.format(port=port, model=model, python=sys.executable, dtype=dtype)
+        argv = [w.format(port=port, model=model, python=sys.executable, dtype=dtype,
+                         threads=os.cpu_count() or 1,
+                         llama_server=llama_server() if "{llama_server}" in w else "")
                 for w in shlex.split(template)]
     except (KeyError, IndexError, ValueError) as exc:
         raise ValueError(f"--peer-cmd/--specd-cmd {template!r}: bad placeholder ({exc}); use "
-                         "{port}, {model}, {dtype}, {python}") from None
+                         "{port}, {model}, {dtype}, {python}, {threads}, {llama_server}"
+                         ) from None
     if not argv:
         raise ValueError("--peer-cmd/--specd-cmd: empty command")
     if os.sep not in argv[0]:
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         found = shutil.which(argv[0], path=path)
         if found is None:
+            hint = (" (build it with scripts/build_llama_server.sh, or set LLAMA_SERVER)"
+                    if argv[0] == "llama-server" else "")
             raise ValueError(f"--peer-cmd/--specd-cmd: program {argv[0]!r} not found beside "
-                             f"{sys.executable} or on PATH")
+                             f"{sys.executable} or on PATH{hint}")
         argv[0] = found
     return argv
 
@@ -230,6 +255,9 @@ def run_compare(cfg: ServeBenchConfig, cmp: CompareConfig,
     model = Path(cmp.model_dir)
     if not model.exists():
         raise ValueError(f"--compare {cmp.model_dir}: no such model directory or file")
+    if "{llama_server}" in cmp.peer_cmd and not model.is_file():
+        raise ValueError(f"--compare {cmp.model_dir}: llama.cpp's server reads a GGUF file, "
+                         "not a directory")
     tokenizer = None
     source = cfg.tokenizer or str(model)
     try:
