@@ -65,8 +65,13 @@ GGML_TYPES = {
 _F32, _F16, _BF16 = 0, 1, 30
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "forward.c"
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pthread",
-          "-fno-math-errno")
+_FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-fno-math-errno")
+
+
+def _march() -> str:
+    """``-march=`` of the build: ``$SPECD_NATIVE_MARCH`` (e.g. ``x86-64-v3`` for the AVX2
+    kernels, ``x86-64`` for the plain C ones, to test them on a newer CPU), else native."""
+    return f"-march={os.environ.get('SPECD_NATIVE_MARCH') or 'native'}"
 _ABI = 1
 
 #: The native forward's arithmetic: ``float32`` multiplies float32 activations by the
@@ -187,7 +192,7 @@ def _library_path(cc: str) -> Path:
     except (OSError, subprocess.SubprocessError):
         version = ""
     key = hashlib.sha256(b"\0".join([
-        _SOURCE.read_bytes(), " ".join(_FLAGS).encode(), version.encode(),
+        _SOURCE.read_bytes(), " ".join((*_FLAGS, _march())).encode(), version.encode(),
         platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
     return cache_dir() / "kernels" / f"forward-{key}.so"
 
@@ -197,7 +202,7 @@ def _build(cc: str, target: Path) -> None:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     print(f"[specd] compiling the native forward for this CPU into {target.parent} "
           "(once per machine, a few seconds)...", file=sys.stderr, flush=True)
-    cmd = [cc, *_FLAGS, "-o", str(tmp), str(_SOURCE), "-lm"]
+    cmd = [cc, *_FLAGS, _march(), "-o", str(tmp), str(_SOURCE), "-lm"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as exc:

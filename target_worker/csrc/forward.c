@@ -26,6 +26,7 @@
 #define _GNU_SOURCE
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -531,6 +532,7 @@ static void *worker_main(void *arg) {
             while ((uint32_t)((c = atomic_load(&g_pool.ctl)) >> 32) == last) {
                 if (atomic_load(&g_pool.stop)) return NULL;
                 cpu_relax();
+                if (spins > 4096 && spins % 256 == 0) sched_yield(); /* leave a busy core */
                 if (++spins % 64 == 0 && now_ns() > until) {
                     uint32_t w = atomic_load(&g_pool.wake);
                     atomic_fetch_add(&g_pool.sleepers, 1);
@@ -627,7 +629,12 @@ static void parallel(job_fn fn, void *ctx, int n_chunks, int threads) {
     int i;
     while ((i = atomic_fetch_add(&g_pool.next, 1)) < n_chunks) fn(ctx, i, 0);
     atomic_fetch_or(&g_pool.ctl, CTL_CLOSED);
-    while (atomic_load(&g_pool.ctl) & CTL_COUNT) cpu_relax();
+    /* A worker still in its last chunk: spin briefly, then yield (on a busy machine it may
+     * wait for this very core). */
+    for (int spins = 0; atomic_load(&g_pool.ctl) & CTL_COUNT; spins++) {
+        if (spins < 2000) cpu_relax();
+        else sched_yield();
+    }
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -656,8 +663,8 @@ typedef struct {
 } mm_job;
 
 /* Tuning knobs (`specd_tune`): each picks among kernels of identical results. */
-enum { TUNE_FUSED, TUNE_N };
-static int g_tune[TUNE_N] = {1};
+enum { TUNE_FUSED, TUNE_PREFETCH, TUNE_N };
+static int g_tune[TUNE_N] = {0, 8};
 
 /* One 32-element block of a quantized row, dequantized into 32 / VL vectors: the values
  * dequant_row writes (the same operations, in registers). */
@@ -973,26 +980,50 @@ int specd_repack(const wmat *w, uint8_t *dst) {
 }
 
 /* One row of x (k floats, k % 32 == 0) as int8 blocks: qx[k], dx[k / 32], sx[k / 32] (the
- * float sum of the block's x, ascending VL steps then hsum), sq[k / 32] (sum of qx). */
+ * float sum of the block's x, ascending VL steps then hsum), sq[k / 32] (sum of qx). Per
+ * block: amax = max |x|, dx = amax / 127, q = x * (1 / dx) rounded to nearest even (the
+ * default rounding mode, which every thread runs with) and clamped to [-127, 127]. */
 static void quantize_row(const float *x, int k, int8_t *qx, float *dx, float *sx, int32_t *sq) {
     for (int b = 0; b < k / 32; b++) {
         const float *xb = x + b * 32;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) {
-            float a = fabsf(xb[i]);
-            amax = a > amax ? a : amax;
+        vf mx = vzero(), acc = vzero();
+        for (int i = 0; i < 32; i += VL) {
+            const vf v = vload(xb + i);
+            mx = vmax(mx, vmax(v, vsub(vzero(), v)));
+            acc = vadd(acc, v);
         }
+        const float amax = hmax(mx);
         const float d = amax / 127.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         int32_t sum = 0;
+#if defined(__AVX512F__)
+        const __m512 vid = _mm512_set1_ps(id);
+        for (int i = 0; i < 32; i += 16) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), vid));
+            q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+            _mm_storeu_si128((__m128i *)(qx + b * 32 + i), _mm512_cvtepi32_epi8(q));
+            sum += _mm512_reduce_add_epi32(q);
+        }
+#elif defined(__AVX2__)
+        const __m256 vid = _mm256_set1_ps(id);
+        for (int i = 0; i < 32; i += 8) {
+            __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), vid));
+            q = _mm256_max_epi32(_mm256_min_epi32(q, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+            int32_t lanes[8];
+            _mm256_storeu_si256((__m256i *)lanes, q);
+            for (int t = 0; t < 8; t++) {
+                qx[b * 32 + i + t] = (int8_t)lanes[t];
+                sum += lanes[t];
+            }
+        }
+#else
         for (int i = 0; i < 32; i++) {
             float v = nearbyintf(xb[i] * id);
             v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v == v ? v : 0.0f;
             qx[b * 32 + i] = (int8_t)v;
             sum += (int8_t)v;
         }
-        vf acc = vzero();
-        for (int i = 0; i < 32; i += VL) acc = vadd(acc, vload(xb + i));
+#endif
         dx[b] = d;
         sx[b] = hsum(acc);
         sq[b] = sum;
@@ -1015,7 +1046,7 @@ typedef struct {
 } q8_job;
 
 #if !defined(GENERIC_INT)
-#define QR 4 /* rows per register tile */
+#define QR 5 /* rows per register tile, at most */
 #define QG 2 /* column groups per register tile */
 
 static inline __attribute__((always_inline)) void q8_tile(const q8_job *j, int g0, int r0,
@@ -1031,6 +1062,10 @@ static inline __attribute__((always_inline)) void q8_tile(const q8_job *j, int g
         vi isum[QR][QG];
         for (int r = 0; r < R; r++)
             for (int g = 0; g < G; g++) isum[r][g] = vi_zero();
+        if (g_tune[TUNE_PREFETCH] && r0 == 0) /* the first row tile streams the weights in */
+            for (int g = 0; g < G; g++)
+                for (int o = 0; o < rec; o += 64)
+                    __builtin_prefetch(base[g] + (size_t)(b + g_tune[TUNE_PREFETCH]) * rec + o);
         if (TYPE == T_Q8_0) {
             for (int c = 0; c < 8; c++) {
                 vi wq[QG];
@@ -1093,13 +1128,21 @@ static inline __attribute__((always_inline)) void q8_tile(const q8_job *j, int g
     }
 }
 
+/* Rows in tiles of at most QR, as even as can be (9 rows: 5 + 4): each tile reads and
+ * unpacks the weights again, so fewer tiles cost less; the tiling never changes a row's
+ * result. */
 #define Q8_ROWS(G, TYPE)                                                     \
-    for (r = 0; r + QR <= n; r += QR) q8_tile(j, g0, r, QR, G, TYPE);       \
-    switch (n - r) {                                                         \
-    case 1: q8_tile(j, g0, r, 1, G, TYPE); break;                            \
-    case 2: q8_tile(j, g0, r, 2, G, TYPE); break;                            \
-    case 3: q8_tile(j, g0, r, 3, G, TYPE); break;                            \
-    default: break;                                                          \
+    for (r = 0; r < n;) {                                                    \
+        const int left = n - r, tiles = (left + QR - 1) / QR;                \
+        const int rows = (left + tiles - 1) / tiles;                         \
+        switch (rows) {                                                      \
+        case 1: q8_tile(j, g0, r, 1, G, TYPE); break;                        \
+        case 2: q8_tile(j, g0, r, 2, G, TYPE); break;                        \
+        case 3: q8_tile(j, g0, r, 3, G, TYPE); break;                        \
+        case 4: q8_tile(j, g0, r, 4, G, TYPE); break;                        \
+        default: q8_tile(j, g0, r, QR, G, TYPE); break;                      \
+        }                                                                    \
+        r += rows;                                                           \
     }
 
 static void q8_groups(const q8_job *j, int g0, int ng) {
@@ -1441,8 +1484,8 @@ static void matmul(handle_t *h, const wmat *parts, int n_parts, const float *x, 
         return;
     }
     const int ldq = round_up(max_k_of(&h->w), 32), ldb = ldq / 32;
-    quant_job qj = {x, ldx, parts[0].k, &h->w, 8, n};
-    parallel(quant_chunk, &qj, (n + 7) / 8, n >= 16 ? threads : 1);
+    quant_job qj = {x, ldx, parts[0].k, &h->w, 4, n};
+    parallel(quant_chunk, &qj, (n + 3) / 4, n >= 8 ? threads : 1);
     int col = 0;
     for (int p = 0; p < n_parts; p++) {
         const wmat *w = &parts[p];
@@ -1594,10 +1637,12 @@ static void rope_head(float *x, const float *cos, const float *sin, int d) {
     }
 }
 
+/* Element offset of (layer, KV head, position) in a cache of `blocks` key blocks
+ * (key_block is a power of two: specd_forward checks). */
 static inline size_t kv_offset(const model_t *m, int layer, int blocks, int head, int pos) {
-    const int B = m->key_block;
-    return ((((size_t)layer * blocks + pos / B) * m->n_kv_heads + head) * B + pos % B) *
-           (size_t)m->head_dim;
+    const int B = m->key_block, shift = __builtin_ctz((unsigned)B);
+    return ((((size_t)layer * blocks + (pos >> shift)) * m->n_kv_heads + head) * B +
+            (pos & (B - 1))) * (size_t)m->head_dim;
 }
 
 static void kv_store(const model_t *m, void *base, size_t off, const float *src) {
@@ -1719,44 +1764,52 @@ static inline const float *key_row(const model_t *m, const void *base, int layer
     return kv_row(m, base, kv_offset(m, layer, blocks, g, t), buf);
 }
 
-/* Keys [0, n) of one query q (padded, scaled) into sc, VL keys at a time (the last group's
- * keys past n are read but never used): each score is dot_d's sum. */
-static inline __attribute__((always_inline)) void scores_fast(const att_job *j, int s, int g,
-                                                             const float *q, int n, float *sc,
-                                                             const int KVT) {
+/* The scores of `count` queries q[i] (padded, scaled) against keys [0, n[i]) into sc[i]:
+ * keys in groups of VL from position 0, each full group's keys read (and converted) once for
+ * every query and reduced by reduce_lanes (hsum's tree); a query's last, partial group by
+ * dot_d. A query's scores depend on its keys and n only. */
+static void scores_of(const att_job *j, int s, int g, float (*q)[512], const int *n,
+                      float *const *sc, int count) {
     const model_t *m = j->m;
     const int d = m->head_dim, blocks = j->b->seg_blocks[s];
     const void *kb = j->b->seg_k[s];
+    int top = 0;
+    for (int i = 0; i < count; i++) top = n[i] > top ? n[i] : top;
     float buf[512];
-    for (int t0 = 0; t0 < n; t0 += VL) {
-        if (t0 + VL > n) {
-            for (int t = t0; t < n; t++)
-                sc[t] = dot_d(q, key_row(m, kb, j->layer, blocks, g, t, buf), d);
-            continue;
+    const int fast = d % VL == 0 && (m->kv_type == T_F32 || m->kv_type == T_F16);
+    float keys[VL * 512];
+    for (int t0 = 0; t0 < top; t0 += VL) {
+        const float *k[VL];
+        int full = 0;
+        for (int i = 0; i < count; i++) full |= t0 + VL <= n[i];
+        if (full && fast) {
+            /* A group of VL keys from a multiple of VL never crosses a key block. */
+            const size_t k0 = kv_offset(m, j->layer, blocks, g, t0);
+            if (m->kv_type == T_F32) {
+                for (int t = 0; t < VL; t++) k[t] = (const float *)kb + k0 + (size_t)t * d;
+            } else {
+                for (int t = 0; t < VL; t++) {
+                    for (int e = 0; e < d; e += VL)
+                        vstore(keys + t * d + e, kv_load(kb, k0 + (size_t)t * d + e, T_F16));
+                    k[t] = keys + t * d;
+                }
+            }
         }
-        vf acc[VL];
-        size_t k[VL];
-        for (int t = 0; t < VL; t++) k[t] = kv_offset(m, j->layer, blocks, g, t0 + t);
-        for (int t = 0; t < VL; t++) acc[t] = vzero();
-        for (int i = 0; i < d; i += VL) {
-            const vf qv = vload(q + i);
-            for (int t = 0; t < VL; t++) acc[t] = vfma(qv, kv_load(kb, k[t] + i, KVT), acc[t]);
+        for (int i = 0; i < count; i++) {
+            if (t0 >= n[i]) continue;
+            if (t0 + VL > n[i] || !fast) {
+                for (int t = t0; t < n[i]; t++)
+                    sc[i][t] = dot_d(q[i], key_row(m, kb, j->layer, blocks, g, t, buf), d);
+                continue;
+            }
+            vf acc[VL];
+            for (int t = 0; t < VL; t++) acc[t] = vzero();
+            for (int e = 0; e < d; e += VL) {
+                const vf qv = vload(q[i] + e);
+                for (int t = 0; t < VL; t++) acc[t] = vfma(qv, vload(k[t] + e), acc[t]);
+            }
+            vstore(sc[i] + t0, reduce_lanes(acc));
         }
-        vstore(sc + t0, reduce_lanes(acc));
-    }
-}
-
-static void scores_of(const att_job *j, int s, int g, const float *q, int n, float *sc) {
-    const model_t *m = j->m;
-    if (m->head_dim % VL == 0 && m->kv_type == T_F32) {
-        scores_fast(j, s, g, q, n, sc, T_F32);
-    } else if (m->head_dim % VL == 0 && m->kv_type == T_F16) {
-        scores_fast(j, s, g, q, n, sc, T_F16);
-    } else {
-        const int d = m->head_dim, blocks = j->b->seg_blocks[s];
-        float buf[512];
-        for (int t = 0; t < n; t++)
-            sc[t] = dot_d(q, key_row(m, j->b->seg_k[s], j->layer, blocks, g, t, buf), d);
     }
 }
 
@@ -1791,8 +1844,10 @@ static inline __attribute__((always_inline)) void values_of(
     int lo = n[0];
     for (int i = 1; i < QN; i++) lo = n[i] < lo ? n[i] : lo;
     int t = 0;
-    for (; t < lo; t++) {
-        const size_t v = kv_offset(m, j->layer, blocks, g, t);
+    const int B = m->key_block, d = ND * VL;
+    size_t v = 0;
+    for (; t < lo; t++, v += d) {
+        if ((t & (B - 1)) == 0) v = kv_offset(m, j->layer, blocks, g, t);
         vf vv[8];
         for (int c = 0; c < ND; c++) vv[c] = kv_load(vb, v + c * VL, KVT);
         for (int i = 0; i < QN; i++) {
@@ -1844,7 +1899,7 @@ static void att_task(void *ctx, int task, int slot) {
     const int d = m->head_dim, G = m->n_heads / m->n_kv_heads;
     float qbuf[QC_MAX][512];
     float *w[QC_MAX], *out[QC_MAX];
-    int n[QC_MAX];
+    int n[QC_MAX] = {0};
     float total[QC_MAX];
     for (int i = 0; i < count; i++) {
         const int qi = q0 + i, r = b->seg_lo[s] + qi / G, head = g * G + qi % G;
@@ -1853,9 +1908,9 @@ static void att_task(void *ctx, int task, int slot) {
         for (int e = 0; e < d; e++) qbuf[i][e] = qs[e] * j->scale;
         w[i] = j->scores[slot] + (size_t)i * j->score_len;
         out[i] = j->att + (size_t)r * j->ldatt + (size_t)head * d;
-        scores_of(j, s, g, qbuf[i], n[i], w[i]);
-        total[i] = softmax_of(w[i], n[i]);
     }
+    scores_of(j, s, g, qbuf, n, w, count);
+    for (int i = 0; i < count; i++) total[i] = softmax_of(w[i], n[i]);
     if ((m->kv_type == T_F32 || m->kv_type == T_F16) && d % VL == 0 && d / VL <= 8) {
         const int f16 = m->kv_type == T_F16;
         for (int i = 0; i < count; i += 4) {
@@ -1938,7 +1993,9 @@ int specd_forward(void *hp, const batch_t *b) {
     handle_t *h = hp;
     const model_t *m = &h->m;
     const int n = b->n_rows, H = m->n_heads, d = m->head_dim, KV = m->n_kv_heads;
-    if (n <= 0 || b->n_segs <= 0 || d > 512 || d % 2) return E_ARGS;
+    if (n <= 0 || b->n_segs <= 0 || d > 512 || d % 2 || m->key_block < VL ||
+        (m->key_block & (m->key_block - 1)))
+        return E_ARGS;
     int threads = b->threads < 1 ? 1 : b->threads > MAX_THREADS ? MAX_THREADS : b->threads;
     int max_pos = 0;
     int32_t *row_seg = malloc(sizeof(int32_t) * (size_t)n);

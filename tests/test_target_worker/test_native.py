@@ -359,3 +359,26 @@ def test_a_quantized_gguf_file_is_read_as_stored(tmp_path, monkeypatch):
     assert again.native_mode == "q8"
     assert torch.equal(again.stored_weights["1.k"].data, loaded.stored_weights["1.k"].data)
     assert dataclasses.asdict(again.config) == dataclasses.asdict(loaded.config)
+
+
+@pytest.mark.parametrize("march", [
+    "x86-64-v3",  # AVX2 + FMA + F16C: the Zen 3 machines' kernels
+    pytest.param("x86-64", marks=pytest.mark.slow),  # no AVX: the plain C kernels
+])
+def test_the_other_instruction_sets_are_invariant_too(march, tmp_path):
+    """The kernels this CPU does not pick, built for an older instruction set and run here:
+    the same invariance, kernel and model tests pass."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() != "x86_64" or "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("needs an x86-64 CPU with AVX2")
+    env = {**os.environ, "SPECD_NATIVE_MARCH": march, "SPECD_CACHE": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+         "rows or matmul or dequant or q8 or exp or float32", "-m", "not slow"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "passed" in done.stdout
