@@ -44,7 +44,8 @@ class CoordinatorActor:
         self.http_port: int | None = None
         self._drafter_actors: dict[str, object] = {}
         self._replica_handles: dict[str, object] = {}
-        #: Start-up phases done, in order: (message, seconds it took), for `startup_events`.
+        #: Start-up phases, in order: (message, seconds it took) when one is done, (message,
+        #: None) when a long one starts; for `startup_events`.
         self._events: list[tuple[str, float]] = []
         #: Unless --threads fixed the count, a step falls back to the cores less one where
         #: that measures cheaper (`TargetEngine`'s `ThreadChooser`): on 2 cores 2 threads
@@ -97,7 +98,8 @@ class CoordinatorActor:
             await loop.run_in_executor(None, destroy_target_replica, handle)
             raise
         self._replica_handles[name] = handle
-        self._events.append((f"{name}: model loaded", time.monotonic() - began))
+        forward = f", {info['forward']}" if info.get("forward") else ""
+        self._events.append((f"{name}: model loaded{forward}", time.monotonic() - began))
         info.update(tp=cfg.tp, num_threads=self._threads)
 
         async def stop() -> None:
@@ -193,13 +195,14 @@ class CoordinatorActor:
                 it), the message starting with its setting: ``port:``, ``http_port:`` or
                 ``metrics_port:``.
         """
+        import asyncio
+
         from .grpc_api import GenerationServicer, start_generation_server
         from .router import Router
 
         cfg = self.config
         if cfg.http_port is not None:
             await self._start_http()
-        tokenizer = load_tokenizer_for(cfg.model)
         with_drafter = cfg.drafter != "none"
         self.router = Router(self._start_replica,
                              self._start_drafter if with_drafter else None,
@@ -207,8 +210,22 @@ class CoordinatorActor:
                              target_timeout_s=cfg.target_timeout_s, pipeline=cfg.pipeline,
                              chunking=cfg.chunking,
                              prefix_caching=cfg.prefix_caching)
-        await self.router.scale(target_replicas=cfg.target_replicas,
-                                drafters=cfg.drafters if with_drafter else 0)
+        workers = cfg.target_replicas * cfg.tp + (cfg.drafters if with_drafter else 0)
+        self._events.append((f"starting {cfg.target_replicas} target replica(s) and "
+                             f"{cfg.drafters if with_drafter else 0} drafter(s): {workers} "
+                             "worker processes (their imports and the model load take a few "
+                             "seconds)", None))
+        # The workers start while this actor loads its tokenizer (transformers' import is
+        # ~1.5 s of it): both are on the way to ready.
+        scaling = asyncio.ensure_future(self.router.scale(
+            target_replicas=cfg.target_replicas, drafters=cfg.drafters if with_drafter else 0))
+        try:
+            tokenizer = await asyncio.get_running_loop().run_in_executor(
+                None, load_tokenizer_for, cfg.model)
+        except BaseException:
+            scaling.cancel()
+            raise
+        await scaling
         info = self.router.model_info()
         servicer = self.servicer = GenerationServicer(
             self.router, tokenizer, vocab_size=info["vocab_size"],
@@ -275,8 +292,9 @@ class CoordinatorActor:
             return None
         return f"{self.config.host}:{self.http_port}"
 
-    def startup_events(self, since: int = 0) -> list[tuple[str, float]]:
-        """Start-up phases done so far from index ``since``: ``(message, seconds)``."""
+    def startup_events(self, since: int = 0) -> list[tuple[str, float | None]]:
+        """Start-up phases so far from index ``since``: ``(message, seconds)`` for one done,
+        ``(message, None)`` for one just started."""
         return self._events[since:]
 
     def metrics_address(self) -> str | None:

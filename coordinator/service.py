@@ -346,6 +346,10 @@ class Service:
                       cfg.suffix_cache_requests, target_config=target_config)
         began = time.monotonic()
         if not ray.is_initialized():
+            if progress is not None:
+                progress("starting Ray" + (" (embedded, on loopback)" if cfg.address is None
+                                           else f" (joining {cfg.address})") + "...", 0,
+                         workers)
             if cfg.address is None:
                 init_embedded_ray()
                 self._embedded = True
@@ -380,7 +384,7 @@ class Service:
         `CoordinatorActor.start`) is done or failed (``ray.get`` then raises its error)."""
         import ray
 
-        seen = 0
+        seen = done_count = 0
         while True:
             done, _ = ray.wait([starting], timeout=0.5)
             try:
@@ -388,8 +392,12 @@ class Service:
             except Exception:  # a dead coordinator: the caller's ray.get says why
                 return
             for message, seconds in events:
-                seen += 1
-                progress(f"{message} ({seconds:.1f} s)", seen, workers)
+                if seconds is None:  # a phase starting: said now, counted when done
+                    progress(f"{message}...", done_count, workers)
+                    continue
+                done_count += 1
+                progress(f"{message} ({seconds:.1f} s)", done_count, workers)
+            seen += len(events)
             if done:
                 return
 

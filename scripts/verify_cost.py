@@ -3,7 +3,7 @@
 over a cached context, per dtype, with `coordinator.adaptive.calibrate` (rounds over all
 sizes, median per size: the curve the adaptive draft length's cost model starts from).
 
-    python scripts/verify_cost.py                       # SmolLM2, float32 and bfloat16
+    python scripts/verify_cost.py                       # SmolLM2, q8, float32, bfloat16
     python scripts/verify_cost.py --dtype float32 --context 1000 --threads 2
 
 Prints, per dtype, ms per forward by tokens fed and the ratio to one token; "9" is a verify
@@ -32,8 +32,8 @@ from target_worker import loader  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default SmolLM2)")
-    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
-                   choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", nargs="+", default=["q8", "float32", "bfloat16"],
+                   choices=["auto", "q8", "float32", "bfloat16", "float16"])
     p.add_argument("--context", type=int, default=300, help="cached positions before the step")
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 9, 16, 17])
     p.add_argument("--repeats", type=int, default=15, help="timed rounds over all sizes")
@@ -52,10 +52,16 @@ def main(argv: list[str] | None = None) -> int:
             # The thread counts a served target checks (every core, then one fewer), so the
             # verdicts a server stored are reused.
             report = decoder.make_batch_invariant((args.threads, max(1, args.threads - 1)))
-            kernels = sorted({f"{p.kernel}/{p.min_rows}" for p in report["linear"].values()})
-            print(f"\n{dtype}: linear kernels {', '.join(kernels)}, attention "
-                  f"{report['scores'].kernel}/{report['scores'].min_rows} "
-                  f"(plans ready in {time.perf_counter() - began:.1f} s)")
+            if "native" in report:
+                r = report["native"]
+                print(f"\n{dtype}: native forward, {r['mode']} arithmetic, {r['isa']}, weights "
+                      f"{', '.join(r['weights'])} (ready in {time.perf_counter() - began:.1f} s)")
+            else:
+                kernels = sorted({f"{p.kernel}/{p.min_rows}" for p in report["linear"].values()})
+                print(f"\n{dtype}: torch forward ({report.get('native_off')}), linear kernels "
+                      f"{', '.join(kernels)}, attention {report['scores'].kernel}/"
+                      f"{report['scores'].min_rows} (plans ready in "
+                      f"{time.perf_counter() - began:.1f} s)")
         else:  # a checkout from before batch invariance: its engine packed the weights
             from target_worker import model as model_mod
 

@@ -17,7 +17,6 @@ import sys
 import time
 from collections.abc import Sequence
 
-from coordinator.speculative import speculative_decode_with
 from drafter_worker.registry import (
     DRAFTERS,
     EAGLE_MAX_DRAFT_LEN,
@@ -130,6 +129,7 @@ def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None
 
 
 def _generate_in_process(args: argparse.Namespace, options: GenerateOptions) -> int:
+    from coordinator.speculative import speculative_decode_with
     from target_worker.loader import load_model
 
     o = options

@@ -20,6 +20,7 @@ from specd_core.step import PrefillItem, StepOutput, VerifyItem
 
 from .engine import DEFAULT_PREFIX_CACHE_TOKENS, TargetEngine
 from .loader import load_decoder
+from .model import describe_forward
 
 __all__ = ["ComputeThread", "TargetActor", "on_compute_thread"]
 
@@ -187,8 +188,9 @@ class TargetActor:
 
     def model_info(self) -> dict:
         """``{"model": source or None, "vocab_size", "hidden_size", "max_seq_len",
-        "n_layers"}`` (ints; ``n_layers`` bounds the layers a drafter may read,
-        `specd_core.draft.DrafterCapabilities.hidden_layers`)."""
+        "n_layers", "forward"}`` (ints; ``n_layers`` bounds the layers a drafter may read,
+        `specd_core.draft.DrafterCapabilities.hidden_layers`; ``forward`` says which forward
+        and arithmetic the target runs, `target_worker.model.describe_forward`)."""
         c = self.engine.config
         return {
             "model": self.model,
@@ -196,4 +198,5 @@ class TargetActor:
             "hidden_size": c.hidden_size,
             "max_seq_len": c.max_seq_len,
             "n_layers": c.n_layers,
+            "forward": describe_forward(self.engine.decoder, self.engine.invariance),
         }

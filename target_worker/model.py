@@ -34,7 +34,7 @@ from .invariant import (
     prepare_linear,
 )
 
-__all__ = ["Decoder", "KvCache", "KEY_BLOCK"]
+__all__ = ["Decoder", "KvCache", "KEY_BLOCK", "describe_forward"]
 
 DEFAULT_CACHE_CAPACITY = 1024
 
@@ -362,6 +362,21 @@ class MoE(nn.Module):
             y = swiglu(x[tokens], views[local][0], views[local][1], self.ffn)
             out.index_add_(0, tokens, y * weights[slots, None])
         return out
+
+
+def describe_forward(decoder, report: dict | None) -> str:
+    """One line naming the forward ``decoder`` runs, from `Decoder.make_batch_invariant`'s
+    ``report`` (None: not batch invariant): e.g. "native q8 forward (avx512, 16 lanes;
+    weights Q4_1, Q8_0; KV float16)" or "torch bfloat16 forward (native: ...)"."""
+    if report and "native" in report:
+        r = report["native"]
+        kv = str(decoder.kv_dtype).removeprefix("torch.")
+        return (f"native {r['mode']} forward ({r['isa']}; weights {', '.join(r['weights'])}; "
+                f"KV {kv})")
+    dtype = str(decoder.dtype).removeprefix("torch.")
+    if report is None:
+        return f"torch {dtype} forward, not batch invariant"
+    return f"torch {dtype} forward (native off: {report.get('native_off')})"
 
 
 def rope_tables(
@@ -722,8 +737,13 @@ class Decoder(nn.Module):
         if self._native_wanted:
             from .native import KV_DTYPES
 
-            return KV_DTYPES[self.native_mode]
+            return KV_DTYPES[self._native_arithmetic()]
         return self.dtype
+
+    def _native_arithmetic(self) -> str:
+        """The native forward's mode for this decoder: ``bfloat16`` for bfloat16 weights,
+        else `native_mode`."""
+        return "bfloat16" if self.dtype == torch.bfloat16 else self.native_mode
 
     @property
     def cache_kv_heads(self) -> int:
@@ -770,8 +790,9 @@ class Decoder(nn.Module):
     #: are still the ones they were loaded with.
     stored_weights: dict | None = None
     stored_fingerprint: tuple | None = None
-    #: The native forward's arithmetic (`target_worker.native.MODES`): ``float32``, or
-    #: ``q8`` (activations rounded to 8-bit blocks for quantized weights, as llama.cpp).
+    #: The native forward's arithmetic for float32 weights (`target_worker.native.MODES`):
+    #: ``float32``, or ``q8`` (activations rounded to 8-bit blocks for quantized weights, as
+    #: llama.cpp); bfloat16 weights always run ``bfloat16``.
     native_mode: str = "float32"
 
     def make_batch_invariant(self, threads: Sequence[int] | None = None) -> dict:
@@ -874,7 +895,7 @@ class Decoder(nn.Module):
         if self._native is None:
             from .native import NativeForward
 
-            self._native = NativeForward(self, self.native_mode)
+            self._native = NativeForward(self, self._native_arithmetic())
         return self._native
 
     @property

@@ -77,11 +77,13 @@ _ABI = 1
 #: The native forward's arithmetic: ``float32`` multiplies float32 activations by the
 #: weights' float32 values; ``q8`` rounds activations to 8-bit blocks for Q4_0 / Q4_1 / Q8_0
 #: weights and multiplies in integers (llama.cpp's arithmetic for such files), float32 for
-#: any other weight. Everything else (norms, RoPE, attention, the KV cache) is float32.
-MODES = {"float32": 0, "q8": 1}
+#: any other weight; ``bfloat16`` is float32 arithmetic on a bfloat16 decoder's weights.
+#: Norms, RoPE, attention and the residual stream are float32 in every mode.
+MODES = {"float32": 0, "q8": 1, "bfloat16": 0}
 #: The KV cache's dtype per mode: ``q8`` keeps keys and values in float16, as llama.cpp
-#: does by default (half the bytes attention reads).
-KV_DTYPES = {"float32": torch.float32, "q8": torch.float16}
+#: does by default (half the bytes attention reads); ``bfloat16`` (a bfloat16 decoder:
+#: bfloat16 weights, float32 arithmetic) in bfloat16.
+KV_DTYPES = {"float32": torch.float32, "q8": torch.float16, "bfloat16": torch.bfloat16}
 
 #: Errors ``specd_forward`` returns (forward.c's E_*).
 _ERRORS = {1: "bad arguments", 2: "out of memory", 3: "a position beyond the RoPE table"}
@@ -298,21 +300,17 @@ def isa() -> str:
 # --- weights -------------------------------------------------------------------------------
 
 
+_TENSOR_TYPES = {torch.float32: _F32, torch.bfloat16: _BF16, torch.float16: _F16}
+
+
 def _wmat(w: torch.Tensor | StoredWeight) -> _WMat:
     if isinstance(w, StoredWeight):
         return _WMat(w.type, w.n, w.k, 0, w.data.shape[1], w.data.data_ptr())
-    if w.dtype != torch.float32 or w.dim() != 2 or not w.is_contiguous():
-        raise ValueError(f"a native weight must be contiguous float32 [n, k], got {w.dtype} "
-                         f"{tuple(w.shape)}")
-    return _WMat(_F32, w.shape[0], w.shape[1], 0, w.shape[1] * 4, w.data_ptr())
-
-
-def _f32(t: torch.Tensor | None) -> int | None:
-    if t is None:
-        return None
-    if t.dtype != torch.float32 or not t.is_contiguous():
-        raise ValueError(f"norms and biases must be contiguous float32, got {t.dtype}")
-    return t.data_ptr()
+    if w.dtype not in _TENSOR_TYPES or w.dim() != 2 or not w.is_contiguous():
+        raise ValueError(f"a native weight must be contiguous float32, bfloat16 or float16 "
+                         f"[n, k], got {w.dtype} {tuple(w.shape)}")
+    return _WMat(_TENSOR_TYPES[w.dtype], w.shape[0], w.shape[1], 0,
+                 w.shape[1] * w.element_size(), w.data_ptr())
 
 
 def _slots(decoder) -> list[tuple[dict, str]]:
@@ -338,9 +336,9 @@ def fingerprint(decoder) -> tuple:
 
 
 def supports(decoder) -> str | None:
-    """Why ``decoder`` cannot run natively, or None when it can: a plain float32 dense
-    Llama-family `~target_worker.model.Decoder` on the CPU (not a tensor-parallel shard, no
-    MoE, head_dim even and at most 512)."""
+    """Why ``decoder`` cannot run natively, or None when it can: a plain float32 or bfloat16
+    dense Llama-family `~target_worker.model.Decoder` on the CPU (not a tensor-parallel shard,
+    no MoE, head_dim even and at most 512)."""
     from .model import Decoder
 
     c = decoder.config
@@ -348,7 +346,7 @@ def supports(decoder) -> str | None:
         return f"{type(decoder).__name__} runs the torch forward"
     if c.moe is not None:
         return "mixture-of-experts layers run the torch forward"
-    if decoder.dtype != torch.float32:
+    if decoder.dtype not in (torch.float32, torch.bfloat16):
         return f"{str(decoder.dtype).split('.')[-1]} runs the torch forward"
     if decoder.norm.weight.device.type != "cpu":
         return "not on the CPU"
@@ -407,6 +405,14 @@ class NativeForward:
             keep.append(tensor)
             return _wmat(tensor)
 
+        def f32(t: torch.Tensor | None) -> int | None:
+            """A norm or bias as float32 (exact from bfloat16 / float16), kept alive."""
+            if t is None:
+                return None
+            t = t.detach().float().contiguous()
+            keep.append(t)
+            return t.data_ptr()
+
         def rows(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
             return t[lo:hi]  # contiguous: a range of whole rows
 
@@ -434,21 +440,18 @@ class NativeForward:
                 lay.n_gate_up = 1
             lay.o = weight(f"{i}.o", block.attn.wo.weight)
             lay.down = weight(f"{i}.down", block.ffn.w_down.weight)
-            bias = block.attn.wqkv.bias
-            lay.qkv_bias = _f32(bias)
-            lay.attn_norm = _f32(block.attn_norm.weight)
-            lay.ffn_norm = _f32(block.ffn_norm.weight)
-            keep += [t for t in (bias, block.attn_norm.weight, block.ffn_norm.weight)
-                     if t is not None]
+            lay.qkv_bias = f32(block.attn.wqkv.bias)
+            lay.attn_norm = f32(block.attn_norm.weight)
+            lay.ffn_norm = f32(block.ffn_norm.weight)
         embed = weight("embed", decoder.embed_tokens.weight)
         head = weight("embed" if c.tie_embeddings else "head", decoder.head_weight())
-        keep.append(decoder.norm.weight)
         from .model import KEY_BLOCK
 
         mode = MODES[self.mode]
-        kv = {torch.float32: _F32, torch.float16: _F16}[KV_DTYPES[self.mode]]
+        kv = {torch.float32: _F32, torch.float16: _F16,
+              torch.bfloat16: _BF16}[KV_DTYPES[self.mode]]
         model = _Model(c.n_layers, c.hidden_size, h, kvh, d, f, c.vocab_size, KEY_BLOCK,
-                       c.rms_norm_eps, kv, mode, 0, embed, head, _f32(decoder.norm.weight),
+                       c.rms_norm_eps, kv, mode, 0, embed, head, f32(decoder.norm.weight),
                        ctypes.cast(layers, ctypes.c_void_p))
         handle = self._lib.specd_model_new(ctypes.byref(model))
         if not handle:
@@ -458,12 +461,14 @@ class NativeForward:
             self._lib.specd_model_free(old)
         self._keep = keep
         self._layers = layers
+        self._head = head
         self._watch = [(params, name, params[name], params[name]._version)
                        for params, name in _slots(decoder)]
         self.weight_types = sorted({GGML_TYPES[w.type][0] for w in self._mats()})
 
     def _mats(self) -> list[_WMat]:
-        out = []
+        """Every matrix the forward multiplies (the LM head's too)."""
+        out = [self._head]
         for lay in self._layers:
             out += [lay.qkv[j] for j in range(lay.n_qkv)]
             out += [lay.gate_up[j] for j in range(lay.n_gate_up)]

@@ -1676,6 +1676,20 @@ static inline const float *kv_row(const model_t *m, const void *base, size_t off
 /* VL cache elements at base + off (elements) as floats: float32 or half caches. */
 static inline __attribute__((always_inline)) vf kv_load(const void *base, size_t off, const int KVT) {
     if (KVT == T_F32) return vload((const float *)base + off);
+    if (KVT == T_BF16) {
+        const uint16_t *p = (const uint16_t *)base + off;
+#if defined(__AVX512F__)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#elif defined(__AVX2__)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#else
+        vf r;
+        for (int i = 0; i < VL; i++) r.v[i] = bf16_to_f32(p[i]);
+        return r;
+#endif
+    }
 #if defined(__AVX512F__)
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
 #elif defined(__F16C__) && defined(__AVX2__)
@@ -1776,7 +1790,7 @@ static void scores_of(const att_job *j, int s, int g, float (*q)[512], const int
     int top = 0;
     for (int i = 0; i < count; i++) top = n[i] > top ? n[i] : top;
     float buf[512];
-    const int fast = d % VL == 0 && (m->kv_type == T_F32 || m->kv_type == T_F16);
+    const int fast = d % VL == 0;
     float keys[VL * 512];
     for (int t0 = 0; t0 < top; t0 += VL) {
         const float *k[VL];
@@ -1788,9 +1802,12 @@ static void scores_of(const att_job *j, int s, int g, float (*q)[512], const int
             if (m->kv_type == T_F32) {
                 for (int t = 0; t < VL; t++) k[t] = (const float *)kb + k0 + (size_t)t * d;
             } else {
+                const int kvt = m->kv_type == T_F16 ? T_F16 : T_BF16;
                 for (int t = 0; t < VL; t++) {
                     for (int e = 0; e < d; e += VL)
-                        vstore(keys + t * d + e, kv_load(kb, k0 + (size_t)t * d + e, T_F16));
+                        vstore(keys + t * d + e, kvt == T_F16
+                               ? kv_load(kb, k0 + (size_t)t * d + e, T_F16)
+                               : kv_load(kb, k0 + (size_t)t * d + e, T_BF16));
                     k[t] = keys + t * d;
                 }
             }
@@ -1898,7 +1915,7 @@ static void att_task(void *ctx, int task, int slot) {
     const int s = tk[0], g = tk[1], q0 = tk[2], count = tk[3];
     const int d = m->head_dim, G = m->n_heads / m->n_kv_heads;
     float qbuf[QC_MAX][512];
-    float *w[QC_MAX], *out[QC_MAX];
+    float *w[QC_MAX] = {0}, *out[QC_MAX] = {0};
     int n[QC_MAX] = {0};
     float total[QC_MAX];
     for (int i = 0; i < count; i++) {
@@ -1911,12 +1928,13 @@ static void att_task(void *ctx, int task, int slot) {
     }
     scores_of(j, s, g, qbuf, n, w, count);
     for (int i = 0; i < count; i++) total[i] = softmax_of(w[i], n[i]);
-    if ((m->kv_type == T_F32 || m->kv_type == T_F16) && d % VL == 0 && d / VL <= 8) {
-        const int f16 = m->kv_type == T_F16;
+    if (d % VL == 0 && d / VL <= 8) {
+        const int kvt = m->kv_type;
         for (int i = 0; i < count; i += 4) {
             const int qn = count - i < 4 ? count - i : 4;
 #define VALUES_T(QN, ND)                                                                     \
-    if (f16) values_of(j, s, g, w + i, n + i, total + i, out + i, QN, ND, T_F16);            \
+    if (kvt == T_F16) values_of(j, s, g, w + i, n + i, total + i, out + i, QN, ND, T_F16);   \
+    else if (kvt == T_BF16) values_of(j, s, g, w + i, n + i, total + i, out + i, QN, ND, T_BF16); \
     else values_of(j, s, g, w + i, n + i, total + i, out + i, QN, ND, T_F32);
 #define VALUES(ND)                                                                           \
     switch (qn) {                                                                            \

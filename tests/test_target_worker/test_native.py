@@ -104,13 +104,14 @@ def test_stored_blocks_are_the_float32_weights():
                        b.forward_batch(seq, 0, b.new_cache()))
 
 
-@pytest.mark.parametrize("mode", ["float32", "q8"])
+@pytest.mark.parametrize("mode", ["float32", "q8", "bfloat16"])
 def test_rows_do_not_depend_on_the_step(mode):
     """Each row's logits and hidden rows are bitwise the row computed alone, one token at a
     time, whether it is fed in a prompt chunk of any size, a verify block, beside other
     sequences, across a key block boundary, on one thread or two."""
-    decoder = model(mode)
+    decoder = model(mode) if mode != "bfloat16" else model().to(torch.bfloat16)
     decoder.make_batch_invariant((1, 2))
+    assert decoder._native_forward().mode == mode
     seq = tokens(KEY_BLOCK + 40, seed=1)
     threads = torch.get_num_threads()
     try:
@@ -138,6 +139,21 @@ def test_rows_do_not_depend_on_the_step(mode):
                 assert torch.equal(out[2][0][i], ref[i][0][0])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_bfloat16_weights_run_natively_with_a_bfloat16_cache():
+    """A bfloat16 decoder multiplies its bfloat16 weights in float32: the float32 forward
+    of the same (rounded) weights, up to the order of sums, with a bfloat16 KV cache."""
+    b16 = model(stored=False).to(torch.bfloat16)
+    ref = copy.deepcopy(b16).float()  # the rounded weights, in float32, the torch forward
+    b16.make_batch_invariant((1,))
+    assert b16.new_cache().k.dtype == torch.bfloat16
+    assert b16._native_forward().weight_types == ["BF16"]
+    seq = tokens(30, seed=7)
+    got = b16.forward_batch(seq, 0, b16.new_cache())
+    want = ref.forward_batch(seq, 0, ref.new_cache())
+    assert got.dtype == torch.float32
+    assert (got - want).abs().max() < 0.02 * want.abs().max()  # the cache's rounding only
 
 
 def test_q8_is_close_to_float32_and_keeps_a_float16_cache():
@@ -203,7 +219,7 @@ def test_turned_off_it_is_the_torch_forward(monkeypatch):
 def test_decoders_it_does_not_run_say_why():
     moe = Decoder.random(ModelConfig.tiny_test(32))
     assert "mixture-of-experts" in native.supports(moe)
-    assert "bfloat16" in native.supports(Decoder.random(CONFIG).to(torch.bfloat16))
+    assert "float16" in native.supports(Decoder.random(CONFIG).to(torch.float16))
     report = moe.make_batch_invariant((1,))
     assert "mixture-of-experts" in report["native_off"] and "linear" in report
 

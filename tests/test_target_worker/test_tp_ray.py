@@ -91,7 +91,10 @@ def test_tp2_replica_decodes_like_tp1(ray_local, model):
         assert s2["step"]["collective_bytes"] > 0 and s1["step"]["collective_bytes"] == 0
         assert s2["last_step"]["tokens"] > 0 and s2["step"]["steps"] == s1["step"]["steps"]
         info1, info2 = ray.get(one.model_info.remote()), ray.get(two.model_info.remote())
+        # The same model; which forward each runs is its own (a TP shard runs torch's).
+        forward1, forward2 = info1.pop("forward"), info2.pop("forward")
         assert info1 == {**info2, "tp": 1}
+        assert forward2.startswith("torch float32 forward") and "float32" in forward1
     finally:
         destroy_target_replica(one)
         destroy_target_replica(two)
