@@ -75,15 +75,22 @@ class CompareConfig:
     server_timeout: float = 600.0
     stop_timeout: float = 30.0
     log_dir: str | None = None
-    #: Both servers' ``{dtype}``: a `target_worker.loader.DTYPES` name, "auto" resolved as
-    #: specd resolves it on this machine, so the peer computes in the same dtype.
+    #: ``--dtype``: a `target_worker.loader.DTYPES` name, given to specd as it is; the peer's
+    #: ``{dtype}`` is the torch dtype it resolves to on this machine (`dtype_name`: "auto"
+    #: and "q8" as specd's float weights), so a torch peer computes in the same precision.
     dtype: str = "auto"
 
     @property
     def dtype_name(self) -> str:
+        """The peer's ``{dtype}``: a torch dtype name."""
         from target_worker.loader import resolve_dtype
 
         return str(resolve_dtype(self.dtype)).removeprefix("torch.")
+
+    def dtype_for(self, name: str) -> str:
+        """``{dtype}`` in server ``name``'s command: specd's ``--dtype`` as given, the
+        peer's `dtype_name`."""
+        return self.dtype if name == "specd" else self.dtype_name
 
 
 def free_port() -> int:
@@ -270,7 +277,7 @@ def run_compare(cfg: ServeBenchConfig, cmp: CompareConfig,
     prompts = load_workload(cfg, tokenizer)
     templates = {"specd": cmp.specd_cmd, "peer": cmp.peer_cmd}
     for name in SERVERS:  # a bad command fails now, not after the first server's run
-        server_argv(templates[name], 0, str(model), cmp.dtype_name)
+        server_argv(templates[name], 0, str(model), cmp.dtype_for(name))
     keep_logs = cmp.log_dir is not None
     log_dir = Path(cmp.log_dir) if keep_logs else Path(tempfile.mkdtemp(prefix="specd-bsc-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -307,7 +314,7 @@ def _one_start(name: str, template: str, model: Path, cfg: ServeBenchConfig,
                progress: Callable[[str], None]) -> dict[str, Any]:
     """Starts one server, benches it (`bench_endpoint`), stops it."""
     port = free_port()
-    argv = server_argv(template, port, str(model), cmp.dtype_name)
+    argv = server_argv(template, port, str(model), cmp.dtype_for(name))
     # A private, short RAY_TMPDIR: a Ray the server embeds neither joins another Ray on this
     # machine nor outgrows the 107-byte limit of its socket paths.
     ray_tmp = tempfile.mkdtemp(prefix="specd-bsr-")
@@ -333,7 +340,7 @@ def _one_start(name: str, template: str, model: Path, cfg: ServeBenchConfig,
 def _summarise(cfg: ServeBenchConfig, cmp: CompareConfig,
                servers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"model_dir": cmp.model_dir, "rounds": cmp.rounds,
-                           "dtype": cmp.dtype_name, "servers": {}}
+                           "dtype": cmp.dtype, "peer_dtype": cmp.dtype_name, "servers": {}}
     for name, s in servers.items():
         runs = []
         round_metrics = [[compute_metrics(outcomes_of(r), r["duration"], cfg.goodput)
@@ -397,7 +404,9 @@ def format_compare(result: dict[str, Any]) -> str:
     rows = (("completed", "{:d}"), ("failed", "{:d}"), ("duration", "{:.2f}"),
             ("total_input_tokens", "{:d}"), ("total_output_tokens", "{:d}"),
             *((k, "{:.2f}") for k in RATIO_KEYS))
-    lines = [f"specd serve vs peer on {result['model_dir']} ({result.get('dtype', '?')}), "
+    lines = [f"specd serve vs peer on {result['model_dir']} (--dtype "
+             f"{result.get('dtype', '?')}, the peer's {{dtype}} "
+             f"{result.get('peer_dtype', result.get('dtype', '?'))}), "
              f"{result['rounds']} round(s), rounds pooled",
              f"peer: {peer['command']}"]
     for a, b, ratio in zip(specd["runs"], peer["runs"], result["ratios"], strict=True):
