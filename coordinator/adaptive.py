@@ -390,14 +390,18 @@ def choose_draft_len(
     cost_model: ForwardCostModel,
     max_k: int,
     batch_tokens: int = 0,
+    call_cost: float = 0.0,
 ) -> int:
     """The draft length in ``[0, max_k]`` with the most expected tokens per second.
 
-    Scores ``k`` as ``expected_tokens(rates, k) / cost(batch_tokens + k + 1)``: the step
-    feeds the anchor and ``k`` drafts alongside ``batch_tokens`` tokens of other requests
-    sharing the forward, so on a flat cost curve a busy batch makes drafting cheaper. Ties
-    go to the shorter draft, so 0 (plain decoding) unless drafting strictly wins. The score
-    is this request's throughput; it ignores that a longer block also slows the others.
+    Scores ``k`` as ``expected_tokens(rates, k) / (cost(batch_tokens + k + 1) + call)``,
+    ``call`` being ``call_cost`` for ``k >= 1`` and 0 for ``k = 0``: the step feeds the
+    anchor and ``k`` drafts alongside ``batch_tokens`` tokens of other requests sharing the
+    forward, so on a flat cost curve a busy batch makes drafting cheaper, and drafting at all
+    may make the step wait for the drafter (a serial step's call; once per step, so the
+    scheduler charges it to the step's first drafting request). Ties go to the shorter
+    draft, so 0 (plain decoding) unless drafting strictly wins. The score is this request's
+    throughput; it ignores that a longer block also slows the others.
 
     Args:
         rates: conditional accept probability per position, each in ``[0, 1]``, at least
@@ -405,13 +409,18 @@ def choose_draft_len(
         cost_model: the target's forward cost.
         max_k: the most drafts allowed (budget, drafter limit), >= 0.
         batch_tokens: other requests' tokens in the same forward, >= 0.
+        call_cost: seconds the step waits for the drafter when this request drafts, >= 0
+            (a forward of 3.7 ms and a drafter call of 1.5 ms make a draft pay only where
+            it is accepted well over a third of the time).
 
     Raises:
-        ValueError: a negative ``max_k`` or ``batch_tokens``, too few rates, or a rate
-            outside ``[0, 1]``.
+        ValueError: a negative ``max_k``, ``batch_tokens`` or ``call_cost``, too few rates,
+            or a rate outside ``[0, 1]``.
     """
     if max_k < 0 or batch_tokens < 0:
         raise ValueError(f"max_k and batch_tokens must be >= 0, got {max_k}, {batch_tokens}")
+    if not call_cost >= 0.0:
+        raise ValueError(f"call_cost must be >= 0, got {call_cost}")
     if len(rates) < max_k:
         raise ValueError(f"need {max_k} rates, got {len(rates)}")
     if any(not 0.0 <= r <= 1.0 for r in rates[:max_k]):
@@ -421,7 +430,7 @@ def choose_draft_len(
     for k in range(1, max_k + 1):
         reach *= rates[k - 1]
         expected += reach
-        score = expected / cost_model.cost(batch_tokens + k + 1)
+        score = expected / (cost_model.cost(batch_tokens + k + 1) + call_cost)
         if score > best:
             best_k, best = k, score
     return best_k
@@ -486,7 +495,8 @@ class AdaptiveDraftLength:
         if self._rest > 0:
             self._rest -= 1
 
-    def next_len(self, budget: int, drafter_max: int | None = None, batch_tokens: int = 0) -> int:
+    def next_len(self, budget: int, drafter_max: int | None = None, batch_tokens: int = 0,
+                 call_cost: float = 0.0) -> int:
         """Drafts to request this step, in ``[0, min(budget, drafter_max)]``; 0 means do not
         call the drafter.
 
@@ -494,18 +504,22 @@ class AdaptiveDraftLength:
             budget: the request's draft budget (`DecodeRequest.draft_budget`), >= 0.
             drafter_max: the drafter's own limit, or None for none.
             batch_tokens: other requests' tokens in the same forward, >= 0.
+            call_cost: seconds the step waits for the drafter if this request drafts
+                (`choose_draft_len`).
         """
-        k = self.choose(budget, drafter_max, batch_tokens)
+        k = self.choose(budget, drafter_max, batch_tokens, call_cost)
         self.chosen.append(k)
         self.awaiting_update = True
         return k
 
-    def choose(self, budget: int, drafter_max: int | None = None, batch_tokens: int = 0) -> int:
+    def choose(self, budget: int, drafter_max: int | None = None, batch_tokens: int = 0,
+               call_cost: float = 0.0) -> int:
         """`next_len` without recording the choice: pipelined scheduling picks a length
         one step before that length is verified, and records the step itself
         (`AcceptanceTracker.record`) once verified."""
         limit = max(0, budget if drafter_max is None else min(budget, drafter_max))
-        return choose_draft_len(self.tracker.rates(limit), self.cost_model, limit, batch_tokens)
+        return choose_draft_len(self.tracker.rates(limit), self.cost_model, limit, batch_tokens,
+                                call_cost)
 
     def update(self, draft_len: int, accepted: int) -> None:
         """Records a verified step: ``draft_len`` drafts fed, ``accepted`` of them accepted

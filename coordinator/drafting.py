@@ -120,7 +120,9 @@ class DraftingPolicy:
             step_tokens = len(requests)
         for i, req in enumerate(requests):
             try:
-                job = self._propose_job(req, step_tokens, ProposeJob)
+                # The step waits for the drafter once: the first request that drafts pays.
+                call = 0.0 if jobs else (self.drafter_latency_s or 0.0)
+                job = self._propose_job(req, step_tokens, ProposeJob, call)
             except Exception as exc:
                 self._stop_drafting(req, exc)
                 continue
@@ -332,9 +334,11 @@ class DraftingPolicy:
         for index, (req, job) in enumerate(zip(owners, jobs, strict=True)):
             req.ahead = RunAhead(len(job.history), job.assumed, task, index)
 
-    def _propose_job(self, req: ServiceRequest, step_tokens: int, job_type):
+    def _propose_job(self, req: ServiceRequest, step_tokens: int, job_type,
+                     call_cost: float = 0.0):
         """``req``'s `ProposeJob` for this step, or None when it drafts nothing now.
-        ``step_tokens``: tokens already in this step's forward (for the adaptive choice)."""
+        ``step_tokens``: tokens already in this step's forward, ``call_cost``: seconds the
+        step would wait for the drafter if ``req`` drafts (both for the adaptive choice)."""
         budget = self._usable_len(req)
         if budget <= 0:
             return None
@@ -342,7 +346,8 @@ class DraftingPolicy:
         if policy is not None and policy.resting():
             return None
         if policy is not None:
-            budget = policy.next_len(budget, self.drafter_max_len, batch_tokens=step_tokens - 1)
+            budget = policy.next_len(budget, self.drafter_max_len, batch_tokens=step_tokens - 1,
+                                     call_cost=call_cost)
             if budget <= 0:
                 return None
         return self._job(job_type, req, req.decode.history, budget)

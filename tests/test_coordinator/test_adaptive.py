@@ -73,6 +73,23 @@ def test_the_cpu_curve_needs_a_high_rate_for_one_draft_but_not_for_many():
     assert choose_draft_len([0.6] * 7, model, 7) == 7
 
 
+def test_the_drafter_call_the_step_waits_for_prices_drafting_in():
+    """A forward of 3.7 ms and a drafter call of 1.5 ms (the native q8 target and a served
+    suffix drafter): one draft accepted a third of the time pays for its row but not for
+    the call; accepted 90% of the time it pays for both; the call's cost never changes
+    what the score of not drafting is."""
+    model = ForwardCostModel({1: 0.0037, 2: 0.0040, 4: 0.0045, 8: 0.0058}, alpha=0.0)
+    assert choose_draft_len([0.33] * 3, model, 3) > 0
+    assert choose_draft_len([0.33] * 3, model, 3, call_cost=0.0015) == 0
+    assert choose_draft_len([0.9] * 3, model, 3, call_cost=0.0015) == 3
+    k = choose_draft_len([0.7] * 8, model, 8, call_cost=0.0015)
+    scores = [1 / model.cost(1)] + [expected_tokens([0.7] * 8, j) / (model.cost(j + 1) + 0.0015)
+                                    for j in range(1, 9)]
+    assert k == int(np.argmax(scores))
+    with pytest.raises(ValueError, match="call_cost"):
+        choose_draft_len([0.5], model, 1, call_cost=-1.0)
+
+
 def test_batch_tokens_price_the_drafts_at_the_margin_of_the_shared_forward():
     # Cost is flat up to 8 tokens, then grows fast. Alone, 7 drafts fit under the knee;
     # with 6 tokens of other requests in the step, only 1 does.
