@@ -45,6 +45,8 @@ REPLICA_METRICS = (
      "0 while serial.", "gauge"),
     ("pipelined_steps", "pipelined_steps", "Verification steps run pipelined.", "counter"),
     ("serial_steps", "serial_steps", "Verification steps run serial.", "counter"),
+    ("undrafted_steps", "undrafted_steps",
+     "Verification steps run with no drafter call (auto chose plain decoding).", "counter"),
     ("schedule_switches", "schedule_switches",
      "Times the replica's loop changed step schedule (--pipeline auto).", "counter"),
     ("grammar_forced_drafts", "forced_tokens",
@@ -156,7 +158,7 @@ class RouterCollector:
             labels=["replica", "schedule", "active_requests"])
         for row in status["replicas"]:
             for cost in row.get("schedule_costs", ()):
-                for schedule in ("pipelined", "serial"):
+                for schedule in ("pipelined", "serial", "undrafted"):
                     value = cost[f"{schedule}_seconds_per_token"]
                     if value:  # 0: not measured yet
                         family.add_metric([row["name"], schedule,

@@ -52,7 +52,7 @@ _GAUGES = ("active_requests", "prefilling_requests", "waiting_requests", "used_s
 _COUNTERS = ("steps", "tokens_generated", "forward_calls", "drafter_failures", "completed",
              "cancelled", "failed", "draft_wait_seconds", "runahead_hits", "runahead_misses",
              "active_seconds", "forced_tokens", "grammar_rejected_tokens", "pipelined_steps",
-             "serial_steps", "schedule_switches")
+             "serial_steps", "undrafted_steps", "schedule_switches")
 
 
 class Router(Supervision):
@@ -253,7 +253,8 @@ class Router(Supervision):
             "schedule_costs": [
                 {"active_requests": c["active"],
                  "pipelined_seconds_per_token": c["pipelined"],
-                 "serial_seconds_per_token": c["serial"], "best": c["best"]}
+                 "serial_seconds_per_token": c["serial"],
+                 "undrafted_seconds_per_token": c.get("undrafted", 0.0), "best": c["best"]}
                 for c in schedule["costs"]],
             **{f"{name}_p{q}_seconds": getattr(latency, name).quantile(q / 100)
                for name, q in (("ttft", 50), ("ttft", 90), ("itl", 50), ("itl", 90),

@@ -1,4 +1,5 @@
-"""The pipelined or the serial step, chosen per replica by measurement as it runs.
+"""The pipelined, the serial or the undrafted step, chosen per replica by measurement as it
+runs.
 
 `coordinator.scheduler.Scheduler` has two step schedules (its module docstring): pipelined
 (the drafter drafts block t+1 while the target verifies block t, after PEARL) and serial
@@ -9,7 +10,11 @@ from 1.22x the serial one's throughput down to 0.72x on one machine, depending o
 ran (docs/benchmarks.md, "The pipelined step"); with spare cores, or a drafter on another
 node, pipelining wins. Both are lossless and commit the same tokens, seeded ones included, so
 the loop may change schedule at any step boundary: `ScheduleChooser` measures both and keeps
-the faster (``specd serve --pipeline auto``, the default).
+the faster (``specd serve --pipeline auto``, the default). A third option, no drafting at
+all (`UNDRAFTED`), is measured the same way: where drafts are accepted too rarely to pay for
+the drafter's call and the rows they add (a target forward of a few ms beside a drafter call
+of one or two), it wins and the replica decodes plainly, trying the other two again now and
+then.
 
 What is compared: wall time per committed token, the inverse of what a client sees, over
 the steps that verify without prompt chunks (a chunk's cost depends on the prompt, not the
@@ -43,10 +48,18 @@ from specd_core.choice import MeasuredChoice
 
 from .adaptive import ForwardCostModel
 
-__all__ = ["PIPELINED", "SERIAL", "ScheduleChooser", "active_bucket", "check_pipeline"]
+__all__ = ["OPTIONS", "PIPELINED", "SERIAL", "ScheduleChooser", "UNDRAFTED", "active_bucket",
+           "check_pipeline"]
 
 PIPELINED = "pipelined"
 SERIAL = "serial"
+#: No drafter call at all: plain decoding, one token per request per step.
+UNDRAFTED = "undrafted"
+#: The schedules `ScheduleChooser` chooses among by default. Preferred first: the one that
+#: wins wherever the drafter has cores of its own; last, no drafting, which wins where drafts
+#: are accepted too rarely to pay for the drafter's call and the rows they add (so
+#: speculation never costs throughput for long).
+OPTIONS = (PIPELINED, SERIAL, UNDRAFTED)
 
 
 def check_pipeline(value) -> bool | str:
@@ -72,7 +85,8 @@ def active_bucket(active: int) -> int:
 
 
 class ScheduleChooser:
-    """Chooses each step's schedule, `PIPELINED` or `SERIAL`, for one scheduler (one replica)
+    """Chooses each step's schedule, `PIPELINED`, `SERIAL` or `UNDRAFTED`, for one scheduler
+    (one replica)
     from its measured wall time per committed token (see the module docstring).
 
     The scheduler calls `schedule` at each step boundary (it may switch there) and `record`
@@ -93,21 +107,28 @@ class ScheduleChooser:
         max_window_steps: a window also ends after this many steps, booked or not (steps
             with prompt chunks are not booked; default: 4 windows' worth).
         clock: seconds, monotonic (default `time.perf_counter`).
+        options: the schedules chosen among, the first one it starts with (default
+            `OPTIONS`: all three).
 
     Raises:
         ValueError: an argument out of range.
     """
 
-    #: Preferred first: the schedule that wins wherever the drafter has cores of its own.
-    OPTIONS = (PIPELINED, SERIAL)
+    #: The schedules chosen among (``options``).
+    OPTIONS = OPTIONS
 
     def __init__(self, window: int = 16, explore_every: int = 4, max_explore_every: int = 32,
                  margin: float = 0.05, alpha: float = 0.5, settle: int = 1,
                  min_steps: int | None = None, max_window_steps: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter,
+                 options: tuple[str, ...] = OPTIONS):
         if window < 1 or settle < 0 or (min_steps is not None and min_steps < 1):
             raise ValueError(f"need window >= 1, settle >= 0 and min_steps >= 1, got "
                              f"{window}, {settle}, {min_steps}")
+        if not options or options[0] not in OPTIONS or not set(options) <= set(OPTIONS):
+            raise ValueError(f"options must be schedules of {OPTIONS}, the first one it "
+                             f"starts with, got {options!r}")
+        self.OPTIONS = tuple(dict.fromkeys(options))
         self.window = window
         self.settle = settle
         self.min_steps = min_steps if min_steps is not None else max(1, window // 4)
@@ -118,7 +139,7 @@ class ScheduleChooser:
                                   sticky=True)
         MeasuredChoice(self.OPTIONS, **self._chooser_args)  # names a bad argument now
         #: The schedule now.
-        self.current = PIPELINED
+        self.current = self.OPTIONS[0]
         #: One choice per active-request bucket (`active_bucket`), made on first use.
         self.buckets: dict[int, MeasuredChoice] = {}
         #: Windows closed, and switches between schedules.
@@ -182,11 +203,12 @@ class ScheduleChooser:
 
     def status(self) -> dict:
         """``schedule`` (the current one), ``switches``, ``windows``, and ``costs``: per
-        bucket measured, ``active`` (its least count), ``pipelined`` / ``serial`` (seconds
-        per committed token, 0 while unmeasured) and ``best`` (``""`` until both are)."""
+        bucket measured, ``active`` (its least count), ``pipelined`` / ``serial`` /
+        ``undrafted`` (seconds per committed token, 0 while unmeasured) and ``best`` (``""``
+        until every one is)."""
         return {
             "schedule": self.current, "switches": self.switches, "windows": self.windows,
-            "costs": [{"active": b, "pipelined": c.cost.get(PIPELINED, 0.0),
-                       "serial": c.cost.get(SERIAL, 0.0), "best": c.best or ""}
+            "costs": [{"active": b, **{o: c.cost.get(o, 0.0) for o in self.OPTIONS},
+                       "best": c.best or ""}
                       for b, c in sorted(self.buckets.items()) if c.cost],
         }

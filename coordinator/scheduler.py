@@ -81,7 +81,7 @@ from .errors import (
     literal,
 )
 from .latency import LatencyHistograms
-from .schedule import PIPELINED, SERIAL, ScheduleChooser, check_pipeline
+from .schedule import PIPELINED, SERIAL, UNDRAFTED, ScheduleChooser, check_pipeline
 from .step_plan import ChunkPolicy, plan_prefill_chunks
 from .supervisor import ReplicaFailed
 
@@ -211,10 +211,11 @@ class SchedulerStats:
     #: (stale, wrong guess, late or failed).
     runahead_hits: int = 0
     runahead_misses: int = 0
-    #: Verification steps run pipelined / serial (their sum is ``steps``), and switches
-    #: between the two (``pipeline="auto"``).
+    #: Verification steps run pipelined / serial / with no drafter call (their sum is
+    #: ``steps``), and switches between them (``pipeline="auto"``).
     pipelined_steps: int = 0
     serial_steps: int = 0
+    undrafted_steps: int = 0
     schedule_switches: int = 0
     #: Seconds a step or a prefill was in progress (the target busy fraction's
     #: denominator: the replica's compute seconds over this).
@@ -285,6 +286,8 @@ class Scheduler(DraftingPolicy):
         #: Measures and picks the schedule (``pipeline="auto"`` with a drafter), else None.
         self.schedule_chooser = None if pipeline != "auto" or drafter is None else (
             schedule_chooser if schedule_chooser is not None else ScheduleChooser())
+        #: The current step calls no drafter (`ScheduleChooser` chose `UNDRAFTED`).
+        self.undrafted = False
         #: The schedule of the current (or next) step: pipelined when True.
         self.pipeline = drafter is not None and (
             pipeline is True or (self.schedule_chooser is not None
@@ -503,7 +506,9 @@ class Scheduler(DraftingPolicy):
             return
         chooser = self.schedule_chooser
         if chooser is not None and self.active:  # a step boundary: the schedule may change
-            self._set_pipeline(chooser.schedule(len(self.active)) == PIPELINED)
+            schedule = chooser.schedule(len(self.active))
+            self._set_pipeline(schedule == PIPELINED)
+            self.undrafted = schedule == UNDRAFTED
         began = time.perf_counter()
         clock0 = chooser.clock() if chooser is not None else 0.0
         outcome = None
@@ -517,7 +522,8 @@ class Scheduler(DraftingPolicy):
                 if self._leaving_pipelined:
                     self._leaving_pipelined = False
                     await self._drop_run_aheads(active)
-                drafts = await self._propose(active)
+                drafts = ([DraftBlock.empty() for _ in active] if self.undrafted
+                          else await self._propose(active))
                 self.stats.draft_wait_seconds += time.perf_counter() - began
             outcome = await self._execute(active, drafts)
         finally:
@@ -645,6 +651,8 @@ class Scheduler(DraftingPolicy):
         self.stats.steps += 1
         if self.pipeline:
             self.stats.pipelined_steps += 1
+        elif self.undrafted:
+            self.stats.undrafted_steps += 1
         else:
             self.stats.serial_steps += 1
         committed = 0

@@ -113,7 +113,8 @@ class MeasuredChoice:
             self._next_explore = self.picks + self._interval
             self._interval = min(2 * self._interval, self.max_explore_every)
             self.explorations += 1
-            return others[(self.picks // self.explore_every) % len(others)]
+            # Each other option in turn (with three or more, every one is re-measured).
+            return others[(self.explorations - 1) % len(others)]
         return best
 
     def record(self, option: Hashable, seconds: float, tokens: float) -> None:

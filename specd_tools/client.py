@@ -225,16 +225,16 @@ def _schedule_lines(replicas) -> list[str]:
             continue
         cells = []
         for c in r.schedule_costs:
-            p = "-" if not c.pipelined_seconds_per_token else \
-                f"{c.pipelined_seconds_per_token * 1e3:.3f}"
-            q = "-" if not c.serial_seconds_per_token else \
-                f"{c.serial_seconds_per_token * 1e3:.3f}"
-            star_p, star_s = ("*", "") if c.best == "pipelined" else \
-                ("", "*") if c.best == "serial" else ("", "")
-            cells.append(f"{c.active_requests}: {p}{star_p} / {q}{star_s}")
+            parts = []
+            for name in ("pipelined", "serial", "undrafted"):
+                value = getattr(c, f"{name}_seconds_per_token")
+                parts.append(("-" if not value else f"{value * 1e3:.3f}")
+                             + ("*" if c.best == name else ""))
+            cells.append(f"{c.active_requests}: {' / '.join(parts)}")
         lines.append(f"schedule of {r.name}: {r.schedule_switches} switches, "
-                     f"{r.pipelined_steps} pipelined / {r.serial_steps} serial steps; ms per "
-                     f"token pipelined / serial by active requests: {'; '.join(cells)}")
+                     f"{r.pipelined_steps} pipelined / {r.serial_steps} serial / "
+                     f"{r.undrafted_steps} undrafted steps; ms per token pipelined / serial / "
+                     f"undrafted by active requests: {'; '.join(cells)}")
     if lines:
         lines.insert(0, "")
     return lines

@@ -206,7 +206,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("name", "state", "tp", "active_requests", "waiting_requests", "used_slots", "total_slots", "requests_placed", "steps", "tokens_emitted", "tokens_per_second", "step_seconds", "forward_seconds_per_call", "bytes_sent_per_step", "bytes_received_per_step", "drafter_failures", "restarts", "failed", "draft_wait_seconds_per_step", "runahead_hits", "runahead_misses", "target_busy_fraction", "pipeline", "prefilling_requests", "ttft_p50_seconds", "ttft_p90_seconds", "itl_p50_seconds", "itl_p90_seconds", "prefill_p50_seconds", "prefix_hits", "prefix_queries", "prefix_hit_tokens", "node", "warm_positions", "warm_bytes", "pipeline_mode", "pipelined_steps", "serial_steps", "schedule_switches", "schedule_costs")
+    __slots__ = ("name", "state", "tp", "active_requests", "waiting_requests", "used_slots", "total_slots", "requests_placed", "steps", "tokens_emitted", "tokens_per_second", "step_seconds", "forward_seconds_per_call", "bytes_sent_per_step", "bytes_received_per_step", "drafter_failures", "restarts", "failed", "draft_wait_seconds_per_step", "runahead_hits", "runahead_misses", "target_busy_fraction", "pipeline", "prefilling_requests", "ttft_p50_seconds", "ttft_p90_seconds", "itl_p50_seconds", "itl_p90_seconds", "prefill_p50_seconds", "prefix_hits", "prefix_queries", "prefix_hit_tokens", "node", "warm_positions", "warm_bytes", "pipeline_mode", "pipelined_steps", "serial_steps", "schedule_switches", "schedule_costs", "undrafted_steps")
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +247,7 @@ class ReplicaStatus(_message.Message):
     SERIAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_SWITCHES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_COSTS_FIELD_NUMBER: _ClassVar[int]
+    UNDRAFTED_STEPS_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: str
     tp: int
@@ -287,19 +288,22 @@ class ReplicaStatus(_message.Message):
     serial_steps: int
     schedule_switches: int
     schedule_costs: _containers.RepeatedCompositeFieldContainer[ScheduleCost]
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., used_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., requests_placed: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_emitted: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ..., forward_seconds_per_call: _Optional[float] = ..., bytes_sent_per_step: _Optional[float] = ..., bytes_received_per_step: _Optional[float] = ..., drafter_failures: _Optional[int] = ..., restarts: _Optional[int] = ..., failed: _Optional[int] = ..., draft_wait_seconds_per_step: _Optional[float] = ..., runahead_hits: _Optional[int] = ..., runahead_misses: _Optional[int] = ..., target_busy_fraction: _Optional[float] = ..., pipeline: _Optional[bool] = ..., prefilling_requests: _Optional[int] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p90_seconds: _Optional[float] = ..., itl_p50_seconds: _Optional[float] = ..., itl_p90_seconds: _Optional[float] = ..., prefill_p50_seconds: _Optional[float] = ..., prefix_hits: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., node: _Optional[str] = ..., warm_positions: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., pipeline_mode: _Optional[str] = ..., pipelined_steps: _Optional[int] = ..., serial_steps: _Optional[int] = ..., schedule_switches: _Optional[int] = ..., schedule_costs: _Optional[_Iterable[_Union[ScheduleCost, _Mapping]]] = ...) -> None: ...
+    undrafted_steps: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., tp: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., used_slots: _Optional[int] = ..., total_slots: _Optional[int] = ..., requests_placed: _Optional[int] = ..., steps: _Optional[int] = ..., tokens_emitted: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., step_seconds: _Optional[float] = ..., forward_seconds_per_call: _Optional[float] = ..., bytes_sent_per_step: _Optional[float] = ..., bytes_received_per_step: _Optional[float] = ..., drafter_failures: _Optional[int] = ..., restarts: _Optional[int] = ..., failed: _Optional[int] = ..., draft_wait_seconds_per_step: _Optional[float] = ..., runahead_hits: _Optional[int] = ..., runahead_misses: _Optional[int] = ..., target_busy_fraction: _Optional[float] = ..., pipeline: _Optional[bool] = ..., prefilling_requests: _Optional[int] = ..., ttft_p50_seconds: _Optional[float] = ..., ttft_p90_seconds: _Optional[float] = ..., itl_p50_seconds: _Optional[float] = ..., itl_p90_seconds: _Optional[float] = ..., prefill_p50_seconds: _Optional[float] = ..., prefix_hits: _Optional[int] = ..., prefix_queries: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., node: _Optional[str] = ..., warm_positions: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., pipeline_mode: _Optional[str] = ..., pipelined_steps: _Optional[int] = ..., serial_steps: _Optional[int] = ..., schedule_switches: _Optional[int] = ..., schedule_costs: _Optional[_Iterable[_Union[ScheduleCost, _Mapping]]] = ..., undrafted_steps: _Optional[int] = ...) -> None: ...
 
 class ScheduleCost(_message.Message):
-    __slots__ = ("active_requests", "pipelined_seconds_per_token", "serial_seconds_per_token", "best")
+    __slots__ = ("active_requests", "pipelined_seconds_per_token", "serial_seconds_per_token", "best", "undrafted_seconds_per_token")
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PIPELINED_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SERIAL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     BEST_FIELD_NUMBER: _ClassVar[int]
+    UNDRAFTED_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     active_requests: int
     pipelined_seconds_per_token: float
     serial_seconds_per_token: float
     best: str
-    def __init__(self, active_requests: _Optional[int] = ..., pipelined_seconds_per_token: _Optional[float] = ..., serial_seconds_per_token: _Optional[float] = ..., best: _Optional[str] = ...) -> None: ...
+    undrafted_seconds_per_token: float
+    def __init__(self, active_requests: _Optional[int] = ..., pipelined_seconds_per_token: _Optional[float] = ..., serial_seconds_per_token: _Optional[float] = ..., best: _Optional[str] = ..., undrafted_seconds_per_token: _Optional[float] = ...) -> None: ...
 
 class DrafterStatus(_message.Message):
     __slots__ = ("name", "address", "state", "calls", "errors", "mean_latency_seconds", "assigned_requests", "in_flight", "restarts", "node", "has_cache", "cache_outputs", "cache_tokens", "cache_nodes", "cache_bytes", "cache_evicted", "proposals", "global_hits", "cache_partitions")

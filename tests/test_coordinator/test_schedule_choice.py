@@ -15,7 +15,7 @@ from drafters import plain_decode
 from test_service import REPEATING
 
 from coordinator.adaptive import ForwardCostModel
-from coordinator.schedule import PIPELINED, SERIAL, ScheduleChooser, active_bucket
+from coordinator.schedule import PIPELINED, SERIAL, UNDRAFTED, ScheduleChooser, active_bucket
 from coordinator.scheduler import LocalTarget, Scheduler
 from drafter_worker.local import LocalDrafter
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
@@ -26,10 +26,16 @@ from specd_core.sampling import SamplingParams
 from target_worker.engine import TargetEngine
 from target_worker.loader import load_model
 
-P, S = PIPELINED, SERIAL
+P, S, U = PIPELINED, SERIAL, UNDRAFTED
 MODEL = "tiny-random:vocab=64,seed=0,layers=2"
 #: A frozen cost curve (the run-ahead wait and adaptive choices then do not depend on timing).
 FLAT = ForwardCostModel({1: 0.002, 2: 0.0021, 8: 0.0022, 32: 0.003}, alpha=0)
+
+
+def two_schedules(**kwargs) -> ScheduleChooser:
+    """A chooser between the two drafting schedules only (the tests of their choice); the
+    third, no drafting, has tests of its own below."""
+    return ScheduleChooser(options=(P, S), **kwargs)
 
 
 def windows(chooser: ScheduleChooser, cost, count: int, active: int = 1) -> list[str]:
@@ -59,7 +65,7 @@ def test_active_buckets_span_at_most_a_quarter_more_requests():
 
 
 def test_the_chooser_measures_both_then_keeps_the_cheaper_per_committed_token():
-    chooser = ScheduleChooser(window=4, settle=0, explore_every=4, max_explore_every=4,
+    chooser = two_schedules(window=4, settle=0, explore_every=4, max_explore_every=4,
                               alpha=1.0)
     cost = {P: (1.0, 2), S: (0.8, 2)}  # seconds per step, tokens per step: serial cheaper
     # Pipelined first, then serial, then serial kept, pipelined re-measured every 4th window.
@@ -70,7 +76,7 @@ def test_the_chooser_measures_both_then_keeps_the_cheaper_per_committed_token():
 
 
 def test_the_chooser_switches_only_beyond_its_margin_either_way():
-    chooser = ScheduleChooser(window=2, settle=0, explore_every=2, max_explore_every=2,
+    chooser = two_schedules(window=2, settle=0, explore_every=2, max_explore_every=2,
                               margin=0.05, alpha=1.0)
     cost = {P: (0.50, 1), S: (0.48, 1)}  # serial 4% cheaper: within the margin
     assert set(windows(chooser, cost, 10)[2:]) == {P, S}  # explorations only
@@ -87,7 +93,7 @@ def test_the_chooser_switches_only_beyond_its_margin_either_way():
 
 
 def test_the_chooser_backs_off_exploring_while_the_other_stays_worse_and_follows_a_change():
-    chooser = ScheduleChooser(window=2, settle=0, explore_every=2, max_explore_every=8,
+    chooser = two_schedules(window=2, settle=0, explore_every=2, max_explore_every=8,
                               alpha=1.0)
     cost = {P: (3.0, 1), S: (1.0, 1)}  # a run-ahead that slows the step 3x
     picked = windows(chooser, cost, 40)
@@ -102,7 +108,7 @@ def test_the_chooser_backs_off_exploring_while_the_other_stays_worse_and_follows
 
 
 def test_the_chooser_books_no_prefill_step_no_settling_step_and_no_empty_step():
-    chooser = ScheduleChooser(window=2, settle=1, explore_every=100, alpha=1.0)
+    chooser = two_schedules(window=2, settle=1, explore_every=100, alpha=1.0)
     assert chooser.schedule(1) == P
     for _ in range(3):  # prompt chunks shared these forwards: not booked, nor counted
         chooser.record(50.0, 1, 1, prefill=True)
@@ -118,7 +124,7 @@ def test_the_chooser_books_no_prefill_step_no_settling_step_and_no_empty_step():
 
 
 def test_a_window_of_only_prefill_steps_ends_without_measuring_anything():
-    chooser = ScheduleChooser(window=2, settle=0, max_window_steps=6)
+    chooser = two_schedules(window=2, settle=0, max_window_steps=6)
     assert chooser.schedule(1) == P
     for _ in range(6):
         chooser.record(1.0, 1, 1, prefill=True)
@@ -132,18 +138,18 @@ def test_per_token_costs_price_a_schedule_that_does_no_drafter_work(cheap):
     # are cheaper but commit one token each. Per step it would win; per token it loses.
     drafting, plain = (1.5, 3), (1.0, 1)
     cost = {cheap: drafting, ({P, S} - {cheap}).pop(): plain}
-    chooser = ScheduleChooser(window=3, settle=0, alpha=1.0)
+    chooser = two_schedules(window=3, settle=0, alpha=1.0)
     windows(chooser, cost, 4)
     assert chooser.buckets[1].best == cheap
     # Both drafting nothing (a service with no speculating request): equal costs, no
     # switching back and forth beyond the explorations.
-    same = ScheduleChooser(window=3, settle=0, explore_every=4, max_explore_every=4)
+    same = two_schedules(window=3, settle=0, explore_every=4, max_explore_every=4)
     picked = windows(same, {P: plain, S: plain}, 14)
     assert same.buckets[1].best == P and picked.count(S) == 1 + 2  # measured, explored
 
 
 def test_costs_are_compared_within_a_bucket_of_active_requests_only():
-    chooser = ScheduleChooser(window=2, settle=0, explore_every=50, alpha=1.0)
+    chooser = two_schedules(window=2, settle=0, explore_every=50, alpha=1.0)
     # 8 requests share a step: cheap per token whatever the schedule; alone, serial wins.
     eight = {P: (1.6, 16), S: (1.8, 16)}  # pipelined 0.10, serial 0.1125 per token
     one = {P: (1.6, 4), S: (1.2, 4)}  # pipelined 0.40, serial 0.30 per token
@@ -157,7 +163,7 @@ def test_costs_are_compared_within_a_bucket_of_active_requests_only():
 
 
 def test_a_step_stalled_by_another_process_counts_at_most_a_few_times_its_cost():
-    chooser = ScheduleChooser(window=2, settle=0, alpha=1.0)
+    chooser = two_schedules(window=2, settle=0, alpha=1.0)
     windows(chooser, {P: (1.0, 1), S: (0.9, 1)}, 2)
     chooser.schedule(1)
     chooser.record(0.9, 1, 1)
@@ -173,7 +179,7 @@ def test_a_measured_choice_refuses_bad_arguments():
     with pytest.raises(ValueError, match="at least one"):
         MeasuredChoice(())
     with pytest.raises(ValueError, match="window"):
-        ScheduleChooser(window=0)
+        two_schedules(window=0)
 
 
 # ---- a scheduler in auto mode, costs injected through the chooser's clock ----
@@ -299,7 +305,7 @@ def test_an_auto_scheduler_keeps_the_schedule_that_costs_less_per_token(ahead, e
     # Serial: a step waits 0.2 s for its drafts, then 1 s of verify. Pipelined: the verify
     # plus what the run-ahead costs the step (3 s: it competes for the cores; 0: free).
     drafter = ClockedDrafter(Truth(truth), clock, fresh=0.2, ahead=ahead)
-    chooser = ScheduleChooser(window=4, explore_every=4, max_explore_every=8, clock=clock)
+    chooser = two_schedules(window=4, explore_every=4, max_explore_every=8, clock=clock)
     results, sched = run(decoder, drafter, PROMPTS, SpeculativeOptions(max_new_tokens=max_new),
                          "auto", chooser, clock)
     for prompt, result in zip(PROMPTS, results, strict=True):
@@ -315,6 +321,46 @@ def test_an_auto_scheduler_keeps_the_schedule_that_costs_less_per_token(ahead, e
     assert sched.status()["schedule"]["mode"] == "auto"
     if expected == P:
         assert stats.runahead_hits > stats.runahead_misses
+
+
+def test_the_three_way_chooser_measures_each_then_keeps_plain_decoding_where_it_is_cheapest():
+    """With no drafting as an option (the default), drafts that never pay for themselves
+    leave the replica decoding plainly, the drafting schedules re-measured now and then."""
+    chooser = ScheduleChooser(window=2, settle=0, explore_every=2, max_explore_every=8,
+                              alpha=1.0)
+    assert chooser.OPTIONS == (P, S, U)
+    cost = {P: (3.0, 1), S: (1.5, 1), U: (1.0, 1)}
+    picked = windows(chooser, cost, 30)
+    assert picked[:3] == [P, S, U]  # each measured once, in order
+    assert chooser.buckets[1].best == U
+    assert picked[3:].count(U) > 3 * (picked[3:].count(P) + picked[3:].count(S))
+    assert P in picked[3:] and S in picked[3:]  # each drafting schedule tried again
+    cost[S] = (0.8, 2)  # drafts start to be accepted: the serial step pays again
+    later = windows(chooser, cost, 40)  # taken at one of its next tries (backed off to 8)
+    assert chooser.buckets[1].best == S and later[-10:].count(S) >= 8  # kept, but for tries
+    with pytest.raises(ValueError, match="options"):
+        ScheduleChooser(options=(U, "sideways"))
+
+
+def test_an_auto_scheduler_stops_drafting_where_drafts_do_not_pay():
+    """Drafts that are always rejected, a drafter call that costs half a verify: the
+    replica ends decoding plainly (no drafter call at all), with the same tokens."""
+    decoder = load_model(MODEL)[0]
+    max_new = 120
+    truth = {tuple(p): plain_decode(decoder, p, max_new) for p in PROMPTS}
+    wrong = {p: [(t + 1) % 64 for t in cont] for p, cont in truth.items()}
+    clock = FakeClock()
+    drafter = ClockedDrafter(Truth(wrong), clock, fresh=0.5, ahead=3.0)
+    chooser = ScheduleChooser(window=4, explore_every=4, max_explore_every=8, clock=clock)
+    results, sched = run(decoder, drafter, PROMPTS, SpeculativeOptions(max_new_tokens=max_new),
+                         "auto", chooser, clock)
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        assert result.generated_tokens == truth[tuple(prompt)]
+    assert chooser.buckets[4].best == U
+    stats = sched.stats
+    assert stats.pipelined_steps + stats.serial_steps + stats.undrafted_steps == stats.steps
+    assert stats.undrafted_steps > 2 * (stats.pipelined_steps + stats.serial_steps)
+    assert drafter.calls[False] + drafter.calls[True] < stats.steps / 2
 
 
 class Forced:
@@ -355,7 +401,7 @@ def test_the_tokens_are_the_same_on_off_auto_and_across_forced_switches(sampling
     outputs = {}
     for name, pipeline, chooser in (
             ("off", False, None), ("on", True, None),
-            ("auto", "auto", ScheduleChooser(window=2, explore_every=1, max_explore_every=1)),
+            ("auto", "auto", two_schedules(window=2, explore_every=1, max_explore_every=1)),
             ("forced", "auto", Forced("PPSPSSPPPSPS")),
             ("forced-late", "auto", Forced("PPS"))):
         drafter = lookup(lag=6 if name == "forced-late" else 0)
@@ -403,7 +449,7 @@ def test_the_schedule_and_its_measurements_show_in_status_specd_status_and_prome
     try:
         (replica,) = svc.router.replicas.values()
         # Short windows, so a few requests measure both schedules (the default needs more).
-        replica.scheduler.schedule_chooser = ScheduleChooser(
+        replica.scheduler.schedule_chooser = two_schedules(
             window=2, settle=0, explore_every=1, max_explore_every=1)
         for req in MIXED:
             stream_tokens(svc, req)
