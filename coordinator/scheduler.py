@@ -81,7 +81,7 @@ from .errors import (
     literal,
 )
 from .latency import LatencyHistograms
-from .schedule import PIPELINED, SERIAL, UNDRAFTED, ScheduleChooser, check_pipeline
+from .schedule import OPTIONS, PIPELINED, SERIAL, UNDRAFTED, ScheduleChooser, check_pipeline
 from .step_plan import ChunkPolicy, plan_prefill_chunks
 from .supervisor import ReplicaFailed
 
@@ -283,9 +283,12 @@ class Scheduler(DraftingPolicy):
         self.chunking = chunking or ChunkPolicy()
         self.prefix_caching = prefix_caching
         self.latency = LatencyHistograms()
-        #: Measures and picks the schedule (``pipeline="auto"`` with a drafter), else None.
+        #: Measures and picks the schedule (``pipeline="auto"`` with a drafter), else None;
+        #: not drafting at all is among its options only when drafting is adaptive (fixed
+        #: draft lengths are drafted every step, as asked).
         self.schedule_chooser = None if pipeline != "auto" or drafter is None else (
-            schedule_chooser if schedule_chooser is not None else ScheduleChooser())
+            schedule_chooser if schedule_chooser is not None else ScheduleChooser(
+                options=OPTIONS if adaptive else (PIPELINED, SERIAL)))
         #: The current step calls no drafter (`ScheduleChooser` chose `UNDRAFTED`).
         self.undrafted = False
         #: The schedule of the current (or next) step: pipelined when True.

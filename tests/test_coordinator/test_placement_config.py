@@ -54,7 +54,9 @@ def test_the_start_says_a_first_load_converts_before_ray_starts(monkeypatch):
     with pytest.raises(RayStarting):
         Service(ServiceConfig(model=MODEL, port=0)).start(
             progress=lambda message, done, total: said.append(message))
-    assert len(said) == 1 and said[0].startswith("first load of this model: it is converted")
+    # The conversion is said before Ray starts (and Ray's start is said as it starts).
+    assert said[0].startswith("first load of this model: it is converted")
+    assert said[1:] == ["starting Ray (embedded, on loopback)..."]
 
 
 def test_channel_tls_is_on_for_a_cluster_and_off_embedded_by_default():

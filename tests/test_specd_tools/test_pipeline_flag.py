@@ -85,13 +85,15 @@ def test_generate_in_process_runs_pipelined_only_when_asked(monkeypatch, capsys,
     # In process nothing overlaps the forward (the drafter runs on the loop's thread), so
     # auto is the serial step there.
     seen = []
-    real = cli.speculative_decode_with
+    import coordinator.speculative as speculative
+
+    real = speculative.speculative_decode_with
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("pipeline"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cli, "speculative_decode_with", spy)
+    monkeypatch.setattr(speculative, "speculative_decode_with", spy)
     assert cli.main(["generate", "hi", "--in-process", "--raw", "--model", TINY,
                      "--max-new-tokens", "4", "--no-adaptive", "--threads", "1",
                      *flags]) == 0

@@ -39,7 +39,11 @@ def test_start_up_reports_each_phase_with_its_time(served):
     lines = [line.strip() for line in served[2]]
     # The adaptive drafting's forward-cost calibration is start-up work, not the first
     # request's.
-    for phase in (r"Ray up \(\d+\.\d s\)", r"replica-0: model loaded \(\d+\.\d s\)",
+    # Each long phase is said as it starts, and again with its time when done; a replica
+    # says which forward it runs.
+    for phase in (r"starting Ray \(embedded, on loopback\)\.\.\.", r"Ray up \(\d+\.\d s\)",
+                  r"starting 1 target replica\(s\) and 1 drafter\(s\): .*\.\.\.",
+                  r"replica-0: model loaded, \S+ \S+ forward .* \(\d+\.\d s\)",
                   r"replica-0: forward cost calibrated \(\d+\.\d s\)",
                   r"drafter-0: drafter ready \(\d+\.\d s\)", r"ready in \d+\.\d s"):
         assert any(re.fullmatch(r"\[specd\] " + phase, line) for line in lines), (phase, lines)

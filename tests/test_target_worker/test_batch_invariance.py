@@ -1,7 +1,9 @@
-"""Batch invariance: a row's logits, hidden state and KV entries are bitwise the same whatever
-else its forward computes (one token, a verify block, a prompt chunk of any size, other
-sequences, a prefix another step wrote, the thread count), in float32 and bfloat16; the
-start-up check behind it refuses kernels that are not, and falls back to ones that are."""
+"""Batch invariance of the torch forward (GPUs, TP shards, MoE, float16, no compiler): a row's
+logits, hidden state and KV entries are bitwise the same whatever else its forward computes
+(one token, a verify block, a prompt chunk of any size, other sequences, a prefix another
+step wrote, the thread count), in float32 and bfloat16; the start-up check behind it refuses
+kernels that are not, and falls back to ones that are. Every test here runs the torch forward
+(``SPECD_NATIVE=0``); the native forward has its own tests (test_native.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +31,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @pytest.fixture(autouse=True)
 def _fresh_verdicts(monkeypatch, tmp_path):
-    """Every test checks kernels itself (no verdicts from disk or an earlier test)."""
+    """Every test checks kernels itself (no verdicts from disk or an earlier test), on the
+    torch forward."""
+    monkeypatch.setenv("SPECD_NATIVE", "0")
     monkeypatch.setenv("SPECD_CACHE", str(tmp_path))
     monkeypatch.setattr(inv, "_VERDICTS", {})
     monkeypatch.setattr(inv, "_DISK_LOADED", False)
