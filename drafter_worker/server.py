@@ -152,15 +152,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     (`drafter_worker.sessions.DrafterSessions`, the same bookkeeping the in-process adapter
     uses).
 
-    Every drafter call and every state change runs on one thread, in arrival order: a
-    drafter that reads hidden rows (a model: EAGLE, EAGLE-3) on one dedicated worker thread,
-    so the event loop stays free for health checks while it computes and a GPU drafter always
-    sees the same thread (CUDA streams are per thread); a model-free one (prompt lookup,
-    suffix decoding: microseconds a call) on the event loop's own thread, which saves a
-    thread hand-over each way (measured served beside a busy target, the hand-overs made up
-    most of a ~1.5 ms call). Drafters need not be thread-safe. The synchronous
-    `propose_batch` / `release_ids` are the same logic without gRPC; call them only from one
-    thread at a time.
+    Every drafter call and every state change runs on one dedicated worker thread, in
+    arrival order: the event loop stays free for health checks while a drafter computes,
+    drafters need not be thread-safe, and a GPU drafter always sees the same thread (CUDA
+    streams are per thread). The synchronous `propose_batch` / `release_ids` are the same
+    logic without gRPC; call them only from one thread at a time.
 
     Args:
         drafter: the `Drafter` served.
@@ -174,8 +170,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.sessions = DrafterSessions(drafter, limits, clock)
         self.limits = self.sessions.limits
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter")
-        #: Model-free (no hidden rows): runs on the event loop's thread (see above).
-        self._inline = not self.sessions.capabilities.wants_hidden
 
     # --- gRPC handlers ---------------------------------------------------------------------
 
@@ -215,8 +209,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return await asyncio.to_thread(self.stats)
 
     async def _run(self, fn: Callable, *args):
-        if self._inline:
-            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     # --- the logic, synchronous ------------------------------------------------------------
