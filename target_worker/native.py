@@ -63,6 +63,8 @@ GGML_TYPES = {
     30: ("BF16", 1, 2),
 }
 _F32, _F16, _BF16 = 0, 1, 30
+#: Added to a type id for weights repacked for the int8 kernels (forward.c's T_PACKED).
+_PACKED = 100
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "forward.c"
 _FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-fno-math-errno")
@@ -356,11 +358,12 @@ def supports(decoder) -> str | None:
 
 
 class NativeForward:
-    """The native forward of one float32 `~target_worker.model.Decoder`.
+    """The native forward of one float32 or bfloat16 `~target_worker.model.Decoder`, in
+    ``mode`` (`MODES`).
 
     It multiplies the decoder's `StoredWeight` s (``decoder.stored_weights``) where the
-    decoder has them and they still describe its float32 weights, else the float32 tensors
-    themselves; it holds references to every tensor it points at. `forward` notices a weight
+    decoder has them and they still describe its float32 weights, else the decoder's own
+    tensors; it holds references to every tensor it points at. `forward` notices a weight
     replaced or changed in place and describes the model again.
 
     Not picklable or copyable by design: a copy of the decoder gets None and builds its own.
@@ -476,11 +479,21 @@ class NativeForward:
         return out
 
     def _rope(self, decoder, end: int) -> None:
+        """Float32 RoPE tables covering positions ``[0, end)``, grown geometrically as the
+        decoder's own (`rope_tables` over whole 256-position rows on one thread, so a
+        position's values never depend on the table's size); float32 whatever the
+        decoder's dtype."""
         if end <= self._cos.shape[0]:
             return
-        decoder._rope(0, end)  # grows the decoder's float32 tables (one thread, whole rows)
-        self._cos = decoder._cos.float().contiguous()
-        self._sin = decoder._sin.float().contiguous()
+        from .invariant import one_thread
+        from .model import rope_tables
+
+        c = decoder.config
+        size = min(max(end, 2 * self._cos.shape[0], 256), c.max_seq_len)
+        with one_thread():
+            cos, sin = rope_tables(c.head_dim, c.rope_theta, -(-size // 256) * 256,
+                                   c.rope_scaling)
+        self._cos, self._sin = cos.contiguous(), sin.contiguous()
 
     def forward(self, decoder, ids: Sequence[torch.Tensor], segments, last_logits_only,
                 capture: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -628,38 +641,53 @@ def check_native(decoder, threads: Sequence[int] = (1, 2)) -> None:
         raise NativeUnavailable(f"{type(decoder).__name__} runs the torch forward")
     lib = library()
     gen = torch.Generator().manual_seed(0)
-    # The kernels on data with denormals, products near the denormal range, and exact
+    # The kernels the forward runs (q8: the int8 ones on repacked weights), one matrix per
+    # type and shape, on data with denormals, products near the denormal range and exact
     # cancellations, at every row count a verify block or a small batch produces.
     native = decoder._native_forward()
-    for mat in {(m.type, m.n, m.k, m.data): m for m in native._mats()}.values():
-        k = mat.k
-        kp = -(-k // 16) * 16
-        x = torch.randn(17, kp, generator=gen)
-        x[:, k:] = 0
-        x[::3, : k // 2] *= 1e-39  # denormal activations
-        x[1::4, ::5] = 0.0
-        alone = torch.empty(17, mat.n)
-        for r in range(17):
-            for t in threads:
-                y = torch.empty(1, mat.n)
-                lib.specd_matmul(ctypes.byref(mat), x[r:r + 1].data_ptr(), 1, kp,
-                                 y.data_ptr(), t)
-                if t == threads[0]:
-                    alone[r] = y[0]
-                elif not torch.equal(y[0], alone[r]):
-                    raise RuntimeError(f"native matmul {GGML_TYPES[mat.type][0]} "
-                                       f"{mat.n}x{k}: a row differs between {threads[0]} and "
-                                       f"{t} threads")
-        for rows in (2, 3, 4, 5, 8, 9, 16, 17):
-            for t in threads:
-                y = torch.empty(rows, mat.n)
-                lib.specd_matmul(ctypes.byref(mat), x[:rows].data_ptr(), rows, kp,
-                                 y.data_ptr(), t)
-                if not torch.equal(y, alone[:rows]):
-                    raise RuntimeError(f"native matmul {GGML_TYPES[mat.type][0]} "
-                                       f"{mat.n}x{k}: rows differ from rows alone in a call "
-                                       f"of {rows} rows on {t} threads")
+    shapes: dict[tuple[int, int, int], _WMat] = {}
+    for mat in native._mats():
+        shapes.setdefault((mat.type, mat.n, mat.k), mat)
+    for mat in shapes.values():
+        name = f"{GGML_TYPES[mat.type][0]} {mat.n}x{mat.k}"
+        keep = None
+        if native.mode == "q8" and lib.specd_packed_bytes(ctypes.byref(mat)):
+            keep = torch.empty(lib.specd_packed_bytes(ctypes.byref(mat)), dtype=torch.uint8)
+            lib.specd_repack(ctypes.byref(mat), keep.data_ptr())
+            mat = _WMat(mat.type + _PACKED, mat.n, mat.k, 0, 0, keep.data_ptr())
+            name += " (int8)"
+        _check_kernel(lib, mat, name, threads, gen)
+        del keep
     _check_forward(decoder, threads, gen)
+
+
+def _check_kernel(lib, mat: _WMat, name: str, threads: Sequence[int],
+                  gen: torch.Generator) -> None:
+    """Every row of calls of 2-17 rows, at each thread count, against the row alone."""
+    k = mat.k
+    kp = -(-k // 32) * 32  # rows padded with zeros to whole vectors, as the forward's
+    x = torch.randn(17, kp, generator=gen)
+    x[:, k:] = 0
+    x[::3, : k // 2] *= 1e-39  # denormal activations
+    x[1::4, ::5] = 0.0
+    x[2, 1:k:2] = -x[2, 0:k - 1:2]  # pairs that cancel
+    alone = torch.empty(17, mat.n)
+    for r in range(17):
+        for t in threads:
+            y = torch.empty(1, mat.n)
+            lib.specd_matmul(ctypes.byref(mat), x[r:r + 1].data_ptr(), 1, kp, y.data_ptr(), t)
+            if t == threads[0]:
+                alone[r] = y[0]
+            elif not torch.equal(y[0], alone[r]):
+                raise RuntimeError(f"native matmul {name}: a row differs between "
+                                   f"{threads[0]} and {t} threads")
+    for rows in (2, 3, 4, 5, 8, 9, 16, 17):
+        for t in threads:
+            y = torch.empty(rows, mat.n)
+            lib.specd_matmul(ctypes.byref(mat), x[:rows].data_ptr(), rows, kp, y.data_ptr(), t)
+            if not torch.equal(y, alone[:rows]):
+                raise RuntimeError(f"native matmul {name}: rows differ from rows alone in a "
+                                   f"call of {rows} rows on {t} threads")
 
 
 def _check_forward(decoder, threads: Sequence[int], gen: torch.Generator) -> None:

@@ -666,103 +666,10 @@ typedef struct {
 } mm_job;
 
 /* Tuning knobs (`specd_tune`): each picks among kernels of identical results. */
-enum { TUNE_FUSED, TUNE_PREFETCH, TUNE_N };
-static int g_tune[TUNE_N] = {0, 8};
-
-/* One 32-element block of a quantized row, dequantized into 32 / VL vectors: the values
- * dequant_row writes (the same operations, in registers). */
-#define DQ (32 / VL)
-static inline __attribute__((always_inline)) void dequant_block(int type, const uint8_t *blk, vf out[DQ]) {
-#if defined(__AVX512F__)
-    uint16_t dh;
-    memcpy(&dh, blk, 2);
-    const __m512 vd = _mm512_set1_ps(f16_to_f32(dh));
-    if (type == T_Q8_0) {
-        const int8_t *qs = (const int8_t *)(blk + 2);
-        out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs))), vd);
-        out[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)))), vd);
-        return;
-    }
-    const int has_m = type == T_Q4_1;
-    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (has_m ? 4 : 2))));
-    __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(15));
-    __m512i hi = _mm512_srli_epi32(q, 4);
-    if (!has_m) {
-        lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
-        hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
-    }
-    __m512 flo = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(lo));
-    __m512 fhi = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(hi));
-    if (has_m) {
-        uint16_t mh;
-        memcpy(&mh, blk + 2, 2);
-        const __m512 vm = _mm512_set1_ps(f16_to_f32(mh));
-        flo = _mm512_add_ps(flo, vm);
-        fhi = _mm512_add_ps(fhi, vm);
-    }
-    out[0] = flo;
-    out[1] = fhi;
-#else
-    float tmp[32];
-    dequant_row(type, blk, 32, tmp);
-    for (int v = 0; v < DQ; v++) out[v] = vload(tmp + v * VL);
-#endif
-}
-
-/* Rows [r0, r0 + R) (R <= FUSED_ROWS) of NR columns of a quantized weight of type TYPE,
- * each block dequantized in registers and multiplied at once: per (row, column) exactly
- * the fma sequence of mm_tile's panel path (k ascending in VL steps). */
-#define FUSED_ROWS 4
-static inline __attribute__((always_inline)) void mm_fused(const mm_job *job, const wmat *w,
-                                                          int j0, int cols, int col, int r0,
-                                                          const int R, const int TYPE) {
-    vf acc[FUSED_ROWS][NR];
-    for (int i = 0; i < R; i++)
-        for (int c = 0; c < NR; c++) acc[i][c] = vzero();
-    const int nb = w->k / 32, bb = block_bytes(TYPE);
-    const uint8_t *rows[NR];
-    for (int c = 0; c < NR; c++)  /* a missing column repeats the first: its sums are dropped */
-        rows[c] = w->data + (size_t)(j0 + (c < cols ? c : 0)) * w->row_bytes;
-    const float *x = job->x + (size_t)r0 * job->ldx;
-    const int ldx = job->ldx;
-    for (int b = 0; b < nb; b++) {
-        vf xv[FUSED_ROWS][DQ];
-        for (int i = 0; i < R; i++)
-            for (int v = 0; v < DQ; v++) xv[i][v] = vload(x + (size_t)i * ldx + b * 32 + v * VL);
-        for (int c = 0; c < NR; c++) {
-            vf wv[DQ];
-            dequant_block(TYPE, rows[c] + (size_t)b * bb, wv);
-            for (int v = 0; v < DQ; v++)
-                for (int i = 0; i < R; i++) acc[i][c] = vfma(xv[i][v], wv[v], acc[i][c]);
-        }
-    }
-    const float *bias = job->bias ? job->bias + col : NULL;
-    for (int i = 0; i < R; i++) {
-        float *yr = job->y + (size_t)(r0 + i) * job->ldy + col;
-        for (int c = 0; c < cols; c++) {
-            float s = hsum(acc[i][c]);
-            if (bias) s = s + bias[c];
-            yr[c] = job->accumulate ? yr[c] + s : s;
-        }
-    }
-}
-
-#define FUSED_TYPE(R, TYPE) mm_fused(job, w, j0, cols, col, 0, R, TYPE)
-#define FUSED_ROWS_OF(TYPE)                          \
-    switch (job->n) {                                \
-    case 1: FUSED_TYPE(1, TYPE); break;              \
-    case 2: FUSED_TYPE(2, TYPE); break;              \
-    case 3: FUSED_TYPE(3, TYPE); break;              \
-    default: FUSED_TYPE(4, TYPE); break;             \
-    }
-
-static void mm_tile_fused(const mm_job *job, const wmat *w, int j0, int cols, int col) {
-    switch (w->type) {
-    case T_Q4_0: FUSED_ROWS_OF(T_Q4_0); break;
-    case T_Q4_1: FUSED_ROWS_OF(T_Q4_1); break;
-    default: FUSED_ROWS_OF(T_Q8_0); break;
-    }
-}
+enum { TUNE_PREFETCH, TUNE_N };
+/* TUNE_PREFETCH: how many blocks ahead the int8 kernels prefetch their weights (0: none;
+ * 8 measured best here: a 47 MB Q4_1 matrix at 4 rows 1.33 -> 0.65 ms). */
+static int g_tune[TUNE_N] = {8};
 
 /* NR columns of one output tile over every row of x: one accumulator per (row, column),
  * the same k-ascending fma sequence whether the row is in an MR-row tile or the tail. */
@@ -770,11 +677,6 @@ static void mm_tile(const mm_job *job, int part, int j0, float *panel) {
     const wmat *w = &job->parts[part];
     const int k = w->k, kp = round_up(k, VL);
     const int cols = w->n - j0 < NR ? w->n - j0 : NR;
-    if (g_tune[TUNE_FUSED] && block_bytes(w->type) && job->n <= FUSED_ROWS) {
-        /* Few rows: dequantize in registers (the panel would cost a store and a load). */
-        mm_tile_fused(job, w, j0, cols, job->col0[part] + j0);
-        return;
-    }
     const float *pw[NR];
     for (int c = 0; c < NR; c++) {
         if (c < cols && w->type == T_F32 && k % VL == 0) {

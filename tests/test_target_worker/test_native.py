@@ -156,6 +156,26 @@ def test_bfloat16_weights_run_natively_with_a_bfloat16_cache():
     assert (got - want).abs().max() < 0.02 * want.abs().max()  # the cache's rounding only
 
 
+def test_the_check_refuses_a_forward_whose_rows_depend_on_the_step(monkeypatch, tmp_path):
+    """The start-up check has teeth: a forward whose rows move with the call's size (by one
+    part in a million) is refused, and the decoder runs the torch forward instead."""
+    monkeypatch.setenv("SPECD_CACHE", str(tmp_path))  # no stored verdict
+    monkeypatch.setattr(native, "_PROVEN", set())
+    real = native.NativeForward.forward
+
+    def skewed(self, decoder, ids, segments, last, capture):
+        out = real(self, decoder, ids, segments, last, capture)
+        rows = sum(i.numel() for i in ids)
+        return [(logits * (1 + 1e-6 * (rows > 1)), hidden) for logits, hidden in out]
+
+    monkeypatch.setattr(native.NativeForward, "forward", skewed)
+    decoder = model()
+    report = decoder.make_batch_invariant((1,))
+    assert "batch-invariance check failed" in report["native_off"]
+    assert "differs from the row computed alone" in report["native_off"]
+    assert decoder._native_forward() is None and "linear" in report
+
+
 def test_q8_is_close_to_float32_and_keeps_a_float16_cache():
     f32, q8 = model("float32"), model("q8")
     f32.make_batch_invariant((1,))
