@@ -50,6 +50,7 @@ from .generation_request import (
 )
 from .scheduler import Scheduler, ServiceRequest
 from .tenants import partition_of
+from .tool_calls import ChatTools
 
 log = logging.getLogger(__name__)
 
@@ -161,13 +162,18 @@ class Gateway:
         max_prompt_bytes: the most UTF-8 bytes of prompt text (or of all chat messages'
             contents) accepted, checked before tokenizing; None derives it from the
             tokenizer so the model's context stays reachable (`default_max_prompt_bytes`).
+        tool_call_parser: the format of the model's tool calls for ``tool_choice: "auto"``
+            (`specd_core.tool_calls.TOOL_CALL_PARSERS`); None: the one its chat template
+            names, else ``hermes`` (`coordinator.tool_calls.ChatTools`).
 
     Raises:
-        ValueError: ``max_prompt_bytes`` is not a positive integer.
+        ValueError: ``max_prompt_bytes`` is not a positive integer, or an unknown
+            ``tool_call_parser``.
     """
 
     def __init__(self, scheduler: Scheduler, tokenizer, vocab_size: int, max_seq_len: int,
-                 drafter_name: str, model_name: str, max_prompt_bytes: int | None = None):
+                 drafter_name: str, model_name: str, max_prompt_bytes: int | None = None,
+                 tool_call_parser: str | None = None):
         if max_prompt_bytes is None:
             max_prompt_bytes = default_max_prompt_bytes(tokenizer, max_seq_len)
         if (isinstance(max_prompt_bytes, bool) or not isinstance(max_prompt_bytes, int)
@@ -183,6 +189,8 @@ class Gateway:
         self.model_name = model_name
         #: Structured outputs: constraints compiled for this tokenizer, cached (bounded).
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
+        #: ``tool_choice: "auto"``: the model's tool-call format and prompt rendering.
+        self.tools = ChatTools(tokenizer, tool_call_parser)
         self._draining = False
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -223,10 +231,13 @@ class Gateway:
                 raise RequestInvalid("{field}: at least one message with content is required",
                                      "chat")
             tools = request.tools or None
-            self._check_size("chat", [t for m in messages for t in m.values()]
+            self._check_size("chat", [t if isinstance(t, str) else json.dumps(t)
+                                      for m in messages for t in m.values()]
                              + ([json.dumps(tools)] if tools else []))
+            messages, tools = self.tools.messages(messages, tools)
             try:
-                ids = encode_chat(self.tokenizer, messages, tools)
+                ids = encode_chat(self.tokenizer, messages, tools,
+                                  request.add_generation_prompt, request.continue_final_message)
             except ValueError as exc:  # "chat: the model's chat template refused ..."
                 raise RequestInvalid("{field}: " + literal(str(exc).removeprefix("chat: ")),
                                      "chat") from exc
@@ -274,7 +285,10 @@ class Gateway:
         if bad:
             raise RequestInvalid(f"{{field}}: id {bad[0]} is outside the vocabulary",
                                  "stop_token_ids")
-        grammar = self._compile(request.constraint)
+        constraint = request.constraint
+        if constraint is None and request.tool_choice == "auto" and request.tools:
+            constraint = self.tools.grammar(request.tools, request.parallel_tool_calls)
+        grammar = self._compile(constraint)
 
         drafter = request.drafter
         if drafter not in ("", "none", self.drafter_name):
@@ -464,7 +478,7 @@ class Gateway:
             RequestError: the request failed (the message is client-safe); a detokenizer
                 failure is `RequestFailed` (the cause is logged).
         """
-        text = TextStream(self.tokenizer)
+        text = TextStream(self.tools.text_tokenizer)
         trimmer = StopTrimmer(trim_stops) if trim_stops else None
         options, decode = req.decode.options, req.decode
         # The prompt's log probabilities ride on the first chunk (all are known by then:

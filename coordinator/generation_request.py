@@ -113,6 +113,12 @@ class GenerationRequest:
         constraint: the output's constraint (`specd_core.grammar.GrammarSpec`: a JSON schema,
             regex, choice or grammar), or None; `Gateway.parse` compiles it.
         tools: OpenAI function definitions given to the chat template (``tools``), or None.
+        tool_choice: ``"auto"``: the model may call ``tools`` in its own format, each
+            started call constrained by the lazy grammar (`coordinator.tool_calls`); None:
+            no calls parsed (a forced call is a ``constraint``).
+        parallel_tool_calls: with ``"auto"``, several calls allowed (else at most one).
+        add_generation_prompt, continue_final_message: how a chat prompt ends
+            (`specd_core.text.encode_chat`).
     """
 
     text: str | None = None
@@ -132,6 +138,10 @@ class GenerationRequest:
     drafter: str = ""
     constraint: GrammarSpec | None = None
     tools: list[dict] | None = None
+    tool_choice: str | None = None
+    parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def prompt_kind(self) -> str | None:
         """``"text"``, ``"chat"`` or ``"token_ids"``: which field holds the prompt (None:

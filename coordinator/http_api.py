@@ -64,6 +64,7 @@ from .openai_request import (
 )
 from .openai_structured import ToolCalls, constraint_of
 from .tenants import ANONYMOUS, TENANT_SCOPE_KEY, Tenant, Tenants
+from .tool_calls import ChatTools, openai_calls, stream_delta
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,9 @@ class _Shape:
     logprobs: bool
     echo: str | None
     tools: ToolCalls | None = None
+    #: ``tool_choice: "auto"``: calls parsed out of the model's own format
+    #: (`coordinator.tool_calls.ChatTools`), or None.
+    auto_tools: ChatTools | None = None
 
 
 def _tool_finish(finish: str | None) -> str | None:
@@ -294,7 +298,8 @@ class OpenAIApi:
             shape = _Shape(chat, bool(body.logprobs) if chat else body.logprobs is not None,
                            None if chat or not body.echo else _echo_text(servicer, body,
                                                                           reqs[0]),
-                           constraint_of(body)[1] if chat else None)
+                           constraint_of(body)[1] if chat else None,
+                           servicer.tools if gen.tool_choice == "auto" else None)
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 events = self._sse(servicer, reqs, trim, meta, shape, include_usage, max_name)
@@ -319,6 +324,13 @@ class OpenAIApi:
                         choice["message"] = {"role": "assistant", "content": None,
                                              "tool_calls": calls}
                         finish = _tool_finish(finish)
+                    elif shape.auto_tools is not None:
+                        # (a special-token trigger is in the text: `ChatTools.text_tokenizer`)
+                        content, found = shape.auto_tools.parser().result(text)
+                        if found is not None:
+                            choice["message"] = {"role": "assistant", "content": content,
+                                                 "tool_calls": openai_calls(found)}
+                            finish = _tool_finish(finish)
                     if shape.logprobs:
                         logprobs = chat_logprobs(servicer.tokenizer, decode.token_logprobs)
                 else:
@@ -372,8 +384,26 @@ class OpenAIApi:
                         "function": {"name": tools.name, "arguments": text}}
             return {"tool_calls": [call]}
 
+        auto = shape.auto_tools
+        # tool_choice "auto": each choice's output read into content and tool calls as it
+        # grows (a possible trigger's start held back until it is known).
+        parsers = [None if auto is None else auto.parser() for _ in reqs]
+        seen = [""] * len(reqs)
+        auto_ids: list[list[str]] = [[] for _ in reqs]
+
+        def auto_delta(i: int, text: str | None, final: bool) -> dict:
+            seen[i] += text or ""
+            return stream_delta(parsers[i].feed(seen[i], final), auto_ids[i])
+
         def choice(i: int, text: str | None, finish: str | None = None,
                    logprobs: dict | None = None) -> dict:
+            if chat and auto is not None:
+                delta = auto_delta(i, text, finish is not None)
+                if finish is not None and parsers[i].calls and all(
+                        c.complete for c in parsers[i].calls):
+                    finish = _tool_finish(finish)
+                return {"index": i, "delta": delta, "finish_reason": finish,
+                        "logprobs": logprobs}
             if chat:
                 delta = {} if text is None else {"content": text}
                 if tools is not None and text is not None:
@@ -417,7 +447,9 @@ class OpenAIApi:
                 logprobs = (chat_logprobs(servicer.tokenizer, c.logprobs) if chat else
                             choice_logprobs(i, c.token_ids, c.logprobs))
             if c.text or logprobs is not None:
-                out.append(chunk([choice(i, c.text, logprobs=logprobs)]))
+                piece = choice(i, c.text, logprobs=logprobs)
+                if piece.get("delta", True) or logprobs is not None:  # not a held-back piece
+                    out.append(chunk([piece]))
             return out
 
         self._open_streams += 1

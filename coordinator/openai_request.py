@@ -129,6 +129,9 @@ class ChatBody(Body):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat prompt extensions (`specd_core.text.encode_chat`).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class CompletionBody(Body):
@@ -183,6 +186,24 @@ def _chat_content(i: int, content: str | list[dict] | None) -> str:
     return "".join(parts)
 
 
+def _past_calls(i: int, calls: list[dict]) -> list[dict]:
+    """An assistant message's ``tool_calls``, checked: ``{"id"?, "type"?, "function":
+    {"name", "arguments"}}`` each (``arguments`` a JSON string, or an object)."""
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function")
+        where = f"messages[{i}].tool_calls[{j}]"
+        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("arguments", "{}"), str | dict)):
+            raise ApiError(400, f"{where}: must be {{\"function\": {{\"name\": ..., "
+                                "\"arguments\": ...}}", param=f"messages[{i}].tool_calls")
+        args = fn.get("arguments", "{}")
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": (
+                        args if isinstance(args, str) else json.dumps(args))}})
+    return out
+
+
 def generation_request(body: Body) -> tuple[GenerationRequest, str]:
     """The `GenerationRequest` an OpenAI body means, and the name of its max-tokens field.
     ``max_new_tokens`` is left 0 (= the rest of the context) for a chat request without one.
@@ -196,8 +217,12 @@ def generation_request(body: Body) -> tuple[GenerationRequest, str]:
     req = GenerationRequest(ignore_eos=body.ignore_eos)
     req.constraint = constraint_of(body)[0]
     tools = getattr(body, "tools", None)
-    if tools and getattr(body, "tool_choice", None) != "none":
+    choice = getattr(body, "tool_choice", None)
+    if tools and choice != "none":
         req.tools = list(tools)  # valid: `constraint_of` checked them
+        if choice in (None, "auto"):  # OpenAI's default with tools
+            req.tool_choice = "auto"
+            req.parallel_tool_calls = body.parallel_tool_calls is not False
     max_name, max_tokens = "max_tokens", body.max_tokens
     min_tokens = 1
     if isinstance(body, ChatBody):
@@ -212,17 +237,25 @@ def generation_request(body: Body) -> tuple[GenerationRequest, str]:
             max_name, max_tokens = "max_completion_tokens", body.max_completion_tokens
         if not body.messages:
             raise ApiError(400, "messages: at least one message is required", param="messages")
+        if body.add_generation_prompt and body.continue_final_message:
+            raise ApiError(400, "continue_final_message: cannot be true with "
+                                "add_generation_prompt (set add_generation_prompt: false)",
+                           param="continue_final_message")
+        if body.continue_final_message and body.messages[-1].role != "assistant":
+            raise ApiError(400, "continue_final_message: the last message must be the "
+                                "assistant's", param="continue_final_message")
+        req.add_generation_prompt = body.add_generation_prompt
+        req.continue_final_message = body.continue_final_message
         req.chat = []
         for i, m in enumerate(body.messages):
             _checked(check_chat_role, m.role, f"messages[{i}].role")
-            content = _chat_content(i, m.content)
-            if m.tool_calls:
-                calls = json.dumps([c.get("function", c) for c in m.tool_calls],
-                                   ensure_ascii=False)
-                content = f"{content}\n{calls}" if content else calls
-            message = {"role": m.role, "content": content}
+            message = {"role": m.role, "content": _chat_content(i, m.content)}
             if m.name:  # only when set: templates that do not use it ignore the key
                 message["name"] = m.name
+            if m.tool_calls:  # rendered by `coordinator.tool_calls.ChatTools.messages`
+                message["tool_calls"] = _past_calls(i, m.tool_calls)
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
             req.chat.append(message)
     else:
         prompt = body.prompt

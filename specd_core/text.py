@@ -15,19 +15,32 @@ except ImportError:  # without Jinja no chat template can raise its errors
 
 
 def encode_chat(tokenizer, messages: Sequence[dict[str, str]],
-                tools: Sequence[dict] | None = None) -> list[int]:
+                tools: Sequence[dict] | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> list[int]:
     """Token ids of ``messages`` rendered with the model's chat template, ending where the
     assistant's turn begins (the template adds the special tokens itself). ``tools``
     (OpenAI function definitions) go to the template as its ``tools`` variable, for a
     template that renders them (one that does not ignores them).
 
+    ``add_generation_prompt`` False ends after the last message (no assistant turn
+    opened); ``continue_final_message`` leaves the last message open for the model to
+    continue (a partly written assistant turn), as transformers' and vLLM's options of
+    those names do.
+
     Raises:
         ValueError: the template refused the messages (a Jinja ``TemplateError``, e.g. roles
-            that do not alternate as it requires); the message is the template's own.
+            that do not alternate as it requires); the message is the template's own; or
+            both ``add_generation_prompt`` and ``continue_final_message``.
     """
-    extra = {"tools": list(tools)} if tools else {}
+    extra: dict = {"tools": list(tools)} if tools else {}
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ValueError("chat: add_generation_prompt and continue_final_message cannot "
+                             "both be true")
+        extra["continue_final_message"] = True
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+        text = tokenizer.apply_chat_template(messages,
+                                             add_generation_prompt=add_generation_prompt,
                                              tokenize=False, **extra)
     except TemplateSyntaxError:  # the template itself is broken: not the client's fault
         raise

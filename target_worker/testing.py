@@ -81,11 +81,15 @@ class TinyTokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         tools: Sequence[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> str | list[int]:
         """``"role: content\\n"`` per message (after ``"tools: <names>\\n"`` when ``tools``
-        are given), then ``"assistant: "`` when ``add_generation_prompt``; token ids instead
-        of text when ``tokenize``."""
+        are given), then ``"assistant: "`` when ``add_generation_prompt``; the last message
+        without its ``"\\n"`` when ``continue_final_message``; token ids instead of text
+        when ``tokenize``."""
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        if continue_final_message:
+            text = text[:-1]
         if tools:
             names = ", ".join(t.get("function", {}).get("name", "") for t in tools)
             text = f"tools: {names}\n" + text

@@ -1,0 +1,104 @@
+"""A tiny target model scripted to write tool calls (`scripted_decoder`), and a drafter
+that proposes broken JSON (`BrokenJsonDrafter`), for the ``tool_choice: "auto"`` tests.
+
+The scripted model is the tiny random model (``tiny-random:...,ascii=1``) with a bias added
+to its logits: at each position it favours the character that continues a script, the
+script being the first of ``scripts`` whose key occurs in the context (a tool answer in
+the prompt, say), and the continued part the longest end of the context that begins the
+script (after the whole script: EOS). Its rows depend only on the tokens before them, as a
+model's do, so batching, caching and speculation leave them alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specd_core.draft import DraftBlock, DrafterCapabilities
+from target_worker.model import Decoder, KvCache
+
+
+class _ScriptCache(KvCache):
+    """A KV cache that also remembers the token ids at its positions."""
+
+    history: list[int]
+
+    def prefix_copy(self, n: int, capacity: int | None = None) -> KvCache:
+        new = super().prefix_copy(n, capacity)
+        new.__class__ = _ScriptCache
+        new.history = self.history[:n]
+        return new
+
+
+class ScriptedDecoder(Decoder):
+    """See the module docstring; build one with `scripted_decoder`."""
+
+    scripts: list[tuple[str, str]]
+    tokenizer: object
+    bias: float
+
+    def new_cache(self, capacity: int | None = None) -> KvCache:
+        cache = super().new_cache(capacity)
+        cache.__class__ = _ScriptCache
+        cache.history = []
+        return cache
+
+    def _next_char(self, context: str) -> str | None:
+        """The script's next character after ``context`` (None: EOS)."""
+        script = next((s for key, s in self.scripts if key in context), self.scripts[-1][1])
+        for k in range(min(len(script), len(context)), -1, -1):
+            if context.endswith(script[:k]):
+                return script[k] if k < len(script) else None
+        return script[0]  # pragma: no cover - k = 0 always matches
+
+    def _forward_packed(self, segments, last_logits_only):
+        results = super()._forward_packed(segments, last_logits_only)
+        with torch.inference_mode():
+            for (tokens, start, cache), last, (logits, _) in zip(
+                    segments, last_logits_only, results, strict=True):
+                ids = [int(t) for t in tokens]
+                cache.history = cache.history[:start] + ids
+                rows = [len(ids) - 1] if last else range(len(ids))
+                for row, r in enumerate(rows):
+                    context = self.tokenizer.decode(cache.history[:start + r + 1])
+                    nxt = self._next_char(context)
+                    token = (self.tokenizer.eos_token_id if nxt is None
+                             else self.tokenizer.encode(nxt)[0])
+                    logits[row, token] += self.bias
+        return results
+
+
+def scripted_decoder(decoder: Decoder, tokenizer, scripts: Sequence[tuple[str, str]],
+                     bias: float = 30.0) -> ScriptedDecoder:
+    """``decoder`` (a tiny random model; changed in place) scripted: ``scripts`` are
+    ``(key, script)`` pairs, the first whose key is in the context used (the last one when
+    none is). ``bias``: logits added to the scripted token (30: greedy and T=1 both follow
+    the script)."""
+    decoder.__class__ = ScriptedDecoder
+    decoder.scripts = list(scripts)
+    decoder.tokenizer = tokenizer
+    decoder.bias = bias
+    return decoder
+
+
+class BrokenJsonDrafter:
+    """Proposes ``text`` 's tokens from where the output's end matches it (else from its
+    start), ``k`` at a time: a drafter sure of a tool call whose JSON is broken."""
+
+    def __init__(self, tokenizer, text: str, k: int = 6):
+        self.tokenizer, self.text, self.k = tokenizer, text, k
+        self.proposed = 0
+        self.capabilities = DrafterCapabilities(wants_hidden=False, max_draft_len=k,
+                                                samples=False)
+
+    def propose(self, history, target_hidden, max_len):
+        context = self.tokenizer.decode(list(history))
+        at = 0
+        for n in range(min(len(self.text), len(context)), 0, -1):
+            if context.endswith(self.text[:n]):
+                at = n
+                break
+        piece = self.text[at:at + min(self.k, max_len)]
+        self.proposed += len(piece)
+        return DraftBlock.deterministic(self.tokenizer.encode(piece))
