@@ -231,7 +231,7 @@ class CoordinatorActor:
             self.router, tokenizer, vocab_size=info["vocab_size"],
             max_seq_len=info["max_seq_len"], drafter_name=cfg.drafter,
             model_name=cfg.model or "SmolLM2-135M-Instruct",
-            max_prompt_bytes=cfg.max_prompt_bytes)
+            max_prompt_bytes=cfg.max_prompt_bytes, tool_call_parser=cfg.tool_call_parser)
         cert = Path(cfg.tls_cert).read_bytes() if cfg.tls_cert else None
         key = Path(cfg.tls_key).read_bytes() if cfg.tls_key else None
         try:

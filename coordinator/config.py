@@ -86,6 +86,9 @@ class ServiceConfig:
             port; None: off). Needs prometheus_client.
         max_prompt_bytes: refuse prompts over this many UTF-8 bytes before tokenizing; None
             derives it so the context stays reachable (`gateway.default_max_prompt_bytes`).
+        tool_call_parser: the format of the model's tool calls for ``tool_choice: "auto"``
+            (``hermes``, ``llama3_json``, ``mistral``); None: the one the chat template
+            names, else ``hermes`` (`coordinator.tool_calls.ChatTools`).
         pipeline: the step schedule (`coordinator.scheduler`): ``"auto"`` (the default,
             ``--pipeline auto``) measures the pipelined and the serial step on each replica
             as it runs and keeps the faster (`coordinator.schedule.ScheduleChooser`); True
@@ -148,6 +151,7 @@ class ServiceConfig:
     auth_tokens_file: str | None = None
     metrics_port: int | None = None
     max_prompt_bytes: int | None = None
+    tool_call_parser: str | None = None
     pipeline: bool | str = "auto"
     drafter_threads: int | None = None
     http_port: int | None = None
@@ -208,6 +212,10 @@ class ServiceConfig:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
             raise ValueError(f"max_prompt_bytes must be a positive integer, got {value!r}")
+        if self.tool_call_parser is not None:
+            from specd_core.tool_calls import tool_format
+
+            tool_format(self.tool_call_parser)  # names an unknown one
         value = self.http_max_connections_per_peer
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"http_max_connections_per_peer must be an integer >= 0 "

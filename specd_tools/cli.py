@@ -360,6 +360,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         auth_token=_serve_tokens(args), admin_token=args.admin_token or None,
         auth_tokens_file=args.auth_tokens_file,
         max_prompt_bytes=args.max_prompt_bytes, pipeline=pipeline_setting(args),
+        tool_call_parser=args.tool_call_parser,
         http_port=args.http_port,
         http_max_connections_per_peer=args.http_max_connections_per_peer,
         **prefill_config(args),
@@ -501,6 +502,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="refuse prompts (text, or all chat contents) over BYTES of UTF-8 "
                             "before tokenizing (default: the context length x the longest "
                             "token's bytes, which keeps the whole context reachable)")
+    serve.add_argument("--tool-call-parser", default=None,
+                       choices=("hermes", "llama3_json", "mistral"),
+                       help="the format of the model's tool calls, read for tool_choice "
+                            "auto (vLLM's names; default: the one the chat template names, "
+                            "else hermes)")
     serve.add_argument("--tls-cert", default=None, metavar="CERT.pem",
                        help="TLS certificate for the gRPC and HTTP APIs (default: no TLS)")
     serve.add_argument("--tls-key", default=None, metavar="KEY.pem",

@@ -83,22 +83,23 @@ def scripted_decoder(decoder: Decoder, tokenizer, scripts: Sequence[tuple[str, s
 
 
 class BrokenJsonDrafter:
-    """Proposes ``text`` 's tokens from where the output's end matches it (else from its
-    start), ``k`` at a time: a drafter sure of a tool call whose JSON is broken."""
+    """Drafts from ``text`` (a tool call whose JSON is broken) as prompt lookup drafts from
+    the prompt: after the longest end of the output (up to 16 characters) found in
+    ``text``, its next ``k`` characters, else its first ``k``; a drafter sure of a broken
+    call, whose drafts the grammar refuses where the target has a choice."""
 
     def __init__(self, tokenizer, text: str, k: int = 6):
         self.tokenizer, self.text, self.k = tokenizer, text, k
-        self.proposed = 0
         self.capabilities = DrafterCapabilities(wants_hidden=False, max_draft_len=k,
                                                 samples=False)
 
     def propose(self, history, target_hidden, max_len):
         context = self.tokenizer.decode(list(history))
         at = 0
-        for n in range(min(len(self.text), len(context)), 0, -1):
-            if context.endswith(self.text[:n]):
-                at = n
+        for n in range(min(16, len(context)), 0, -1):
+            found = self.text.find(context[-n:])
+            if found >= 0:
+                at = found + n
                 break
         piece = self.text[at:at + min(self.k, max_len)]
-        self.proposed += len(piece)
         return DraftBlock.deterministic(self.tokenizer.encode(piece))
