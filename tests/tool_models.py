@@ -5,7 +5,8 @@ The scripted model is the tiny random model (``tiny-random:...,ascii=1``) with a
 to its logits: at each position it favours the character that continues a script, the
 script being the first of ``scripts`` whose key occurs in the context (a tool answer in
 the prompt, say), and the continued part the longest end of the context that begins the
-script (after the whole script: EOS). Its rows depend only on the tokens before them, as a
+script (after the whole script: EOS), else the continuation of the context's last
+characters where they occur in the script. Its rows depend only on the tokens before them, as a
 model's do, so batching, caching and speculation leave them alone.
 """
 
@@ -47,10 +48,16 @@ class ScriptedDecoder(Decoder):
     def _next_char(self, context: str) -> str | None:
         """The script's next character after ``context`` (None: EOS)."""
         script = next((s for key, s in self.scripts if key in context), self.scripts[-1][1])
-        for k in range(min(len(script), len(context)), -1, -1):
+        for k in range(min(len(script), len(context)), 0, -1):  # the output so far
             if context.endswith(script[:k]):
                 return script[k] if k < len(script) else None
-        return script[0]  # pragma: no cover - k = 0 always matches
+        # Else where the output's last characters occur in the script (a call's arguments
+        # alone, as a forced named call writes them), else its start.
+        for n in range(min(24, len(context)), 3, -1):
+            at = script.find(context[-n:])
+            if at >= 0:
+                return script[at + n] if at + n < len(script) else None
+        return script[0]
 
     def _forward_packed(self, segments, last_logits_only):
         results = super()._forward_packed(segments, last_logits_only)
