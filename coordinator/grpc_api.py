@@ -38,6 +38,7 @@ from .gateway import Gateway, speculation_counters
 from .generation_request import SAMPLING_FLOATS, GenerationRequest, sampling_params
 from .scheduler import ServiceRequest
 from .tenants import ANONYMOUS, Tenant, Tenants
+from .tool_calls import openai_calls, tools_request
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def generation_request(msg: generation_pb2.GenerateRequest) -> GenerationRequest
     for a big one."""
     kind = msg.WhichOneof("prompt")
     spec = msg.speculation
-    return GenerationRequest(
+    request = GenerationRequest(
         text=msg.text if kind == "text" else None,
         chat=[_chat_message(m) for m in msg.chat.messages] if kind == "chat" else None,
         token_ids=msg.token_ids.ids if kind == "token_ids" else None,  # not copied
@@ -85,6 +86,75 @@ def generation_request(msg: generation_pb2.GenerateRequest) -> GenerationRequest
         drafter=spec.drafter,
         constraint=constraint_from_proto(msg) if msg.HasField("constraint") else None,
     )
+    if kind == "chat":
+        chat = msg.chat
+        if chat.HasField("add_generation_prompt"):
+            request.add_generation_prompt = chat.add_generation_prompt
+        request.continue_final_message = chat.continue_final_message
+        if request.continue_final_message and request.add_generation_prompt:
+            raise RequestInvalid("{field}: needs add_generation_prompt false",
+                                 "chat.continue_final_message")
+    if msg.HasField("tools") and msg.tools.json:
+        _tools_into(request, msg)
+    return request
+
+
+def _tools_into(request: GenerationRequest, msg: generation_pb2.GenerateRequest) -> None:
+    """Sets ``request`` 's tools (`coordinator.tool_calls.tools_request`) from ``msg``.
+
+    Raises:
+        RequestInvalid: naming ``tools`` (or ``constraint`` beside a forced call).
+    """
+    t = msg.tools
+    if msg.WhichOneof("prompt") != "chat":
+        raise RequestInvalid("{field}: only with a chat prompt", "tools")
+    try:
+        tools, choice, spec, _ = tools_request(
+            t.json, t.choice, t.parallel_calls if t.HasField("parallel_calls") else None)
+    except ValueError as exc:
+        raise RequestInvalid("{field}: " + literal(str(exc).split(": ", 1)[-1]),
+                             "tools") from None
+    if choice == "none":
+        return
+    request.tools = list(tools)
+    if spec is not None:
+        if request.constraint is not None:
+            raise RequestInvalid("{field}: only one constraint per request (constraint and "
+                                 "a forced tool call were set)", "tools")
+        request.constraint = spec
+    elif choice == "auto":
+        request.tool_choice = "auto"
+        request.parallel_tool_calls = not (t.HasField("parallel_calls")
+                                           and not t.parallel_calls)
+
+
+def tool_result_fields(servicer: Gateway, msg: generation_pb2.GenerateRequest, text: str,
+                       finish: str) -> dict:
+    """The ``tool_calls``, ``content`` and finish reason of a finished output of a request
+    with tools (calls parsed from the model's own format for "auto", or the forced call);
+    {} for one without tools or without a completed call."""
+    if not msg.HasField("tools") or not msg.tools.json or msg.tools.choice == "none":
+        return {}
+    try:
+        _, choice, _, forced = tools_request(msg.tools.json, msg.tools.choice, None)
+    except ValueError:
+        return {}
+    if forced is not None:
+        calls = forced.calls(text)
+        content = None
+    else:
+        content, found = servicer.tools.parser().result(text)
+        calls = None if found is None else openai_calls(found)
+    if not calls:
+        return {}
+    fields = {"tool_calls": [generation_pb2.ToolCall(
+        id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+        for c in calls]}
+    if content is not None:
+        fields["content"] = content
+    if finish == "stop":
+        fields["finish_reason"] = "tool_calls"
+    return fields
 
 
 def constraint_from_proto(msg: generation_pb2.GenerateRequest) -> GrammarSpec | None:
@@ -198,18 +268,23 @@ class GenerationServicer(Gateway, generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         with self.tracked():
             req = await self._submit(request, context)
+            seen: list[str] = []
             try:
                 async with contextlib.aclosing(
                         self.stream(req, trimmed_stops(request))) as chunks:
                     async for chunk in chunks:
+                        seen.append(chunk.text)
                         lp = {"logprobs": logprob_protos(chunk.logprobs or ()),
                               "prompt_logprobs": logprob_protos(chunk.prompt_logprobs or ())}
                         if chunk.result is None:
                             yield generation_pb2.GenerateResponse(token_ids=chunk.token_ids,
                                                                   text=chunk.text, **lp)
                         else:
-                            yield generation_pb2.GenerateResponse(
-                                text=chunk.text, **_final_fields(req, chunk.result), **lp)
+                            final = _final_fields(req, chunk.result)
+                            final.update(tool_result_fields(self, request, "".join(seen),
+                                                            chunk.result.finish_reason))
+                            yield generation_pb2.GenerateResponse(text=chunk.text, **final,
+                                                                  **lp)
             except RequestError as exc:
                 await _abort_failed(context, exc)
 
@@ -220,8 +295,10 @@ class GenerationServicer(Gateway, generation_pb2_grpc.GenerationServicer):
                 tokens, text, result = await self.collect(req, trimmed_stops(request))
             except RequestError as exc:
                 await _abort_failed(context, exc)
+            final = _final_fields(req, result)
+            final.update(tool_result_fields(self, request, text, result.finish_reason))
             return generation_pb2.GenerateResult(
-                text=text, token_ids=tokens, **_final_fields(req, result),
+                text=text, token_ids=tokens, **final,
                 logprobs=logprob_protos(req.decode.token_logprobs),
                 prompt_logprobs=logprob_protos(req.decode.prompt_logprobs))
 
@@ -267,12 +344,18 @@ class GenerationServicer(Gateway, generation_pb2_grpc.GenerationServicer):
 
 
 
-def _chat_message(m: generation_pb2.ChatMessage) -> dict[str, str]:
+def _chat_message(m: generation_pb2.ChatMessage) -> dict:
     """A chat message as the chat template gets it: ``name`` only when set (templates that
-    do not use it ignore the key)."""
+    do not use it ignore the key); an assistant turn's ``tool_calls`` and a tool turn's
+    ``tool_call_id`` as the HTTP API takes them."""
     message = {"role": m.role, "content": m.content}
     if m.name:
         message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.name, "arguments": c.arguments or "{}"}} for c in m.tool_calls]
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
     return message
 
 

@@ -204,3 +204,32 @@ def _template_call(call: dict) -> dict:
     if call.get("id"):
         out["id"] = call["id"]
     return out
+
+
+def tools_request(tools_json: str, choice: str, parallel: bool | None, field: str = "tools"):
+    """A gRPC ``Tools`` message's fields as OpenAI's: ``(tools, tool_choice, forced
+    constraint or None, its answer shape (`coordinator.openai_structured.ToolCalls`) or
+    None)``. ``choice``: "" or "auto", "none", "required", or a function's name.
+
+    Raises:
+        ValueError: the message names the problem (``tools: ...``), as the HTTP API's 400.
+    """
+    from types import SimpleNamespace
+
+    from .openai_request import ApiError
+    from .openai_structured import constraint_of
+
+    try:
+        tools = json.loads(tools_json)
+    except ValueError as exc:
+        raise ValueError(f"{field}: json is not JSON: {exc}") from None
+    openai_choice = {"": "auto"}.get(choice, choice)
+    if openai_choice not in ("auto", "none", "required"):
+        openai_choice = {"type": "function", "function": {"name": choice}}
+    body = SimpleNamespace(tools=tools, tool_choice=openai_choice,
+                           parallel_tool_calls=parallel)
+    try:
+        spec, calls = constraint_of(body)
+    except ApiError as exc:
+        raise ValueError(exc.message) from None
+    return tools, openai_choice, spec, calls

@@ -5,17 +5,21 @@ in one turn or one with ``parallel_tool_calls: false``), the calls and the tool'
 rendered back on the next turn, a turn without a call answered as plain content; every
 started call parses and validates even when the drafter proposes broken JSON and the model
 samples; greedy outputs the same with speculation on and off, seeded ones alone and
-batched; vLLM's ``add_generation_prompt`` / ``continue_final_message``."""
+batched; vLLM's ``add_generation_prompt`` / ``continue_final_message``; the same over
+gRPC."""
 
 from __future__ import annotations
 
 import json
 
+import grpc
 import jsonschema
 import openai
 import pytest
 from service_harness import LocalService
 from tool_models import BrokenJsonDrafter, scripted_decoder
+
+from specd.v1 import generation_pb2
 
 MODEL = "tiny-random:vocab=128,seed=0,layers=2,ascii=1"
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
@@ -205,3 +209,43 @@ def test_seeded_outputs_are_the_same_alone_and_batched(sampled_service):
 
         assert [answer(c) for c in batched.choices] == [answer(c) for c in alone]
         assert len({str(answer(c)) for c in alone}) > 1  # the seeds matter
+
+
+def grpc_request(messages, choice: str = "", **chat) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        chat=generation_pb2.ChatMessages(messages=messages, **chat), max_new_tokens=150,
+        tools=generation_pb2.Tools(json=json.dumps(TOOLS), choice=choice))
+
+
+def test_grpc_calls_results_and_history(service):
+    channel, stub = service.stub()
+    with channel:
+        ask = [generation_pb2.ChatMessage(role="user", content="both please")]
+        result = stub.GenerateUnary(grpc_request(ask))
+        assert result.finish_reason == "tool_calls" and result.content == ""
+        assert [c.name for c in result.tool_calls] == ["get_weather", "ping"]
+        assert json.loads(result.tool_calls[0].arguments) == {"city": "Paris", "days": 3}
+        assert all(c.id.startswith("call_") for c in result.tool_calls)
+        assert result.text.startswith("<tool_call>")  # the text as the model wrote it
+        chunks = list(stub.Generate(grpc_request(ask)))
+        assert "".join(c.text for c in chunks) == result.text
+        last = chunks[-1]
+        assert last.finish_reason == "tool_calls"
+        assert ([(c.name, c.arguments) for c in last.tool_calls]
+                == [(c.name, c.arguments) for c in result.tool_calls])
+        # The calls and a tool's answer go back; the model answers in text.
+        history = [*ask, generation_pb2.ChatMessage(role="assistant",
+                                                    tool_calls=result.tool_calls),
+                   generation_pb2.ChatMessage(role="tool", content="sunny",
+                                              tool_call_id=result.tool_calls[0].id)]
+        answer = stub.GenerateUnary(grpc_request(history))
+        assert answer.text == "It is sunny." and answer.finish_reason == "stop"
+        assert not answer.tool_calls and not answer.HasField("content")
+        # A forced call by name: the output is its arguments.
+        forced = stub.GenerateUnary(grpc_request(ask, choice="ping"))
+        assert forced.finish_reason == "tool_calls" and forced.text == "{}"
+        assert [(c.name, c.arguments) for c in forced.tool_calls] == [("ping", "{}")]
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GenerateUnary(grpc_request(ask, choice="nope"))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("tools") and "nope" in info.value.details()
