@@ -24,6 +24,7 @@ import numpy as np
 from coordinator.actor import load_tokenizer_for
 from specd_core.draft import DraftBlock
 from specd_core.grammar import GrammarCompiler, GrammarSpec, _allowed_ids
+from specd_core.tool_calls import tool_format
 
 SCHEMA = {
     "type": "object", "additionalProperties": False,
@@ -44,6 +45,9 @@ CONSTRAINTS = {
     "json_object": GrammarSpec("json_object"),
     "regex": GrammarSpec("regex", r"[A-Z][a-z]{2,12} [0-9]{1,3}(, [A-Z][a-z]{2,12} [0-9]{1,3})*"),
     "choice": GrammarSpec("choice", ["positive", "negative", "neutral"]),
+    # tool_choice "auto": free text (the walk rarely writes the trigger), then a call.
+    "tools_auto": GrammarSpec("lark", tool_format("hermes").grammar(
+        {"get_weather": SCHEMA, "ping": {"type": "object"}}), field="tools"),
 }
 
 
