@@ -289,6 +289,14 @@ class Gateway:
         if constraint is None and request.tool_choice == "auto" and request.tools:
             constraint = self.tools.grammar(request.tools, request.parallel_tool_calls)
         grammar = self._compile(constraint)
+        if (constraint is not request.constraint and request.continue_final_message
+                and request.chat):  # a continued message may have opened a call
+            try:
+                grammar = self.tools.continued(grammar, request.chat[-1]["content"],
+                                               self.grammars.ll_tokenizer())
+            except ValueError as exc:
+                raise RequestInvalid("{field}: " + literal(str(exc)),
+                                     "continue_final_message") from exc
 
         drafter = request.drafter
         if drafter not in ("", "none", self.drafter_name):

@@ -143,7 +143,10 @@ def tool_result_fields(servicer: Gateway, msg: generation_pb2.GenerateRequest, t
         calls = forced.calls(text)
         content = None
     else:
-        content, found = servicer.tools.parser().result(text)
+        chat = msg.chat
+        prefix = (chat.messages[-1].content if msg.WhichOneof("prompt") == "chat"
+                  and chat.continue_final_message and chat.messages else "")
+        content, found = servicer.tools.parser(prefix).result(text)
         calls = None if found is None else openai_calls(found)
     if not calls:
         return {}

@@ -112,6 +112,8 @@ class _Shape:
     #: ``tool_choice: "auto"``: calls parsed out of the model's own format
     #: (`coordinator.tool_calls.ChatTools`), or None.
     auto_tools: ChatTools | None = None
+    #: The text the output continues (``continue_final_message``), read before it.
+    tool_prefix: str = ""
 
 
 def _tool_finish(finish: str | None) -> str | None:
@@ -299,7 +301,8 @@ class OpenAIApi:
                            None if chat or not body.echo else _echo_text(servicer, body,
                                                                           reqs[0]),
                            constraint_of(body)[1] if chat else None,
-                           servicer.tools if gen.tool_choice == "auto" else None)
+                           servicer.tools if gen.tool_choice == "auto" else None,
+                           gen.chat[-1]["content"] if gen.continue_final_message else "")
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 events = self._sse(servicer, reqs, trim, meta, shape, include_usage, max_name)
@@ -326,7 +329,7 @@ class OpenAIApi:
                         finish = _tool_finish(finish)
                     elif shape.auto_tools is not None:
                         # (a special-token trigger is in the text: `ChatTools.text_tokenizer`)
-                        content, found = shape.auto_tools.parser().result(text)
+                        content, found = shape.auto_tools.parser(shape.tool_prefix).result(text)
                         if found is not None:
                             choice["message"] = {"role": "assistant", "content": content,
                                                  "tool_calls": openai_calls(found)}
@@ -387,7 +390,7 @@ class OpenAIApi:
         auto = shape.auto_tools
         # tool_choice "auto": each choice's output read into content and tool calls as it
         # grows (a possible trigger's start held back until it is known).
-        parsers = [None if auto is None else auto.parser() for _ in reqs]
+        parsers = [None if auto is None else auto.parser(shape.tool_prefix) for _ in reqs]
         seen = [""] * len(reqs)
         auto_ids: list[list[str]] = [[] for _ in reqs]
 

@@ -12,7 +12,7 @@ import json
 import uuid
 from collections.abc import Sequence
 
-from specd_core.grammar import GrammarSpec
+from specd_core.grammar import GrammarError, GrammarSpec
 from specd_core.text import encode_chat
 from specd_core.tool_calls import (
     ToolCallParser,
@@ -95,6 +95,23 @@ class _KeepToken:
         return self._text.join(parts)
 
 
+class _Continued:
+    """A compiled grammar (`specd_core.grammar.Grammar`) whose matchers start after
+    ``tokens``; the rest is the grammar's."""
+
+    def __init__(self, grammar, tokens: Sequence[int]):
+        self._grammar, self._tokens = grammar, list(tokens)
+
+    def __getattr__(self, name):
+        return getattr(self._grammar, name)
+
+    def matcher(self):
+        m = self._grammar.matcher()
+        for token in self._tokens:
+            m.commit(token)
+        return m
+
+
 class ChatTools:
     """Tool calling for one tokenizer (the served model's).
 
@@ -146,8 +163,27 @@ class ChatTools:
         return GrammarSpec("lark", self.format.grammar(tool_parameters(tools), parallel,
                                                        self.special_trigger), field="tools")
 
-    def parser(self) -> ToolCallParser:
-        return ToolCallParser(self.format)
+    def parser(self, prefix: str = "") -> ToolCallParser:
+        """A parser of one output (``prefix``: the text it continues)."""
+        return ToolCallParser(self.format, prefix)
+
+    def continued(self, grammar, prefix: str, ll_tokenizer) -> _Continued:
+        """``grammar`` (compiled) for an output that continues ``prefix`` (a final assistant
+        message continued): its matchers start where ``prefix`` leaves the grammar, so a
+        call the message opened is finished as a valid call.
+
+        Raises:
+            ValueError: ``prefix`` does not fit the format (e.g. a broken call).
+        """
+        tokens = ll_tokenizer.tokenize_str(prefix,
+                                           parse_special=self.special_trigger is not None)
+        continued = _Continued(grammar, tokens)
+        try:
+            continued.matcher()
+        except GrammarError:
+            raise ValueError("the final message does not fit the model's tool-call format "
+                             f"({self.format.name})") from None
+        return continued
 
     def messages(self, messages: Sequence[dict], tools: Sequence[dict] | None
                  ) -> tuple[list[dict], list[dict] | None]:

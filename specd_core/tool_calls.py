@@ -257,23 +257,42 @@ class ToolCallParser:
     ``("arguments", index, text)`` pieces of its arguments JSON (as the model wrote them).
     Text that may be the start of the trigger is held back until it is not (or the end).
     Written for output its `ToolFormat.grammar` constrained; text that does not continue a
-    call as the format says ends the call reading there, the rest taken as content."""
+    call as the format says ends the call reading there, the rest taken as content.
+
+    ``prefix``: text the output continues (a final assistant message continued,
+    ``continue_final_message``): read first, its content not repeated, a call it opened
+    reported whole (name and every argument piece) with the first events, calls it
+    completed not reported."""
 
     fmt: ToolFormat
+    prefix: str = ""
     calls: list[_Call] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     _pos: int = 0
     _mode: str = "text"  # text, plain (no more calls), group, header, args, after
     _args_at: int = 0
     _sent: int = 0
+    _old: int = 0
+    _stash: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.prefix:
+            self._stash = self._feed(self.prefix, False)
+            self._old = sum(c.complete for c in self.calls)
 
     def feed(self, text: str, final: bool = False) -> list[tuple]:
         """Events for ``text`` (the whole output so far; ``final``: it is complete)."""
+        out, self._stash = self._stash + self._feed(self.prefix + text, final), []
+        old = self._old
+        return [e if e[0] == "content" else (e[0], e[1] - old, *e[2:]) for e in out
+                if e[0] == "content" or e[1] >= old]
+
+    def _feed(self, text: str, final: bool) -> list[tuple]:
         out: list[tuple] = []
         fmt = self.fmt
         while True:
             if self._mode == "plain":
-                self._content(out, text[self._pos:])
+                self._content(out, text, self._pos, len(text))
                 self._pos = len(text)
                 return out
             if self._mode == "text":
@@ -287,12 +306,12 @@ class ToolCallParser:
                     continue
                 at = text.find(fmt.trigger, self._pos)
                 if at >= 0:
-                    self._content(out, text[self._pos:at])
+                    self._content(out, text, self._pos, at)
                     self._pos = at + len(fmt.trigger)
                     self._mode = "group"
                     continue
                 keep = 0 if final else _partial_suffix(text, fmt.trigger, self._pos)
-                self._content(out, text[self._pos:len(text) - keep])
+                self._content(out, text, self._pos, len(text) - keep)
                 self._pos = len(text) - keep
                 return out
             if self._mode in ("group", "after"):
@@ -357,7 +376,8 @@ class ToolCallParser:
                 self._pos = len(text) - len(rest) + 1
                 self._mode = "after"
 
-    def _content(self, out: list, piece: str) -> None:
+    def _content(self, out: list, text: str, start: int, end: int) -> None:
+        piece = text[max(start, len(self.prefix)):end]  # the prefix's text is not repeated
         if piece and not (self.calls and not piece.strip()):
             self.content.append(piece)
             out.append(("content", piece))
@@ -368,10 +388,11 @@ class ToolCallParser:
         ``(text, None)`` when no call was completed (a turn without a call, or one cut
         short)."""
         self.feed(text, final=True)
-        if not self.calls or not all(c.complete for c in self.calls):
+        calls = self.calls[self._old:]
+        if not calls or not all(c.complete for c in calls):
             return text, None
         content = "".join(self.content).strip()
-        return content or None, [(c.name, c.arguments) for c in self.calls]
+        return content or None, [(c.name, c.arguments) for c in calls]
 
 
 def _partial_suffix(text: str, trigger: str, start: int) -> int:

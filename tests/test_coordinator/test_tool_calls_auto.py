@@ -166,6 +166,27 @@ def test_continue_final_message_and_add_generation_prompt(client):
         assert words in info.value.body["message"]
 
 
+def test_a_continued_message_that_opened_a_call_finishes_a_valid_call(client):
+    opened = '<tool_call>{"name": "get_wea'
+    messages = ASK + [{"role": "assistant", "content": opened}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    out = chat(client, messages=messages, extra_body=extra)
+    c = out.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (call,) = c.message.tool_calls  # the whole call: its name began in the message
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+    deltas = [d for ch in chat(client, messages=messages, extra_body=extra, stream=True)
+              for d in (ch.choices[0].delta.tool_calls or ()) if ch.choices]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    # A message that does not fit the format cannot be continued under the grammar.
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, messages=ASK + [{"role": "assistant", "content": "<tool_call>{nope"}],
+             extra_body=extra)
+    assert info.value.body["param"] == "continue_final_message"
+
+
 @pytest.fixture(scope="module")
 def sampled_service():
     """A weakly scripted model (it strays from the script when sampled) and a drafter sure

@@ -116,6 +116,17 @@ def test_text_without_a_call_and_a_cut_call_are_content():
     assert parser.feed("Hi <tool_x") == [("content", "<tool_x")]
 
 
+def test_a_continued_prefix_is_not_repeated_and_its_open_call_is_reported_whole():
+    fmt = tool_format("hermes")
+    parser = ToolCallParser(fmt, prefix='Sure. <tool_call>{"name": "ping", "argu')
+    events = parser.feed('ments": {}}</tool_call> done')
+    assert events[0] == ("call", 0, "ping")
+    assert "".join(e[2] for e in events if e[0] == "arguments") == "{}"
+    assert [e for e in events if e[0] == "content"] == [("content", " done")]
+    done = ToolCallParser(fmt, prefix='<tool_call>{"name": "ping", "arguments": {}}</tool_call>')
+    assert done.result(" ok") == (" ok", None)  # its call was the message's, not new
+
+
 def test_nested_schemas_keep_their_refs():
     schema = call_schema({"t": {"type": "object", "properties": {
         "node": {"$ref": "#/definitions/n"}}, "definitions": {"n": {
