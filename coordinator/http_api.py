@@ -12,11 +12,13 @@ from. It differs from gRPC's defaults as OpenAI's own API does: ``temperature`` 
 text ends before a stop string (``include_stop_str_in_output: true`` keeps it, as gRPC does).
 Log probabilities (chat ``logprobs``/``top_logprobs``, completions ``logprobs``/``echo``) are
 the target's raw log-softmax (`specd_core.logprobs`), in OpenAI's shapes, streamed too.
+Tool calls (``tools``; ``tool_choice`` ``"auto"`` by default) come back as ``tool_calls``,
+parsed from the model's own format (`coordinator.tool_calls`), streamed as argument deltas.
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, for every
 status, malformed HTTP and bodies included: 400 names the field as the client wrote it
-(fields it does not support, such as ``logit_bias``, ``tools``, ``response_format`` and any
-unknown field, are refused, never ignored), 401 a missing or wrong ``Authorization: Bearer``
+(fields it does not support, such as ``logit_bias``, ``functions`` and any unknown field,
+are refused, never ignored), 401 a missing or wrong ``Authorization: Bearer``
 token (the gRPC API's token; ``/health`` is exempt; checked before the body is read), 404 an
 unknown model or path, 408/413/431 a body too slow or too large or headers too large
 (`HttpLimits`), 503 while the service starts, drains or has no replica that can serve, 500

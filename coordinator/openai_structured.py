@@ -3,9 +3,10 @@
 ``regex``, ``choice``, ``grammar``, ``json_object``, with its whitespace options), and
 ``tools`` with ``tool_choice`` ``"required"`` or a named function, read into the
 `specd_core.grammar.GrammarSpec` the gateway compiles, plus the `ToolCalls` shape the answer
-takes. ``tool_choice`` ``"none"`` and ``"auto"`` keep the plain text answer (no tool call is
-parsed out of free text). Bad or unsupported input is a 400 naming the field
-(`coordinator.openai_request.ApiError`)."""
+takes. ``tool_choice`` ``"auto"`` (the default with tools) is no constraint here: the
+gateway builds its lazy grammar and the answer's calls are parsed out of the model's own
+format (`coordinator.tool_calls`); ``"none"`` is plain text. Bad or unsupported input is a
+400 naming the field (`coordinator.openai_request.ApiError`)."""
 
 from __future__ import annotations
 
