@@ -38,7 +38,7 @@ from .gateway import Gateway, speculation_counters
 from .generation_request import SAMPLING_FLOATS, GenerationRequest, sampling_params
 from .scheduler import ServiceRequest
 from .tenants import ANONYMOUS, Tenant, Tenants
-from .tool_calls import openai_calls, tools_request
+from .tool_calls import call_id, openai_calls, tools_request
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +128,38 @@ def _tools_into(request: GenerationRequest, msg: generation_pb2.GenerateRequest)
                                            and not t.parallel_calls)
 
 
+def _auto_parser(servicer: Gateway, msg: generation_pb2.GenerateRequest):
+    """A `specd_core.tool_calls.ToolCallParser` for a request whose tools are "auto" (the
+    text a continued final message holds read first), else None."""
+    if (not msg.HasField("tools") or not msg.tools.json
+            or msg.tools.choice not in ("", "auto") or msg.WhichOneof("prompt") != "chat"):
+        return None
+    chat = msg.chat
+    prefix = (chat.messages[-1].content if chat.continue_final_message and chat.messages
+              else "")
+    return servicer.tools.parser(prefix)
+
+
+def _call_deltas(events: Sequence[tuple], ids: list[str]) -> list:
+    """``ToolCallDelta`` s of parser events (content left to the chunk's text); ``ids``:
+    the calls' ids so far (grown here)."""
+    out = []
+    for event in events:
+        if event[0] == "call":
+            ids.append(call_id())
+            out.append(generation_pb2.ToolCallDelta(index=event[1], id=ids[event[1]],
+                                                    name=event[2]))
+        elif event[0] == "arguments":
+            out.append(generation_pb2.ToolCallDelta(index=event[1], arguments=event[2]))
+    return out
+
+
 def tool_result_fields(servicer: Gateway, msg: generation_pb2.GenerateRequest, text: str,
-                       finish: str) -> dict:
+                       finish: str, parser=None, ids: Sequence[str] = ()) -> dict:
     """The ``tool_calls``, ``content`` and finish reason of a finished output of a request
     with tools (calls parsed from the model's own format for "auto", or the forced call);
-    {} for one without tools or without a completed call."""
+    {} for one without tools or without a completed call. ``parser`` and ``ids``: a stream's
+    (the calls keep the ids their deltas had)."""
     if not msg.HasField("tools") or not msg.tools.json or msg.tools.choice == "none":
         return {}
     try:
@@ -143,11 +170,11 @@ def tool_result_fields(servicer: Gateway, msg: generation_pb2.GenerateRequest, t
         calls = forced.calls(text)
         content = None
     else:
-        chat = msg.chat
-        prefix = (chat.messages[-1].content if msg.WhichOneof("prompt") == "chat"
-                  and chat.continue_final_message and chat.messages else "")
-        content, found = servicer.tools.parser(prefix).result(text)
+        parser = parser or _auto_parser(servicer, msg)
+        content, found = parser.result(text)
         calls = None if found is None else openai_calls(found)
+        for call, given in zip(calls or (), ids, strict=False):
+            call["id"] = given
     if not calls:
         return {}
     fields = {"tool_calls": [generation_pb2.ToolCall(
@@ -272,6 +299,7 @@ class GenerationServicer(Gateway, generation_pb2_grpc.GenerationServicer):
         with self.tracked():
             req = await self._submit(request, context)
             seen: list[str] = []
+            parser, ids = _auto_parser(self, request), []
             try:
                 async with contextlib.aclosing(
                         self.stream(req, trimmed_stops(request))) as chunks:
@@ -279,13 +307,17 @@ class GenerationServicer(Gateway, generation_pb2_grpc.GenerationServicer):
                         seen.append(chunk.text)
                         lp = {"logprobs": logprob_protos(chunk.logprobs or ()),
                               "prompt_logprobs": logprob_protos(chunk.prompt_logprobs or ())}
+                        if parser is not None:
+                            lp["tool_call_deltas"] = _call_deltas(
+                                parser.feed("".join(seen), chunk.result is not None), ids)
                         if chunk.result is None:
                             yield generation_pb2.GenerateResponse(token_ids=chunk.token_ids,
                                                                   text=chunk.text, **lp)
                         else:
                             final = _final_fields(req, chunk.result)
                             final.update(tool_result_fields(self, request, "".join(seen),
-                                                            chunk.result.finish_reason))
+                                                            chunk.result.finish_reason,
+                                                            parser, ids))
                             yield generation_pb2.GenerateResponse(text=chunk.text, **final,
                                                                   **lp)
             except RequestError as exc:

@@ -34,6 +34,18 @@ class ToolCall(_message.Message):
     arguments: str
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
+class ToolCallDelta(_message.Message):
+    __slots__ = ("index", "id", "name", "arguments")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "name", "tool_calls", "tool_call_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -196,7 +208,7 @@ class SpeculationStats(_message.Message):
     def __init__(self, forward_calls: _Optional[int] = ..., verification_steps: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., accept_rate: _Optional[float] = ..., evaluated_at_position: _Optional[_Iterable[int]] = ..., accepted_at_position: _Optional[_Iterable[int]] = ..., drafter_failures: _Optional[int] = ..., forced_tokens: _Optional[int] = ..., grammar_rejected_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "usage", "speculation", "logprobs", "prompt_logprobs", "tool_calls", "content")
+    __slots__ = ("token_ids", "text", "finish_reason", "usage", "speculation", "logprobs", "prompt_logprobs", "tool_calls", "content", "tool_call_deltas")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +218,7 @@ class GenerateResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_DELTAS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
@@ -215,7 +228,8 @@ class GenerateResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     content: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_call_deltas: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ..., tool_call_deltas: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
 
 class GenerateResult(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "speculation", "logprobs", "prompt_logprobs", "tool_calls", "content")

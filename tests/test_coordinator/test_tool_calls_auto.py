@@ -254,6 +254,14 @@ def test_grpc_calls_results_and_history(service):
         assert last.finish_reason == "tool_calls"
         assert ([(c.name, c.arguments) for c in last.tool_calls]
                 == [(c.name, c.arguments) for c in result.tool_calls])
+        # The calls streamed as they were written, with the ids the last chunk gives.
+        streamed: dict[int, list[str]] = {}
+        for d in (d for c in chunks for d in c.tool_call_deltas):
+            if d.id:
+                streamed[d.index] = [d.id, d.name, ""]
+            streamed[d.index][2] += d.arguments
+        assert [tuple(v) for v in streamed.values()] == [
+            (c.id, c.name, c.arguments) for c in last.tool_calls]
         # The calls and a tool's answer go back; the model answers in text.
         history = [*ask, generation_pb2.ChatMessage(role="assistant",
                                                     tool_calls=result.tool_calls),
