@@ -197,11 +197,15 @@ class ChatTools:
         if not tools and not has_calls:
             return list(messages), None
         if self.renders_tools():
+            # Mistral's templates refuse call ids that are not 9 letters and digits.
+            ids = _mistral_id if self.format.name == "mistral" else str
             out = []
             for m in messages:
                 m = dict(m)
                 if m.get("tool_calls"):
-                    m["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
+                    m["tool_calls"] = [_template_call(c, ids) for c in m["tool_calls"]]
+                if m.get("tool_call_id"):
+                    m["tool_call_id"] = ids(m["tool_call_id"])
                 out.append(m)
             return out, list(tools) if tools else None
         out = []
@@ -229,8 +233,9 @@ def _name_args(call: dict) -> tuple[str, str]:
     return str(fn.get("name", "")), args if isinstance(args, str) else json.dumps(args)
 
 
-def _template_call(call: dict) -> dict:
-    """A past call as Hugging Face chat templates read it: ``arguments`` an object."""
+def _template_call(call: dict, ids=str) -> dict:
+    """A past call as Hugging Face chat templates read it: ``arguments`` an object, the id
+    through ``ids``."""
     name, args = _name_args(call)
     try:
         value = json.loads(args)
@@ -238,8 +243,19 @@ def _template_call(call: dict) -> dict:
         value = args
     out = {"type": "function", "function": {"name": name, "arguments": value}}
     if call.get("id"):
-        out["id"] = call["id"]
+        out["id"] = ids(call["id"])
     return out
+
+
+def _mistral_id(call_id: str) -> str:
+    """A call id as Mistral's templates take them (9 letters and digits): itself when it is
+    one, else the first 9 hex digits of its SHA-1 (the same id maps the same way in the
+    assistant's calls and the tool's answer)."""
+    if len(call_id) == 9 and call_id.isalnum():
+        return call_id
+    import hashlib
+
+    return hashlib.sha1(call_id.encode()).hexdigest()[:9]
 
 
 def tools_request(tools_json: str, choice: str, parallel: bool | None, field: str = "tools"):

@@ -72,3 +72,27 @@ def test_grpc_tool_fields_read_as_openai_ones():
         with pytest.raises(ValueError, match="tools") as info:
             tools_request(bad, "", None)
         assert words in str(info.value)
+
+
+def test_mistral_templates_get_nine_character_call_ids():
+    tok = train_tokenizer()
+    # A template that renders tools and, as Mistral's does, refuses other call ids.
+    tok.chat_template = (
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{% if c.id | length != 9 %}{{ raise_exception('bad id') }}{% endif %}"
+        "[TOOL_CALLS]{{ c.id }}{% endfor %}{% if m.tool_call_id is defined %}"
+        "[TOOL_RESULTS]{{ m.tool_call_id }}{% endif %}{{ m.content }}{% endfor %}"
+        "{% if tools %}[AVAILABLE_TOOLS]{% endif %}")
+    tools = ChatTools(tok)
+    assert tools.format.name == "mistral" and tools.renders_tools()
+    history = [{"role": "user", "content": "ping"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "call_0123456789abcdef", "type": "function",
+                    "function": {"name": "ping", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "call_0123456789abcdef", "content": "pong"}]
+    messages, _ = tools.messages(history, TOOLS)
+    short = messages[1]["tool_calls"][0]["id"]
+    assert len(short) == 9 and short.isalnum() and messages[2]["tool_call_id"] == short
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {}
+    text = tok.decode(encode_chat(tok, messages, TOOLS))
+    assert f"[TOOL_CALLS]{short}" in text and f"[TOOL_RESULTS]{short}" in text
