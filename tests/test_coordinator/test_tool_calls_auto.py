@@ -218,7 +218,8 @@ def test_every_started_call_parses_and_validates_under_sampling_and_broken_draft
         assert started >= 6 and rejected > 0
 
 
-def test_seeded_outputs_are_the_same_alone_and_batched(sampled_service):
+def test_seeded_outputs_are_the_same_alone_and_batched_and_without_speculation(
+        sampled_service):
     with client_for(sampled_service) as client:
         batched = chat(client, temperature=1.0, seed=11, n=3, max_tokens=120)
         alone = [chat(client, temperature=1.0, seed=11 + i, max_tokens=120).choices[0]
@@ -230,6 +231,13 @@ def test_seeded_outputs_are_the_same_alone_and_batched(sampled_service):
 
         assert [answer(c) for c in batched.choices] == [answer(c) for c in alone]
         assert len({str(answer(c)) for c in alone}) > 1  # the seeds matter
+        # The drafter drafts point masses (the rule's coupled form): seeded output is the
+        # same without it, token for token.
+        plain = chat(client, temperature=1.0, seed=11, n=3, max_tokens=120,
+                     extra_body={"speculation": {"enabled": False}})
+        assert [answer(c) for c in plain.choices] == [answer(c) for c in batched.choices]
+        assert batched.model_extra["speculation"]["grammar_rejected_tokens"] > 0
+        assert any(c.message.tool_calls for c in batched.choices)
 
 
 def grpc_request(messages, choice: str = "", **chat) -> generation_pb2.GenerateRequest:
