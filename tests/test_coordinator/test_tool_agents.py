@@ -6,6 +6,7 @@ calls (`tool_models.scripted_decoder`)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from importlib.util import find_spec
 from typing import Literal
 
 import pytest
@@ -24,6 +25,8 @@ SCRIPTS = [("pong", "Sunny in Paris."), ("both", WEATHER + PING), ("tool: ", PIN
 
 @pytest.fixture(scope="module")
 def base_url():
+    if not (find_spec("langchain_openai") or find_spec("instructor")):
+        pytest.skip("needs the agents extra: pip install -e '.[agents]'")
     svc = LocalService(http=True, model=MODEL)
     scripted_decoder(svc.decoder, svc.tokenizer, SCRIPTS)
     svc.start()
