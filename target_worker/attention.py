@@ -98,6 +98,10 @@ class Segment:
     start: int
     cache: KvCache
     chunks: Sequence[QueryChunk]
+    #: The rows' absolute positions as a long tensor on the forward's device, when they are
+    #: known there only (a CUDA graph's replay, `target_worker.graphs`): keys and values are
+    #: then written at them (`KvCache.write_at`) instead of from ``start``.
+    positions: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -210,7 +214,10 @@ class Attention(nn.Module):
         outs = []
         for seg in rows.segments:
             lo, hi, cache = seg.lo, seg.hi, seg.cache
-            cache.write(layer, seg.start, qk[lo:hi, h:], qkv[lo:hi, h + kvh :])
+            if seg.positions is None:
+                cache.write(layer, seg.start, qk[lo:hi, h:], qkv[lo:hi, h + kvh :])
+            else:
+                cache.write_at(layer, seg.positions, qk[lo:hi, h:], qkv[lo:hi, h + kvh :])
             for chunk in seg.chunks:
                 outs.append(self._attend(qk[chunk.lo : chunk.hi, :h], cache, layer, chunk,
                                          rows.plans))

@@ -34,7 +34,7 @@ class KvCache:
     with :meth:`keys` / :meth:`values`. Rolling back is O(1): :meth:`truncate` only lowers
     ``seq_len`` and later writes overwrite the stale entries. Capacity doubles (capped at
     ``max_seq_len``, rounded up to whole blocks) when a forward needs more room. Create one
-    with :meth:`Decoder.new_cache`.
+    with :meth:`Decoder.new_cache` (on the decoder's device; ``device`` None: torch's default).
     """
 
     def __init__(
@@ -45,6 +45,7 @@ class KvCache:
         capacity: int,
         max_seq_len: int,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
     ) -> None:
         if not 1 <= capacity <= max_seq_len:
             raise ValueError(f"capacity must be in [1, max_seq_len={max_seq_len}], got {capacity}")
@@ -54,8 +55,8 @@ class KvCache:
         # the rest of end's key block, which each forward zeroes first (`zero_tail`).
         # Allocated in inference mode so forward passes (also in inference mode) can write them.
         with torch.inference_mode():
-            self.k = torch.empty(shape, dtype=dtype)
-            self.v = torch.empty(shape, dtype=dtype)
+            self.k = torch.empty(shape, dtype=dtype, device=device)
+            self.v = torch.empty(shape, dtype=dtype, device=device)
         self._seq_len = 0
 
     @property
@@ -96,6 +97,15 @@ class KvCache:
             at = slice(lo - block * KEY_BLOCK, hi - block * KEY_BLOCK)
             self.k[layer, block, :, at] = k[lo - start : hi - start].transpose(0, 1)
             self.v[layer, block, :, at] = v[lo - start : hi - start].transpose(0, 1)
+
+    def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> None:
+        """Like :meth:`write`, at the distinct positions ``positions`` (a long tensor ``[m]``
+        on the cache's device, within the capacity): the same entries, with no host-side
+        position, as a captured CUDA graph needs (`target_worker.graphs`)."""
+        blocks, offsets = positions // KEY_BLOCK, positions % KEY_BLOCK
+        self.k[layer][blocks, :, offsets] = k
+        self.v[layer][blocks, :, offsets] = v
 
     def zero_tail(self, end: int) -> None:
         """Zeroes every layer's entries after position ``end`` in its block: attention reads

@@ -11,6 +11,7 @@ softmax in float32, as transformers does, and returns float32 logits and hidden 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -97,7 +98,7 @@ class MoE(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)  # [n, k]
         weights = (weights / weights.sum(dim=-1, keepdim=True)).flatten()
         experts = experts.flatten()
-        token_of = torch.arange(n).repeat_interleave(self.top_k)
+        token_of = torch.arange(n, device=x.device).repeat_interleave(self.top_k)
         out = self.shared(x) if self.shared is not None else torch.zeros_like(x)
         views = self.expert_weights()
         # Loop over the experts actually hit (at most n*k), each on its tokens only, in
@@ -226,7 +227,7 @@ class Decoder(nn.Module):
         if capacity is None:
             capacity = min(DEFAULT_CACHE_CAPACITY, c.max_seq_len)
         return KvCache(c.n_layers, self.cache_kv_heads, c.head_dim, capacity, c.max_seq_len,
-                       dtype=self.kv_dtype)
+                       dtype=self.kv_dtype, device=self.device)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -311,10 +312,19 @@ class Decoder(nn.Module):
             A report: natively ``{"native": {"isa": ..., "weights": [type names]}}``; else
             ``{"linear": {"OUTxIN dtype": plan, ...}, "scores": plan, "values": plan}``,
             each plan `target_worker.invariant.InvariancePlan`, with ``"native_off"`` saying
-            why the native forward is not used.
+            why the native forward is not used. On a CUDA device (planned over CPU thread
+            count 1 only) also ``"cublas"`` (`target_worker.cuda.configure_cublas`, applied
+            first) and ``"decode_verify"``, the mismatches of
+            `target_worker.cuda.decode_verify_mismatches` (empty: none; any is logged).
         """
         threads = tuple(dict.fromkeys(threads or (torch.get_num_threads(),)))
         from . import native
+
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:  # CPU threads do not change a CUDA kernel: prove each shape once
+            from .cuda import configure_cublas
+
+            threads, cublas = (1,), configure_cublas()
 
         why = native.supports(self) if native.native_enabled() else "SPECD_NATIVE=0"
         if why is None:
@@ -353,6 +363,15 @@ class Decoder(nn.Module):
         report["scores"] = self._attention_plans.scores
         report["values"] = self._attention_plans.values
         self._invariant_threads = threads
+        if on_cuda:
+            from .cuda import decode_verify_mismatches
+
+            report["cublas"] = cublas
+            report["decode_verify"] = decode_verify_mismatches(self)
+            if report["decode_verify"]:
+                logging.getLogger(__name__).warning(
+                    "batch invariance on %s: decode and verify rows differ: %s",
+                    self.device, "; ".join(report["decode_verify"]))
         return report
 
     @property
@@ -395,6 +414,12 @@ class Decoder(nn.Module):
 
             self._native = NativeForward(self, self._native_arithmetic())
         return self._native
+
+    @property
+    def device(self) -> torch.device:
+        """The device the weights, KV caches and every forward's tensors are on (the CPU, or
+        a CUDA device after ``Decoder.to("cuda")``). Logits and hidden rows come back on it."""
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -455,16 +480,18 @@ class Decoder(nn.Module):
             idx = torch.tensor(list(tokens), dtype=torch.long)
         if idx.numel() == 0:
             raise ValueError("tokens must contain at least one token id")
+        # Checked where the ids are (a list's on the host: no device sync), then moved.
         lo, hi = int(idx.min()), int(idx.max())
         vocab = self.config.vocab_size
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        return idx
+        device = self.device
+        return idx if idx.device == device else idx.to(device, non_blocking=True)
 
     def _rope(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin ``[end - start, 1, head_dim]`` for positions ``[start, end)``."""
-        if end > self._cos.shape[0]:  # grow geometrically
+        if end > self._cos.shape[0] or self._cos.device != self.device:  # grow geometrically
             size = min(max(end, 2 * self._cos.shape[0], 256), self.config.max_seq_len)
             c = self.config
             # A whole number of 256-position rows on one thread: a position's sin/cos are
@@ -472,7 +499,8 @@ class Decoder(nn.Module):
             with one_thread():
                 cos, sin = rope_tables(c.head_dim, c.rope_theta, _round_up(size, 256),
                                        c.rope_scaling)
-            self._cos, self._sin = cos.to(self.dtype), sin.to(self.dtype)
+            self._cos = cos.to(device=self.device, dtype=self.dtype)
+            self._sin = sin.to(device=self.device, dtype=self.dtype)
         return self._cos[start:end, None, :], self._sin[start:end, None, :]
 
     def forward_packed(
@@ -603,7 +631,8 @@ class Decoder(nn.Module):
             head_in, counts = hidden[-1:], [1]
         else:
             rows = [
-                torch.arange(seg.hi - 1, seg.hi) if last else torch.arange(seg.lo, seg.hi)
+                torch.arange(seg.hi - 1, seg.hi, device=device) if last
+                else torch.arange(seg.lo, seg.hi, device=device)
                 for seg, last in zip(segs, last_logits_only, strict=True)
             ]
             head_in, counts = hidden[torch.cat(rows)], [r.numel() for r in rows]
