@@ -20,7 +20,8 @@ kernel probes of the two child processes). In order:
 2. ``probes``: each linear shape of both models and attention's batched matmuls, every row
    at M = n against M = 1, bitwise, for n in the padded row buckets; once with cuBLAS's
    defaults and once with the batch-invariant settings (`target_worker.cuda.configure_cublas`),
-   each in a child process (cuBLAS reads its environment once per process).
+   each in a child process (cuBLAS reads its environment once per process); and the
+   fixed-tile Triton matmul (`target_worker.triton_linear`) on the same shapes.
 3. ``model``: per model shape and dtype (bfloat16; float32 for the SmolLM2 shape): the
    start-up check (`Decoder.make_batch_invariant`, with its decode-vs-verify check), decode
    (M = 1) vs verify (M = k + 1) logits for k = 1, 4, 8, 16 across the 256-position key block
@@ -208,7 +209,10 @@ def probes(args, report_path: Path) -> None:
         out.write(json.dumps({"cublas": args.cublas, **fields}) + "\n")
         out.flush()
 
-    emit(kind="settings", **settings)
+    from target_worker.triton_linear import available, triton_linear
+
+    triton_ok = available(device)
+    emit(kind="settings", triton=triton_ok, **settings)
     gen = torch.Generator().manual_seed(0)
     dtypes = [torch.bfloat16, torch.float32]
     for model, s in list(shapes.items())[:1 if args.quick else None]:
@@ -226,6 +230,12 @@ def probes(args, report_path: Path) -> None:
                 bad = [n for n in sizes if not torch.equal(F.linear(x[:n], w), ref[:n])]
                 emit(kind="linear", model=model, weight=name, shape=[n_out, n_in],
                      dtype=str(dtype), rows_differ_at=bad)
+                if triton_ok and args.cublas == "configured":  # cuBLAS-free: probed once
+                    ref = torch.cat([triton_linear(x[i:i + 1], w) for i in range(sizes[-1])])
+                    bad = [n for n in sizes if not torch.equal(triton_linear(x[:n], w), ref[:n])]
+                    err = float((ref.float() - F.linear(x.float(), w.float())).abs().max())
+                    emit(kind="triton-linear", model=model, weight=name, shape=[n_out, n_in],
+                         dtype=str(dtype), rows_differ_at=bad, max_abs_err_vs_fp32=err)
             d, kvh = s["head_dim"], s["n_kv_heads"]
             group = s["n_heads"] // kvh
             for blocks in (1, 4):
