@@ -167,8 +167,19 @@ class GraphedDecoder:
         return sorted(self._graphs)
 
     def prefill(self, tokens: Sequence[int]) -> torch.Tensor:
-        """Feeds ``tokens`` at the cache's end eagerly; float32 logits ``[n, vocab]``."""
+        """Feeds ``tokens`` at the cache's end eagerly; float32 logits ``[n, vocab]``.
+
+        Raises:
+            ValueError: as `Decoder.forward_batch`, or past the cache's capacity.
+        """
+        self._check_room(len(tokens))
         return self.decoder.forward_batch(tokens, self.cache.seq_len, self.cache)
+
+    def _check_room(self, n: int) -> None:
+        # The cache never grows: the graphs read its tensors where they are.
+        if self.cache.seq_len + n > self.cache.capacity:
+            raise ValueError(f"{self.cache.seq_len} + {n} positions exceed the graphed "
+                             f"cache's capacity of {self.cache.capacity}")
 
     def rollback(self, length: int) -> None:
         """Keeps the cache's first ``length`` positions (`KvCache.truncate`)."""
@@ -183,10 +194,12 @@ class GraphedDecoder:
             buffer, overwritten by the next step of its bucket (clone to keep it).
 
         Raises:
-            ValueError: as `Decoder.forward_batch` (checked before anything runs).
+            ValueError: as `Decoder.forward_batch`, or past the cache's capacity (checked
+                before anything runs).
         """
         m, start = len(tokens), self.cache.seq_len
         idx = self.decoder._check_segment(tokens, start, self.cache)
+        self._check_room(m)
         rows = row_bucket(m, self.buckets)
         if rows is None or start + rows > self.cache.capacity:
             return self.decoder.forward_batch(idx, start, self.cache)

@@ -99,12 +99,15 @@ def test_graphed_decoder_refuses_what_it_cannot_graph():
 
 
 def test_graphed_step_checks_its_tokens_before_writing():
-    graphed = GraphedDecoder(_decoder(), buckets=(1, 4), capture=False)
+    graphed = GraphedDecoder(_decoder(), capacity=KEY_BLOCK, buckets=(1, 4), capture=False)
     graphed.prefill([1, 2, 3])
     before = graphed.cache.k.clone()
     with pytest.raises(ValueError, match="outside the vocabulary"):
         graphed.step([1, 64])
     assert graphed.cache.seq_len == 3 and torch.equal(graphed.cache.k, before)
+    with pytest.raises(ValueError, match="capacity of 256"):
+        graphed.step([1] * (KEY_BLOCK - 2))  # the graphed cache never grows
+    assert graphed.cache.k.shape[1] == 1
 
 
 def test_decode_verify_check_passes_an_invariant_decoder_and_catches_one_that_is_not():
