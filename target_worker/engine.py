@@ -479,6 +479,7 @@ class TargetEngine:
              for item in items],
             capture,
         )
+        results = _logits_to_host(results)
         if any(isinstance(item, PrefillItem) for item in items):
             self.stats["prefill_calls"] += 1
         if any(isinstance(item, VerifyItem) for item in items):
@@ -684,5 +685,28 @@ def _feed_pos(item: PrefillItem | VerifyItem) -> int:
 
 def _own(hidden: torch.Tensor, wanted: bool) -> torch.Tensor | None:
     # forward_packed returns views into one shared buffer: pickling a view ships the whole
-    # storage, so copy out just this item's rows.
-    return hidden.clone() if wanted else None
+    # storage, so copy out just this item's rows (to the host, from a device).
+    if not wanted:
+        return None
+    return hidden.clone() if hidden.device.type == "cpu" else hidden.cpu()
+
+
+def _logits_to_host(results: list[tuple[torch.Tensor | None, torch.Tensor]]
+                    ) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+    """``results`` with every item's logits on the host, copied from a device in one
+    transfer: the step's one host sync, where its tokens leave the device (the rule, the
+    sampling distributions and logprobs then run on the CPU as for a CPU target, on the
+    same float32 logits). Hidden rows stay where they are (`_own` copies those asked for).
+    CPU logits are returned as they are."""
+    logits = [lg for lg, _ in results if lg is not None]
+    if not logits or logits[0].device.type == "cpu":
+        return results
+    host = (logits[0] if len(logits) == 1 else torch.cat(logits)).cpu()
+    out, row = [], 0
+    for lg, hidden in results:
+        if lg is None:
+            out.append((None, hidden))
+            continue
+        out.append((host[row : row + lg.shape[0]], hidden))
+        row += lg.shape[0]
+    return out

@@ -217,10 +217,27 @@ def _rows_run(x, _prepared, weight, bias):
     return torch.cat([F.linear(x[i : i + 1], weight, bias) for i in range(x.shape[0])])
 
 
-#: Linear kernels in order of preference (fastest first, measured on SmolLM2's shapes).
+def _triton_prepare(weight: torch.Tensor) -> object:
+    # The fixed-tile Triton matmul (`target_worker.triton_linear`): CUDA only, triton optional.
+    if weight.device.type != "cuda":
+        raise RuntimeError("the Triton matmul is planned on CUDA only")
+    from .triton_linear import prepare
+
+    return prepare(weight)
+
+
+def _triton_run(x, _prepared, weight, bias):
+    from .triton_linear import triton_linear
+
+    return triton_linear(x, weight, bias)
+
+
+#: Linear kernels in order of preference (fastest first, measured on SmolLM2's shapes; the
+#: Triton one, CUDA only, where cuBLAS fails the check).
 LINEAR_KERNELS = (
     _Kernel("onednn", _onednn_prepare, _onednn_run),
     _Kernel("aten", lambda w: None, _aten_run),
+    _Kernel("triton", _triton_prepare, _triton_run),
     _Kernel("tiles", lambda w: None, _tiles_run),
     _Kernel("rows", lambda w: None, _rows_run, per_row=True),
 )

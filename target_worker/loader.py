@@ -229,6 +229,7 @@ def load_tokenizer(path: str | os.PathLike, use_cache: bool = True) -> PreTraine
 def load_model(
     source: str | os.PathLike | None = None,
     dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
 ) -> tuple[Decoder, PreTrainedTokenizerBase]:
     """Load a target model and its tokenizer.
 
@@ -239,7 +240,9 @@ def load_model(
             ``"tiny-random[:vocab=V,seed=S,layers=L]"`` for a tiny random test model with a
             `target_worker.testing.TinyTokenizer` (see `target_worker.testing`).
         dtype: the decoder's weights and compute dtype, one of `DTYPES` (`resolve_dtype`,
-            `native_mode_for`; default "auto").
+            `native_mode_for`; default "auto": bfloat16 on CUDA).
+        device: where the weights, KV caches and forwards live: ``"cpu"`` or a CUDA device
+            (``"cuda"``, ``"cuda:1"``); the engine over the decoder follows it.
 
     Returns:
         ``(decoder, tokenizer)``; the tokenizer carries the source's ``eos_token_id`` and chat
@@ -247,16 +250,18 @@ def load_model(
 
     Raises:
         ValueError: if ``source`` is neither a ``.gguf`` path, a directory nor a valid
-            tiny-random spec, or it is unsupported or inconsistent (naming file and field).
+            tiny-random spec, or it is unsupported or inconsistent (naming file and field);
+            a CUDA ``device`` where torch has none.
         FileNotFoundError: if the ``.gguf`` file does not exist.
         RuntimeError: if fetching the default model fails.
     """
     if is_tiny_random_spec(source):
         decoder, tokenizer = load_tiny_random(source)
-        return _configured(_cast(decoder, resolve_dtype(dtype)), dtype), tokenizer
+        decoder = _placed(_cast(decoder, resolve_dtype(dtype, str(device))), device)
+        return _configured(decoder, dtype), tokenizer
     path = model_path(source)
     tokenizer = load_tokenizer(path) if path.is_dir() else None  # checked before the weights
-    decoder = load_decoder(path, dtype)
+    decoder = load_decoder(path, dtype, device)
     return decoder, tokenizer if tokenizer is not None else load_tokenizer(path)
 
 
@@ -325,7 +330,8 @@ def _cast(decoder: Decoder, dtype: torch.dtype) -> Decoder:
     return decoder if dtype == decoder.dtype else decoder.to(dtype)
 
 
-def load_hf_decoder(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> Decoder:
+def load_hf_decoder(path: str | os.PathLike, dtype: str | torch.dtype | None = None,
+                    device: str | torch.device = "cpu") -> Decoder:
     """Decoder with the weights of a Hugging Face checkpoint directory, read in place from its
     safetensors (no cache copy) and cast to ``dtype`` (`resolve_dtype`).
 
@@ -336,25 +342,41 @@ def load_hf_decoder(path: str | os.PathLike, dtype: str | torch.dtype | None = N
 
     config, arch = read_hf_config(path)
     source = HFSource(path, config, arch)
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, str(device))
     state = {k: v.to(torch_dtype) for k, v in decoder_state(config, source).items()}
     return _decoder_from_state(config, state)
 
 
 def load_decoder(
-    source: str | os.PathLike | None = None, dtype: str | torch.dtype | None = None
+    source: str | os.PathLike | None = None, dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
 ) -> Decoder:
     """`load_model` without the tokenizer (a target worker never tokenizes).
 
     Raises:
         As `load_model`.
     """
+    where = str(device)
     if is_tiny_random_spec(source):
-        return _configured(_cast(load_tiny_random(source)[0], resolve_dtype(dtype)), dtype)
-    path = model_path(source)
-    if path.is_dir():
-        return _configured(load_hf_decoder(path, dtype), dtype)
-    return _configured(_cast(load_gguf_decoder(path), resolve_dtype(dtype)), dtype)
+        decoder = _cast(load_tiny_random(source)[0], resolve_dtype(dtype, where))
+    else:
+        path = model_path(source)
+        decoder = load_hf_decoder(path, dtype, device) if path.is_dir() else _cast(
+            load_gguf_decoder(path), resolve_dtype(dtype, where))
+    return _configured(_placed(decoder, device), dtype)
+
+
+def _placed(decoder: Decoder, device: str | torch.device) -> Decoder:
+    """``decoder`` with its weights on ``device`` (its caches and forwards follow them)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: torch here has no CUDA device "
+                         f"(torch {torch.__version__})")
+    if device.type == "cuda":
+        from .cuda import configure_cublas
+
+        configure_cublas()  # before the process's first CUDA matmul (`CUBLAS_ENV`)
+    return decoder if decoder.device == device else decoder.to(device)
 
 
 def needs_conversion(source: str | os.PathLike | None) -> bool:
