@@ -798,7 +798,10 @@ class Scheduler(DraftingPolicy):
         when it is a `RequestError`, else `RequestFailed` with a generic message) on its
         queue, takes it out of the loop and frees its slot and drafter state."""
         if error is None and isinstance(exc, GrammarError):  # its message is for the client
-            error = RequestInvalid(literal(str(exc)))
+            field = exc.field
+            why = str(exc).removeprefix(f"{field}: ") if field else str(exc)
+            error = (RequestInvalid("{field}: " + literal(why), field) if field
+                     else RequestInvalid(literal(why)))
         if error is None:
             error = exc if isinstance(exc, RequestError) else RequestFailed(REQUEST_FAILED)
         if isinstance(exc, ReplicaFailed):

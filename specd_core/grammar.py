@@ -32,7 +32,9 @@ as llguidance and xgrammar lay them out.
 from __future__ import annotations
 
 import json
+import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -61,7 +63,16 @@ MAX_GRAMMAR_BYTES = 256 * 1024
 class GrammarError(ValueError):
     """A constraint that cannot be compiled, or a request its constraint leaves no way on
     (no allowed token, a committed token the grammar refuses). The message names the problem
-    in the client's terms."""
+    in the client's terms, after the request field it came from (``"<field>: ..."``).
+
+    Attributes:
+        field: that field (``response_format``, ``tools``, ``constraint``, ...), or None.
+    """
+
+    @property
+    def field(self) -> str | None:
+        head, sep, _ = str(self).partition(": ")
+        return head if sep and re.fullmatch(r"[a-z_]+", head) else None
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -210,11 +221,49 @@ class GrammarSpec:
             raise GrammarError(f"{self.field}: invalid JSON schema: {exc}") from None
 
 
+#: GPT-2's byte-level alphabet (printable stand-ins for bytes), inverted: a byte-level BPE
+#: token's text, as ``convert_ids_to_tokens`` spells it, back to its bytes.
+def _byte_level_decoder() -> dict[str, int]:
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_decoder()
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _token_bytes(tokenizer, token: int) -> bytes:
+    """The bytes token ``token`` spells. ``decode([token])`` where it is whole text; where
+    it is part of a UTF-8 character (decode gives U+FFFD), the token's own piece read as a
+    byte-level BPE piece (GPT-2's alphabet) or a SentencePiece byte fallback (``<0xE2>``)."""
+    text = tokenizer.decode([token])
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    piece = convert(token) if convert is not None else None
+    if isinstance(piece, str) and piece:
+        fallback = _BYTE_FALLBACK.match(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        if all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+    return text.encode("utf-8")
+
+
 class _ByteTokens:
     """llguidance's tokenizer protocol (`llguidance.TokenizerWrapper`'s attributes) for a
-    tokenizer that is not a Hugging Face fast tokenizer: each id's bytes are what
-    ``decode([id])`` gives, the EOS id is special. Encoding (only used by llguidance for
-    prompts and forced text, neither of which specd asks for) is greedy over those bytes."""
+    tokenizer that is not a Hugging Face fast tokenizer: each id's bytes are what it spells
+    (`_token_bytes`), the EOS id is special. Encoding (llguidance tokenizes forced text with
+    it, to force tokens) is greedy, longest piece first, and stops before the first byte no
+    token spells: it never returns tokens whose bytes are not the text's (a skipped byte
+    would force a token the grammar then refuses)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos: int | None):
         self.eos_token_id = eos
@@ -223,8 +272,8 @@ class _ByteTokens:
         self.is_tokenizer_wrapper = True
         self.tokens = []
         for i in range(vocab_size):
-            text = "" if i == eos else tokenizer.decode([i])
-            self.tokens.append(text.encode("utf-8") if text else b"<|special_%d|>" % i)
+            piece = b"" if i == eos else _token_bytes(tokenizer, i)
+            self.tokens.append(piece or b"<|special_%d|>" % i)
         self._by_bytes: dict[bytes, int] = {}
         for i, piece in enumerate(self.tokens):
             if i != eos:
@@ -242,7 +291,7 @@ class _ByteTokens:
                     i += n
                     break
             else:
-                i += 1  # a byte no token spells: skipped
+                break  # a byte no token spells: the tokens so far spell a prefix
         return out
 
 
@@ -294,12 +343,44 @@ def _reason(error: str) -> str:
     return first
 
 
+#: llguidance's resource limits for every constraint (`parser_limits`): the lexer's initial
+#: fuel is a fifth of llguidance's default, so a regex whose automaton explodes (a counted
+#: repetition such as ``y{100000}``) fails within tens of milliseconds of its first mask, at
+#: admission (`Grammar`), instead of building for seconds; the per-step limits keep
+#: llguidance's defaults (~15 ms of lexer work, 50,000 parser items per mask at most).
+INITIAL_LEXER_FUEL = 200_000
+#: Tokens the admission probe walks (`Grammar`), and its wall-clock budget in seconds.
+PROBE_TOKENS = 64
+PROBE_SECONDS = 0.5
+_KIND_NAMES = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regex",
+               "choice": "choice", "lark": "grammar"}
+
+
+def parser_limits():
+    """The ``llguidance.LLParserLimits`` every grammar here is validated and matched under
+    (`INITIAL_LEXER_FUEL`; ``verbose_errors`` off: an error names the problem, not the
+    parser's state)."""
+    import llguidance
+
+    return llguidance.LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL,
+                                     verbose_errors=False)
+
+
 class Grammar:
     """A compiled constraint for one tokenizer: immutable and shared by every request using
     it; `matcher` gives each request (each choice) its own state.
 
+    Compiling also probes the constraint (`probe`) the way generation will use it, so that
+    what can be known before generating is refused here, at admission, and never
+    mid-stream: a constraint the model's tokenizer cannot begin to spell, one whose forced
+    text never ends (a required recursive ``$ref``, a grammar rule that only recurses) and
+    one the matcher cannot hold (llguidance's lexer or parser limits, `parser_limits`). The
+    probe's masks also warm llguidance's lexer cache, which every request's matcher shares,
+    so the scheduler's first masks are cheap.
+
     Raises:
-        GrammarError: the grammar is invalid for llguidance (the message says why).
+        GrammarError: the grammar is invalid for llguidance, or the probe found it cannot
+            be generated (the message says why and names ``spec.field``).
     """
 
     def __init__(self, spec: GrammarSpec, ll_tokenizer, vocab_size: int):
@@ -309,17 +390,72 @@ class Grammar:
         self.vocab_size = int(vocab_size)
         self.width = bitmask_width(vocab_size)
         self.eos_token_id = int(ll_tokenizer.eos_token)
+        what = f"{spec.field}: unsupported {spec.kind.replace('_', ' ')}"
         grammar = spec.llguidance_grammar()
-        error = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)
+        error = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer,
+                                                      limits=parser_limits())
         if error:
-            raise GrammarError(f"{spec.field}: unsupported {spec.kind.replace('_', ' ')}: "
-                               f"{_reason(error)}")
-        # Building the matcher is the expensive part (it drops the GIL; up to ~1 s for huge
-        # grammars): done once here, off the event loop; requests deep-copy it.
-        self._template = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+            raise GrammarError(f"{what}: {_reason(error)}")
+        # Building the matcher drops the GIL (up to ~1 s for huge grammars): done once here,
+        # off the event loop; requests deep-copy it.
+        self._template = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0,
+                                              limits=parser_limits())
         if self._template.is_error():
-            raise GrammarError(f"{spec.field}: unsupported {spec.kind.replace('_', ' ')}: "
-                               f"{self._template.get_error()}")
+            raise GrammarError(f"{what}: {_reason(self._template.get_error())}")
+        self.probe()
+
+    def probe(self, max_tokens: int = PROBE_TOKENS, max_seconds: float = PROBE_SECONDS) -> int:
+        """Walks one output from the grammar's start, as generation would, on a copy: at
+        each step the mask; then the grammar's forced tokens, or where it leaves a choice the
+        lowest allowed id (never EOS). Stops at a complete output (EOS allowed), after
+        ``max_tokens`` tokens or ``max_seconds`` (a walk that did not fail by then proves
+        nothing either way). Every mask is computed natively without the GIL.
+
+        Returns:
+            The tokens walked.
+
+        Raises:
+            GrammarError: the first mask allows no token (the tokenizer cannot spell the
+                constraint's start), or the matcher failed on the way (a limit, or forced
+                text that never ends).
+        """
+        m = self.matcher()
+        deadline = time.monotonic() + max_seconds
+        walked = 0
+        field = self.spec.field
+        kind = _KIND_NAMES[self.spec.kind]
+
+        def failed(error: str) -> GrammarError:
+            error = error.removeprefix(f"{field}: ").removeprefix("the grammar failed: ")
+            if "ff_tokens" in error:  # forced text that never ends: no finite output
+                return GrammarError(f"{field}: the {kind} admits no finite output (its "
+                                    f"forced text never ends: {error})")
+            return GrammarError(f"{field}: the {kind} is beyond the matcher's limits: {error}")
+
+        while walked < max_tokens and time.monotonic() < deadline:
+            row = np.zeros(self.width, dtype=np.int32)
+            try:
+                m._fill(row)
+            except GrammarError as exc:
+                raise failed(str(exc)) from None
+            if not row.any():
+                if walked == 0:
+                    raise GrammarError(f"{field}: this model's tokenizer cannot spell the start"
+                                       f" of any output the {kind} allows")
+                raise GrammarError(f"{field}: the {kind} leads to an output no token of this "
+                                   "model's tokenizer continues")
+            if m.stopped or bitmask_allows(row, self.eos_token_id):
+                return walked
+            forced = m._m.compute_ff_tokens()
+            if m._m.is_error():
+                raise failed(_reason(m._m.get_error()))
+            step = forced[: max_tokens - walked] if forced else [
+                int(_allowed_ids(row, self.vocab_size)[0])]
+            for token in step:
+                if not m._m.consume_token(token):
+                    raise failed(_reason(m._m.get_error()))
+            walked += len(step)
+        return walked
 
     def matcher(self) -> GrammarMatcher:
         """A fresh per-request matcher at the grammar's start."""
@@ -498,8 +634,12 @@ class GrammarMatcher:
         else:
             ok = self._m.validate_tokens([token]) == 1 and self._m.consume_token(token)
         if not ok:
-            raise GrammarError(f"{self.field}: token {token} does not fit the constraint "
-                               "(the output so far leaves no valid continuation)")
+            # A token the mask let through and the matcher refused: a bug (every row the
+            # rule samples is masked), or the matcher hit a limit on this path.
+            why = _reason(self._m.get_error()) if self._m.is_error() else ""
+            raise GrammarError(f"{self.field}: token {token} does not fit the constraint"
+                               + (f" (the matcher failed: {why})" if why else
+                                  " (the output so far leaves no valid continuation)"))
 
 
 class GrammarCompiler:

@@ -200,14 +200,66 @@ def test_bad_or_unsupported_constraints_get_400_naming_the_field(client, kwargs,
 
 
 def test_a_constraint_no_token_can_meet_fails_that_request_alone(client):
-    # A choice whose one string uses a character this tokenizer cannot spell.
-    with pytest.raises(openai.BadRequestError) as info:
-        chat(client, extra_body={"structured_outputs": {"choice": ["\u00e9t\u00e9"]}})
-    message = info.value.body["message"]
-    assert message.startswith("structured_outputs: ")
-    # (llguidance may offer a token for bytes no token spells; committing it is refused.)
-    assert "allows no token" in message or "does not fit the constraint" in message
+    # A choice whose one string uses a character this tokenizer cannot spell: refused at
+    # admission (a streamed request gets the 400 itself, not a stream that fails).
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            chat(client, stream=stream,
+                 extra_body={"structured_outputs": {"choice": ["\u00e9t\u00e9"]}})
+        error = info.value.body
+        assert error["param"] == "structured_outputs"
+        assert error["message"].startswith("structured_outputs: this model's tokenizer cannot "
+                                           "spell the start of any output"), error
     assert chat(client, max_tokens=3).choices[0].finish_reason == "length"
+
+
+#: A JSON schema with no finite document: a required property that is the object again.
+RECURSIVE = {"$defs": {"n": {"type": "object", "required": ["next"],
+                             "properties": {"next": {"$ref": "#/$defs/n"}}}},
+             "$ref": "#/$defs/n"}
+#: Constraints llguidance compiles but generation cannot meet: (body, param, words).
+UNGENERABLE = [
+    ({"extra_body": {"structured_outputs": {"regex": "y{300000}"}}}, "structured_outputs",
+     "beyond the matcher's limits"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": RECURSIVE}}},
+     "response_format", "admits no finite output"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": RECURSIVE}}],
+      "tool_choice": "required"}, "tools", "admits no finite output"),
+    ({"extra_body": {"structured_outputs": {"grammar": 'start: "a" b\nb: "b" b'}}},
+     "structured_outputs", "admits no finite output"),
+]
+
+
+@pytest.mark.parametrize("kwargs,param,words", UNGENERABLE)
+def test_constraints_generation_cannot_meet_are_refused_at_admission(client, kwargs, param,
+                                                                      words):
+    # Before: each failed mid-generation, "token N does not fit the constraint", param null.
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            chat(client, stream=stream, **kwargs)
+        error = info.value.body
+        assert error["param"] == param, error
+        assert error["message"].startswith(param) and words in error["message"], error
+
+
+@pytest.mark.parametrize("field,value", [
+    ("regex", "y{300000}"), ("json_schema", json.dumps(RECURSIVE)),
+    ("grammar", 'start: "a" b\nb: "b" b')])
+def test_grpc_refuses_constraints_generation_cannot_meet_naming_constraint(service, field,
+                                                                           value):
+    import grpc
+
+    req = generation_pb2.GenerateRequest(text="hi", max_new_tokens=40, seed=1)
+    setattr(req.constraint, field, value)
+    channel, stub = service.stub()
+    with channel:
+        for call in (stub.GenerateUnary, lambda r, timeout: list(stub.Generate(r,
+                                                                          timeout=timeout))):
+            with pytest.raises(grpc.RpcError) as info:
+                call(req, timeout=60)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details().startswith("constraint: "), info.value.details()
 
 
 def test_grpc_constraint_field(service):

@@ -129,10 +129,66 @@ def test_a_constraint_that_allows_nothing_fails_with_a_clear_error():
         GrammarSpec("xml", "x")
     with pytest.raises(GrammarError, match="choice needs"):
         GrammarSpec("choice", [])
-    # A choice none of whose strings this tokenizer can spell: no first token.
-    m = compiled("choice", ["xyz!"]).matcher()
-    with pytest.raises(GrammarError, match="allows no token"):
-        m.mask()
+    # A choice none of whose strings this tokenizer can spell: refused when compiled (at
+    # admission), never left to fail at the first step.
+    with pytest.raises(GrammarError, match="^response_format: this model's tokenizer cannot "
+                                           "spell the start of any output the choice allows"):
+        compiled("choice", ["xyz!"])
+
+
+ASCII_VOCAB = 128  # TinyTokenizer(128, ascii=True): ids 1..95 spell printable ASCII
+
+
+def ascii_compiled(kind, value, **kw):
+    return GrammarCompiler(TinyTokenizer(ASCII_VOCAB, ascii=True), ASCII_VOCAB).compile(
+        GrammarSpec(kind, value, **kw))
+
+
+@pytest.mark.parametrize("kind,value,reason", [
+    # A counted repetition whose automaton explodes: the lexer's limit, at the first step.
+    ("regex", "y{300000}", "the regex is beyond the matcher's limits: lexer error"),
+    ("regex", "y{2000000}", "the regex is beyond the matcher's limits: lexer error"),
+    # A required property that is the object itself: no finite document.
+    ("json_schema", {"$defs": {"n": {"type": "object", "required": ["next"],
+                                     "properties": {"next": {"$ref": "#/$defs/n"}}}},
+                     "$ref": "#/$defs/n"}, "the JSON schema admits no finite output"),
+    # A rule that only recurses: a dead end.
+    ("lark", 'start: "a" b\nb: "b" b', "the grammar admits no finite output"),
+])
+def test_constraints_that_cannot_be_generated_are_refused_when_compiled(kind, value, reason):
+    with pytest.raises(GrammarError) as info:
+        ascii_compiled(kind, value, field="constraint")
+    assert str(info.value).startswith(f"constraint: {reason}")
+    assert info.value.field == "constraint"
+
+
+def test_a_tokenizer_that_cannot_spell_json_is_refused_when_compiled():
+    # The plain tiny tokenizer spells only letters: no '{', so no JSON at all. Before,
+    # its greedy encoder skipped the '{' and llguidance forced a letter the grammar then
+    # refused mid-stream ("token 32 does not fit").
+    for kind, value in [("json_schema", {"type": "object", "required": ["a"],
+                                         "properties": {"a": {"type": "integer"}}}),
+                        ("json_object", None)]:
+        with pytest.raises(GrammarError, match="tokenizer cannot spell the start"):
+            GrammarCompiler(TinyTokenizer(512), 512).compile(GrammarSpec(kind, value))
+
+
+def test_every_token_a_mask_allows_is_one_the_matcher_commits():
+    # Walks outputs by always taking the highest allowed id, then the lowest: each token
+    # a row allows must be accepted by commit (a mask that lets through a token the
+    # commit refuses is the bug behind mid-stream "does not fit" errors).
+    schema = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+              "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}}}
+    for spec in [("json_schema", schema), ("json_object", None), ("regex", "y{3000}"),
+                 ("choice", ["ab", "abc", "b"])]:
+        grammar = ascii_compiled(*spec)
+        for pick in (max, min):
+            m = grammar.matcher()
+            for _ in range(200):
+                ids = [t for t in allowed(m.mask(), ASCII_VOCAB) if t != EOS]
+                if not ids:
+                    break
+                m.commit(pick(ids))
 
 
 def test_a_constraint_too_large_is_refused_before_compiling():
