@@ -101,6 +101,26 @@ def _usage(reqs: list, results: list) -> dict:
             "prompt_tokens_details": {"cached_tokens": reqs[0].cached_tokens}}
 
 
+#: Bodies larger than this many bytes are parsed (JSON, then the request's fields and
+#: constraint) in a worker thread: a multi-megabyte schema takes ~0.5 s to parse, which on
+#: the event loop would stall every other stream's chunks.
+BIG_BODY_BYTES = 64 * 1024
+
+
+async def _off_loop(size: int, fn, *args):
+    """``fn(*args)``: inline for a small body, in a worker thread for a big one."""
+    if size > BIG_BODY_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def _tool_calls(body) -> ToolCalls | None:
+    """How a chat body's forced tool call is answered (its constraint was read and checked
+    by `generation_request` already; without tools there is none, and the other
+    constraints, a GBNF grammar's conversion, are not read again on the event loop)."""
+    return constraint_of(body)[1] if getattr(body, "tools", None) else None
+
+
 @dataclass(frozen=True)
 class _Shape:
     """How a request's choices are answered beyond their text: ``chat`` or completions,
@@ -269,20 +289,22 @@ class OpenAIApi:
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
-            body = parse_body(await request.body(), ChatBody)
-            return await self._generate(body, request, chat=True)
+            raw = await request.body()
+            body = await _off_loop(len(raw), parse_body, raw, ChatBody)
+            return await self._generate(body, request, chat=True, size=len(raw))
 
         @app.post("/v1/completions")
         async def completions(request: Request):
-            body = parse_body(await request.body(), CompletionBody)
-            return await self._generate(body, request, chat=False)
+            raw = await request.body()
+            body = await _off_loop(len(raw), parse_body, raw, CompletionBody)
+            return await self._generate(body, request, chat=False, size=len(raw))
 
         return app
 
-    async def _generate(self, body: Body, request: Request, chat: bool):
+    async def _generate(self, body: Body, request: Request, chat: bool, size: int = 0):
         servicer = self._ready()
         self._check_model(servicer, body.model)
-        gen, max_name = generation_request(body)
+        gen, max_name = await _off_loop(size, generation_request, body)
         trim = gen.trimmed_stops()
         with contextlib.ExitStack() as stack:
             stack.enter_context(servicer.tracked())
@@ -302,7 +324,7 @@ class OpenAIApi:
             shape = _Shape(chat, bool(body.logprobs) if chat else body.logprobs is not None,
                            None if chat or not body.echo else _echo_text(servicer, body,
                                                                           reqs[0]),
-                           constraint_of(body)[1] if chat else None,
+                           _tool_calls(body) if chat else None,
                            servicer.tools if gen.tool_choice == "auto" else None,
                            gen.chat[-1]["content"] if gen.continue_final_message else "")
             if body.stream:

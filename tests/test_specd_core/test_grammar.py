@@ -274,3 +274,12 @@ def test_a_forbidden_point_mass_draft_is_replaced_by_a_draw_from_the_masked_row(
     for seed in range(50):
         plain = Sampler(seed).sample_from(torch.tensor([0, 0.5, 0.5, 0, 0, 0, 0, 0]))
         assert _verify_once(grammar, DraftBlock.deterministic([D, E]), seed, logits) == plain
+
+
+def test_refusals_are_cached_and_name_the_field_they_came_in():
+    comp = GrammarCompiler(TinyTokenizer(ASCII_VOCAB, ascii=True), ASCII_VOCAB)
+    with pytest.raises(GrammarError, match="^response_format: the regex is beyond"):
+        comp.compile(GrammarSpec("regex", "y{300000}"))
+    with pytest.raises(GrammarError, match="^constraint: the regex is beyond"):
+        comp.compile(GrammarSpec("regex", "y{300000}", field="constraint"))
+    assert comp.refused_hits == 1 and comp.compiled == 0
