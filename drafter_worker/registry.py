@@ -8,7 +8,6 @@ The one place a drafter name, a default draft length or a drafter's defaults are
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from specd_core.draft import Drafter, DrafterCapabilities
@@ -161,17 +160,16 @@ def check_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,
                              f"cache; drafter {name!r} keeps none")
         _check_cache_requests(suffix_cache_requests)
     if name in EAGLE3_DRAFTERS:
-        from .eagle3 import inspect_eagle3
+        from .head_check import check_eagle3_head
 
-        # The config and (safetensors) every tensor's name and shape, and the fit to the
-        # target when it is given; the rest runs when the drafter is built against it.
-        inspect_eagle3(drafter_path, target_config)
+        # Opened, every tensor read and checked, and the fit to the target when it is
+        # given: a bad head is one line here, before Ray, never an actor's traceback.
+        check_eagle3_head(drafter_path, target_config)
     elif spec.has_head:
         from .eagle import DEFAULT_HEAD
+        from .head_check import check_eagle_head
 
-        path = DEFAULT_HEAD if drafter_path is None else drafter_path
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"EAGLE head not found: {path}")
+        check_eagle_head(DEFAULT_HEAD if drafter_path is None else drafter_path)
 
 
 def build_drafter(name: str, ngram_size: int = DEFAULT_NGRAM_SIZE,

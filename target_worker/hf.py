@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from specd_core.config_check import check_config_sizes
+
 from .config import ModelConfig, MoEConfig, RopeScaling
 from .sharded import WeightSource
 
@@ -138,6 +140,7 @@ def read_hf_config(directory: str | Path) -> tuple[ModelConfig, str]:
     """
     path = Path(directory) / CONFIG_FILE
     raw = _read_json(path)
+    check_config_sizes(raw, path)  # finite, positive, sane: before any int() or allocation
     archs = raw.get("architectures")
     if not isinstance(archs, list) or len(archs) != 1:
         raise ValueError(f"{path}: field 'architectures' must list one class, got {archs!r}")

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specd_core.config_check import check_fits_memory
+
 from .config import ModelConfig
 from .disk_cache import (
     load_stored_weights,
@@ -406,6 +408,9 @@ def validate_model(source: str | os.PathLike | None) -> ModelConfig:
         As `load_model`.
     """
     config = model_config(source)
+    # Refused before any allocation: a model that would not fit this machine's memory even
+    # at one byte per parameter (the smallest dtype a target loads in).
+    check_fits_memory(config.n_params, source or "the default model", "the model's weights")
     if not is_tiny_random_spec(source) and is_hf_dir(source):
         load_tokenizer(source)
     return config
