@@ -35,9 +35,10 @@ class HttpLimits:
             headers, else 408 (a client trickling its body holds a connection).
         header_timeout_s: a connection must complete a request's headers within this many
             seconds of opening (or of its previous response), else it is closed (slowloris).
-        max_connections: HTTP connections held at once; one more is answered 503 and closed
-            at once (idle connections count: each holds a file descriptor in the process
-            that also serves gRPC).
+        max_connections: HTTP connections held at once. One more first closes an idle one
+            (of the peer holding the most, the longest idle), and is answered 503 and closed
+            at once only when all are busy (idle connections count: each holds a file
+            descriptor in the process that also serves gRPC).
         max_connections_per_peer: HTTP connections one client IP address may hold at once
             (0: no per-peer cap); one more is answered 429 and closed at once, so one peer's
             idle connections cannot take the whole ``max_connections`` from everyone else.
@@ -152,20 +153,30 @@ def _protocol_class(limits: HttpLimits):
                 h11.Data(data=data), h11.EndOfMessage()]
 
     per_peer: dict[str, int] = {}  # open connections by client IP, this server's
+    evicted: set = set()  # idle connections closed for room, until connection_lost
 
     class GuardedH11Protocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
         _peer: str | None = None
+        _idle_since: float = 0.0
+
+        @property
+        def busy(self) -> bool:
+            """Whether a request is in progress (its headers are in, its response is not
+            complete): a connection that is not busy is idle, and may be closed for room."""
+            return self.cycle is not None and not self.cycle.response_complete
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             peer = transport.get_extra_info("peername")
             # Counted from here to connection_lost (asyncio calls it once for each).
             self._peer = peer[0] if isinstance(peer, tuple) and peer else "?"
+            self._idle_since = self.loop.time()
             per_peer[self._peer] = per_peer.get(self._peer, 0) + 1
-            if len(self.connections) > limits.max_connections:
+            if len(self.connections) - len(evicted) > limits.max_connections and (
+                    not self._evict_idle()):
                 self._refuse(503, b"Service Unavailable", unavailable(
-                    f"too many connections (at most {limits.max_connections})"))
+                    f"too many connections (at most {limits.max_connections}, all busy)"))
                 return
             cap = limits.max_connections_per_peer
             if cap and per_peer[self._peer] > cap:
@@ -174,6 +185,23 @@ def _protocol_class(limits: HttpLimits):
                          f"address)", "rate_limit_error", code="too_many_connections"))
                 return
             self._arm_header_timer()
+
+        def _evict_idle(self) -> bool:
+            """Closes one idle connection to make room for this one: of the peer holding the
+            most connections, the one idle longest. False when every other one is busy.
+
+            So idle keep-alive sockets never lock a new client out: however few addresses
+            hold them, a connection is refused 503 only when ``max_connections`` others are
+            serving requests (docs/http-api.md)."""
+            idle = [c for c in self.connections
+                    if c is not self and c not in evicted and not c.busy
+                    and not c.transport.is_closing()]
+            if not idle:
+                return False
+            victim = min(idle, key=lambda c: (-per_peer.get(c._peer, 0), c._idle_since))
+            evicted.add(victim)
+            victim.transport.close()
+            return True
 
         def _refuse(self, status: int, reason: bytes, exc: ApiError) -> None:
             # Answered before any request: the client reads it when it sends one.
@@ -204,11 +232,13 @@ def _protocol_class(limits: HttpLimits):
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._idle_since = self.loop.time()
             if not self.transport.is_closing():
                 self._arm_header_timer()  # the next request's headers
 
         def connection_lost(self, exc) -> None:
             self._disarm_header_timer()
+            evicted.discard(self)
             if self._peer is not None:
                 left = per_peer.pop(self._peer) - 1
                 if left:
@@ -257,6 +287,10 @@ class _Server:
                 self.task.result()  # raises what stopped it
                 raise RuntimeError("the HTTP server stopped while starting")
             await asyncio.sleep(0.01)
+
+    def busy_connections(self) -> int:
+        """Connections serving a request now (the rest are idle keep-alive ones)."""
+        return sum(1 for c in self.server.server_state.connections if getattr(c, "busy", 0))
 
     async def stop(self) -> None:
         self.server.should_exit = True

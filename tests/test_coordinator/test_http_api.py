@@ -555,6 +555,17 @@ def _limited_server(service, **limits):
     return service.call(start_http_server(api))
 
 
+def _closed_by_server(sock, wait_s: float = 0.5) -> bool:
+    """Whether the server closed ``sock`` (which sent nothing): EOF within ``wait_s``."""
+    sock.settimeout(wait_s)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+
+
 def _read_until_closed(sock, deadline_s: float = 20.0) -> bytes:
     """Everything the server sends until it closes the connection (or the deadline)."""
     sock.settimeout(deadline_s)
@@ -624,17 +635,58 @@ def test_slow_headers_are_cut_and_connections_are_capped(service):
     finally:
         service.call(server.stop())
     server, port = _limited_server(service, max_connections=3)
-    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+               + TOKEN.encode() + b"\r\nContent-Type: application/json\r\n"
+               b"Content-Length: 100\r\n\r\n{")  # a body that keeps the request open
+    busy = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
     try:
-        # Idle connections count: three are held, the fourth is answered 503 and closed.
+        for s in busy:
+            s.sendall(request)
+        wait_until(lambda: server.busy_connections() == 3, 20, "three requests in progress")
+        # Three connections serving requests: the fourth is answered 503 and closed.
         refused = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
         assert refused.status_code == 503
         assert "too many connections" in refused.json()["error"]["message"]
-        idle.pop().close()
+        busy.pop().close()
         wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200,
                    20, "the server noticing the closed connection")  # it does asynchronously
     finally:
-        for s in idle:
+        for s in busy:
+            s.close()
+        service.call(server.stop())
+
+
+def test_idle_connections_from_a_few_addresses_cannot_lock_a_new_client_out(service):
+    # Issue 39: 4 addresses x 64 idle sockets filled the 256 connections and a fifth address
+    # got 503. Scaled down: 4 addresses x 2 idle sockets fill 8; a fresh address is served
+    # (an idle socket of the most-connected peer is closed for it), and so is one more from
+    # an address that already holds some.
+    import socket
+
+    server, port = _limited_server(service, max_connections=8, max_connections_per_peer=3,
+                                   header_timeout_s=120)
+    held = []
+    try:
+        for peer in range(2, 6):
+            for _ in range(2):
+                s = socket.socket()
+                s.bind((f"127.0.0.{peer}", 0))
+                s.connect(("127.0.0.1", port))
+                held.append(s)
+        wait_until(lambda: len(server.server.server_state.connections) == 8, 20,
+                   "the server holding the 8 idle connections")
+        for address in ("127.0.0.9", "127.0.0.2"):
+            fresh = socket.socket()
+            fresh.bind((address, 0))
+            fresh.connect(("127.0.0.1", port))
+            with fresh:
+                fresh.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                assert _read_until_closed(fresh).startswith(b"HTTP/1.1 200")
+        # Room was made by closing idle sockets, never more than needed at a time.
+        closed = sum(_closed_by_server(s) for s in held)
+        assert 1 <= closed <= 2
+    finally:
+        for s in held:
             s.close()
         service.call(server.stop())
 
