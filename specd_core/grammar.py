@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -316,11 +317,12 @@ def grammar_tokenizer(tokenizer, vocab_size: int, eos_token_id: int | None = Non
     eos = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
     if eos is None:
         raise GrammarError("structured output needs a tokenizer with an EOS token")
-    try:
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        PreTrainedTokenizerFast = ()
-    if isinstance(tokenizer, PreTrainedTokenizerFast):
+    # A tokenizer made by transformers means transformers is imported already: importing it
+    # here for the isinstance check would hold the GIL ~0.7 s, stalling the event loop, at a
+    # server's first constraint.
+    transformers = sys.modules.get("transformers")
+    fast = getattr(transformers, "PreTrainedTokenizerFast", None) if transformers else None
+    if fast is not None and isinstance(tokenizer, fast):
         import llguidance.hf
 
         return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=int(eos))
