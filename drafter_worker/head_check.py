@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from specd_core.config_check import check_config_sizes, check_fits_memory
@@ -52,13 +53,38 @@ def _safetensors_bytes(path: Path) -> int:
     return total
 
 
+def _check_pickle(path: Path) -> None:
+    """Unpickles a ``.bin`` with ``weights_only=True`` (nothing in it runs).
+
+    Raises:
+        ValueError: anything but plain tensors, naming the file and what the unpickler
+            refused (its one reason line, not its advice).
+    """
+    import torch
+
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - whatever the unpickler refuses, named
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
+                 for line in str(exc).splitlines() if line.strip()]
+        reason = next((line.split("error:", 1)[1].strip() for line in lines
+                       if "Unpickler error:" in line), lines[0] if lines else type(exc).__name__)
+        reason = reason.split(". ")[0]  # the reason, not torch's advice on allowlisting
+        raise ValueError(f"{path}: refused: not a plain tensor checkpoint (read with "
+                         f"weights_only=True, nothing in it ran): {reason}") from None
+
+
 def _weights_bytes(directory: Path) -> int:
     from .eagle3 import _weight_files
 
     kind, files = _weight_files(directory)
     if kind == "safetensors":
         return sum(_safetensors_bytes(f) for f in files)
-    return sum(f.stat().st_size for f in files)  # a pickle: its tensors are its bytes
+    total = sum(f.stat().st_size for f in files)  # a pickle: its tensors are its bytes
+    check_fits_memory(total, directory, "the head's tensors")
+    for f in files:
+        _check_pickle(f)
+    return total
 
 
 def _named(exc: BaseException, where: Path | str) -> ValueError:

@@ -59,6 +59,7 @@ def test_a_pickle_head_with_more_than_tensors_is_refused_naming_the_file(tmp_pat
                head / "pytorch_model.bin")
     line = refused(capsys, head)
     assert f"{head / 'pytorch_model.bin'}: refused: not a plain tensor checkpoint" in line
+    assert "argparse.Namespace" in line and "\x1b" not in line, line
 
 
 def argparse_namespace():
