@@ -77,6 +77,21 @@ class ReplicaUnavailable(RequestError):
     code = "UNAVAILABLE"
 
 
+class RateLimited(RequestError):
+    """The client sent more than its share of something costly (refused constraints,
+    `coordinator.refusals.RefusalBudget`); a retry after ``retry_after_s`` may succeed.
+
+    Attributes:
+        retry_after_s: seconds until a retry can succeed.
+    """
+
+    code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class ServiceStopping(RequestError):
     """The service is shutting down."""
 
@@ -90,5 +105,6 @@ def client_status(exc: BaseException) -> tuple[str, str]:
     return "INTERNAL", "generation failed: internal error (the server log has the details)"
 
 
-__all__ = ["REPLICA_FAILED", "REQUEST_FAILED", "ReplicaUnavailable", "RequestError",
+__all__ = ["REPLICA_FAILED", "REQUEST_FAILED", "RateLimited", "ReplicaUnavailable",
+           "RequestError",
            "RequestFailed", "RequestInvalid", "ServiceStopping", "client_status", "literal"]

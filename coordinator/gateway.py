@@ -48,11 +48,22 @@ from .generation_request import (
     text_bytes,
     top_count,
 )
+from .refusals import RefusalBudget
 from .scheduler import Scheduler, ServiceRequest
 from .tenants import partition_of
 from .tool_calls import ChatTools
 
 log = logging.getLogger(__name__)
+
+def _constraint_field(request) -> str | None:
+    """The field a request's constraint came in (None: no constraint), for a
+    `GenerationRequest` or a front end's own message (gRPC's ``GenerateRequest``, whose field is
+    ``constraint``)."""
+    if isinstance(request, GenerationRequest):
+        return None if request.constraint is None else request.constraint.field
+    has = getattr(request, "HasField", None)
+    return "constraint" if has is not None and has("constraint") else None
+
 
 def speculation_counters(result: SpeculativeDecodeResult, drafter_failures: int) -> dict:
     """A finished request's speculation counters, by the names both APIs report them under
@@ -191,6 +202,8 @@ class Gateway:
         self.grammars = GrammarCompiler(tokenizer, vocab_size)
         #: ``tool_choice: "auto"``: the model's tool-call format and prompt rendering.
         self.tools = ChatTools(tokenizer, tool_call_parser)
+        #: Refused constraints count against their tenant (`coordinator.refusals`).
+        self.refusals = RefusalBudget()
         self._draining = False
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -448,8 +461,18 @@ class Gateway:
         except ValueError as exc:
             why = str(exc).removeprefix("cache_salt: ")
             raise RequestInvalid("{field}: " + literal(why), "cache_salt") from exc
-        prompt, options, speculate, max_draft_len = await self._parse(
-            request, default_max_new_tokens)
+        constraint = _constraint_field(request)
+        if constraint is not None:  # a client out of refusals compiles nothing more
+            self.refusals.check(tenant, constraint)
+        try:
+            prompt, options, speculate, max_draft_len = await self._parse(
+                request, default_max_new_tokens)
+        except RequestInvalid as exc:
+            cause = exc.__cause__
+            if (constraint is not None and isinstance(cause, GrammarError)
+                    and not getattr(cause, "cached", False)):  # a compile that failed
+                self.refusals.charge(tenant)
+            raise
         reqs: list[ServiceRequest] = []
         try:
             for i in range(n):

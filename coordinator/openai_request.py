@@ -337,6 +337,8 @@ def request_error(exc: RequestError, max_name: str, chat: bool) -> ApiError:
         return ApiError(400, message)
     if code == "UNAVAILABLE":
         return unavailable(message)
+    if code == "RESOURCE_EXHAUSTED":
+        return ApiError(429, message, "rate_limit_error", code="rate_limit_exceeded")
     return ApiError(500, message, "server_error", code="internal_error")
 
 

@@ -7,10 +7,11 @@ against a `specd serve` with both APIs:
 Per API (HTTP, then gRPC), the victim runs ``--streams`` unconstrained streamed requests in a
 loop, first alone for ``--seconds`` (quiet), then while an attacker sends ``--attacks``
 distinct heavy constraints (default regexes ``y{2000000+i}``, a counted repetition whose
-automaton explodes), ``--concurrency`` at a time, until all are answered (and at least
-``--seconds``). It prints, per phase, the victim's finished streams per second and its longest
-gap between two chunks of one stream (or before the first), and the attacker's answers
-(status counts, slowest seconds). Targets (issue 39): under attack >= 80% of the quiet rate,
+automaton explodes), ``--concurrency`` at a time, and goes on with new distinct ones until
+``--seconds`` have passed too. It prints, per phase, the victim's finished streams per second
+and its longest gap between two chunks of one stream (or before the first), over the quiet
+window and over exactly the attack's span, and the attacker's answers (status counts,
+slowest seconds, constraints sent). Targets (issue 39): under attack >= 80% of the quiet rate,
 longest gap <= 2x quiet. Run both phases in the same conditions: on a shared machine the
 absolute numbers move, the ratio is what counts.
 """
@@ -92,20 +93,23 @@ def grpc_sender(stub, pb2, max_tokens: int):
     return send
 
 
-def attack(send_one, n: int, concurrency: int) -> tuple[collections.Counter, float]:
-    """Sends ``n`` distinct constraints, ``concurrency`` at a time: (answers by status,
-    slowest answer seconds)."""
+def attack(send_one, n: int, concurrency: int, seconds: float
+           ) -> tuple[collections.Counter, float, int]:
+    """Sends distinct constraints, ``concurrency`` at a time, until ``n`` are answered and
+    ``seconds`` have passed: (answers by status, slowest answer seconds, constraints sent)."""
     statuses: collections.Counter = collections.Counter()
     slowest = [0.0]
     lock = threading.Lock()
-    todo = list(range(n))
+    sent = [0]
+    until = time.perf_counter() + seconds
 
     def worker() -> None:
         while True:
             with lock:
-                if not todo:
+                if sent[0] >= n and time.perf_counter() >= until:
                     return
-                i = todo.pop(0)
+                i = sent[0]
+                sent[0] += 1
             began = time.perf_counter()
             status = send_one(i)
             with lock:
@@ -117,23 +121,24 @@ def attack(send_one, n: int, concurrency: int) -> tuple[collections.Counter, flo
         t.start()
     for t in threads:
         t.join()
-    return statuses, slowest[0]
+    return statuses, slowest[0], sent[0]
 
 
 def phase(name: str, victim: Victim, seconds: float, run_attack=None) -> dict:
+    """The victim's figures over ``seconds`` (quiet), or over exactly the attack's span."""
     t0 = time.perf_counter()
     answers = None
     if run_attack is not None:
         answers = run_attack()
-    left = seconds - (time.perf_counter() - t0)
-    if left > 0:
-        time.sleep(left)  # a measuring window, not a wait for a race
+    else:
+        time.sleep(seconds)  # a measuring window, not a wait for a race
     t1 = time.perf_counter()
     rate, gap = victim.window(t0, t1)
     out = {"phase": name, "seconds": round(t1 - t0, 2), "streams_per_s": round(rate, 2),
            "longest_gap_s": round(gap, 3)}
     if answers is not None:
-        out["attacker"] = {"answers": dict(answers[0]), "slowest_s": round(answers[1], 3)}
+        out["attacker"] = {"answers": dict(answers[0]), "slowest_s": round(answers[1], 3),
+                           "constraints": answers[2]}
     return out
 
 
@@ -146,7 +151,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--attacks", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=2)
-    p.add_argument("--regex", default="y{%d}", help="%%d gets 2000000 + i (gRPC: 2001000 + i)")
+    p.add_argument("--regex", default="y{%d}", help="%%d gets 2000000 + i (gRPC: 2100000 + i)")
     p.add_argument("--apis", default="http,grpc")
     p.add_argument("--warmup", type=float, default=3.0,
                    help="seconds the victim runs before the quiet window (first-use costs)")
@@ -156,7 +161,7 @@ def main() -> None:
     model = http.get("/v1/models").json()["data"][0]["id"]
     results = []
     for k, api in enumerate(args.apis.split(",")):
-        base = 2000000 + 1000 * k  # each API's attack compiles constraints of its own
+        base = 2000000 + 100000 * k  # each API's attack compiles constraints of its own
         if api == "http":
             send = http_sender(http, model, args.max_tokens)
 
@@ -187,7 +192,8 @@ def main() -> None:
             time.sleep(args.warmup)  # first-use costs out of the quiet window
             quiet = phase("quiet", victim, args.seconds)
             loud = phase("attack", victim, args.seconds,
-                         lambda: attack(send_one, args.attacks, args.concurrency))
+                         lambda: attack(send_one, args.attacks, args.concurrency,
+                                        args.seconds))
         finally:
             victim.stop()
         for row in (quiet, loud):

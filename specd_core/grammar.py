@@ -701,7 +701,9 @@ class GrammarCompiler:
             if refused is not None:
                 self._refused.move_to_end(key)
                 self.refused_hits += 1
-                raise GrammarError(f"{field}: {refused}")
+                error = GrammarError(f"{field}: {refused}")
+                error.cached = True  # answered without compiling (costs the client nothing)
+                raise error
         return None
 
     def _keep(self, table: OrderedDict, key: str, value) -> None:

@@ -333,3 +333,40 @@ def test_completions_take_the_same_constraints(client):
     out = client.completions.create(model=MODEL, prompt="x", max_tokens=120, temperature=0,
                                     extra_body={"response_format": RESPONSE_FORMAT})
     jsonschema.validate(json.loads(out.choices[0].text), SCHEMA)
+
+
+def test_refused_constraints_count_against_their_client(service, client):
+    import grpc
+
+    from coordinator.refusals import RefusalBudget
+
+    now = [0.0]
+    saved = service.servicer.refusals
+    service.servicer.refusals = RefusalBudget(burst=2, per_second=1.0, clock=lambda: now[0])
+    try:
+        def heavy(i):
+            return {"extra_body": {"structured_outputs": {"regex": f"y{{{400000 + i}}}"}}}
+
+        for i in range(2):  # two compiles refused: the bucket is empty
+            with pytest.raises(openai.BadRequestError):
+                chat(client, **heavy(i))
+        with pytest.raises(openai.RateLimitError) as info:  # not compiled at all
+            chat(client, **heavy(2))
+        assert "too many refused constraints" in info.value.body["message"]
+        req = generation_pb2.GenerateRequest(text="hi", max_new_tokens=4)
+        req.constraint.regex = "y{400003}"
+        channel, stub = service.stub()
+        with channel:
+            with pytest.raises(grpc.RpcError) as rpc:
+                stub.GenerateUnary(req, timeout=60)
+        assert rpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Requests without a constraint are untouched; a refusal from the cache costs
+        # nothing; and the bucket refills with time.
+        assert chat(client, max_tokens=3).choices[0].finish_reason == "length"
+        now[0] += 1.0
+        with pytest.raises(openai.BadRequestError):
+            chat(client, **heavy(0))  # refused from the cache: the refill is still there
+        out = chat(client, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+        assert out.choices[0].message.content in ("yes", "no")
+    finally:
+        service.servicer.refusals = saved
