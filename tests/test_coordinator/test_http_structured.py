@@ -370,3 +370,20 @@ def test_refused_constraints_count_against_their_client(service, client):
         assert out.choices[0].message.content in ("yes", "no")
     finally:
         service.servicer.refusals = saved
+
+
+def test_a_big_body_is_read_off_the_event_loop_with_the_same_answers(client):
+    from coordinator.http_api import BIG_BODY_BYTES
+
+    # Over BIG_BODY_BYTES: parsed in a worker thread (a multi-megabyte schema must not
+    # stall other streams), answered as a small body is.
+    huge = {"enum": ["x" * 100 + str(i) for i in range(3000)]}
+    assert len(json.dumps(huge)) > BIG_BODY_BYTES
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, response_format={"type": "json_schema",
+                                       "json_schema": {"name": "x", "schema": huge}})
+    assert info.value.body["param"] == "response_format"
+    assert "the constraint is over" in info.value.body["message"]
+    padded = [{"role": "system", "content": " " * BIG_BODY_BYTES}, *MESSAGES]
+    out = chat(client, messages=padded, max_tokens=3, temperature=0)
+    assert out.choices[0].finish_reason == "length"

@@ -610,7 +610,13 @@ def test_a_head_path_for_a_drafter_without_a_head_is_refused(tmp_path):
     head.write_bytes(b"")
     with pytest.raises(ValueError, match="drafter_path=.*prompt-lookup"):
         check_drafter("prompt-lookup", drafter_path=str(head))
-    check_drafter("eagle", drafter_path=str(head))  # the same path is fine where a head is used
+    # Where a head is used, the file is opened and read before anything starts: an empty
+    # one is refused naming it; a real head passes.
+    with pytest.raises(ValueError, match=f"{head}: not a readable safetensors file"):
+        check_drafter("eagle", drafter_path=str(head))
+    from drafter_worker.eagle import DEFAULT_HEAD
+
+    check_drafter("eagle", drafter_path=DEFAULT_HEAD)
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
