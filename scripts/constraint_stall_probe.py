@@ -7,13 +7,13 @@ against a `specd serve` with both APIs:
 Per API (HTTP, then gRPC), the victim runs ``--streams`` unconstrained streamed requests in a
 loop, first alone for ``--seconds`` (quiet), then while an attacker sends ``--attacks``
 distinct heavy constraints (default regexes ``y{2000000+i}``, a counted repetition whose
-automaton explodes), ``--concurrency`` at a time, and goes on with new distinct ones until
-``--seconds`` have passed too. It prints, per phase, the victim's finished streams per second
-and its longest gap between two chunks of one stream (or before the first), over the quiet
-window and over exactly the attack's span, and the attacker's answers (status counts,
-slowest seconds, constraints sent). Targets (issue 39): under attack >= 80% of the quiet rate,
-longest gap <= 2x quiet. Run both phases in the same conditions: on a shared machine the
-absolute numbers move, the ratio is what counts.
+automaton explodes), ``--concurrency`` at a time (with ``--sustain`` it goes on with new
+distinct ones until ``--seconds`` have passed). It prints, per phase, the victim's finished
+streams per second and its longest gap between two chunks of one stream (or before the
+first), over the quiet window and over exactly the attack's span, and the attacker's
+answers (status counts, slowest seconds, constraints sent). Targets (issue 39): under attack
+>= 80% of the quiet rate, longest gap <= 2x quiet. Run both phases in the same conditions:
+on a shared machine the absolute numbers move, the ratio is what counts.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import random
 import threading
 import time
 
@@ -65,11 +66,13 @@ class Victim:
             except Exception:  # counted, not fatal: the probe measures what gets through
                 self.errors += 1
 
-    def window(self, t0: float, t1: float) -> tuple[float, float]:
-        """(finished streams per second, longest gap seconds) in ``[t0, t1]``."""
+    def window(self, t0: float, t1: float) -> tuple[float, float, float]:
+        """(finished streams per second, chunks per second, longest gap seconds) in
+        ``[t0, t1]`` (chunks: finer-grained than streams over a short window)."""
+        span = max(t1 - t0, 1e-9)
         n = sum(t0 <= t <= t1 for t in self.done)
-        gap = max((g for t, g in self.gaps if t0 <= t <= t1), default=float("nan"))
-        return n / max(t1 - t0, 1e-9), gap
+        inside = [g for t, g in self.gaps if t0 <= t <= t1]
+        return n / span, len(inside) / span, max(inside, default=float("nan"))
 
 
 def http_sender(http, model: str, max_tokens: int):
@@ -133,9 +136,9 @@ def phase(name: str, victim: Victim, seconds: float, run_attack=None) -> dict:
     else:
         time.sleep(seconds)  # a measuring window, not a wait for a race
     t1 = time.perf_counter()
-    rate, gap = victim.window(t0, t1)
+    rate, chunks, gap = victim.window(t0, t1)
     out = {"phase": name, "seconds": round(t1 - t0, 2), "streams_per_s": round(rate, 2),
-           "longest_gap_s": round(gap, 3)}
+           "chunks_per_s": round(chunks, 1), "longest_gap_s": round(gap, 3)}
     if answers is not None:
         out["attacker"] = {"answers": dict(answers[0]), "slowest_s": round(answers[1], 3),
                            "constraints": answers[2]}
@@ -151,8 +154,12 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--attacks", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=2)
-    p.add_argument("--regex", default="y{%d}", help="%%d gets 2000000 + i (gRPC: 2100000 + i)")
+    p.add_argument("--regex", default="y{%d}",
+                   help="%%d gets a base (random per run and API, 2000000 to 3000000) + i")
     p.add_argument("--apis", default="http,grpc")
+    p.add_argument("--sustain", action="store_true",
+                   help="the attacker goes on with new distinct constraints until --seconds "
+                        "have passed (default: exactly --attacks constraints)")
     p.add_argument("--warmup", type=float, default=3.0,
                    help="seconds the victim runs before the quiet window (first-use costs)")
     args = p.parse_args()
@@ -161,7 +168,8 @@ def main() -> None:
     model = http.get("/v1/models").json()["data"][0]["id"]
     results = []
     for k, api in enumerate(args.apis.split(",")):
-        base = 2000000 + 100000 * k  # each API's attack compiles constraints of its own
+        # Constraints of this run's own (none in the server's compile cache): each API's.
+        base = 2000000 + 2000 * random.randrange(500) + 1000 * k
         if api == "http":
             send = http_sender(http, model, args.max_tokens)
 
@@ -193,7 +201,7 @@ def main() -> None:
             quiet = phase("quiet", victim, args.seconds)
             loud = phase("attack", victim, args.seconds,
                          lambda: attack(send_one, args.attacks, args.concurrency,
-                                        args.seconds))
+                                        args.seconds if args.sustain else 0.0))
         finally:
             victim.stop()
         for row in (quiet, loud):
@@ -201,6 +209,8 @@ def main() -> None:
             print(json.dumps(results[-1]), flush=True)
         print(json.dumps({"api": api, "rate_ratio": round(
             loud["streams_per_s"] / max(quiet["streams_per_s"], 1e-9), 3),
+            "chunk_rate_ratio": round(loud["chunks_per_s"] / max(quiet["chunks_per_s"], 1e-9),
+                                      3),
             "gap_ratio": round(loud["longest_gap_s"] / max(quiet["longest_gap_s"], 1e-9), 2),
             "victim_errors": victim.errors}), flush=True)
 

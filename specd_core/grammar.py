@@ -32,12 +32,14 @@ as llguidance and xgrammar lay them out.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -646,16 +648,28 @@ class GrammarMatcher:
                                   " (the output so far leaves no valid continuation)"))
 
 
+def _lower_priority() -> None:
+    """Lowers the calling thread's CPU priority by 10 nice levels (Linux: a thread is a task
+    with its own nice value), so compiling yields the CPU to the scheduler and the streams;
+    a no-op where that is not possible."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 10))
+    except (AttributeError, OSError):
+        pass
+
+
 class GrammarCompiler:
     """Compiles `GrammarSpec` s for one tokenizer, with a bounded LRU cache by
     `GrammarSpec.key` (thread-safe: the service compiles in worker threads, off its event
     loop). The llguidance tokenizer is built on first use (~1 s for a Hugging Face one).
 
     Refusals are cached too (the same bounded size): a client repeating a constraint that
-    failed gets the same `GrammarError` without a second compile. At most ``max_concurrent``
-    compiles (each with its admission probe, `Grammar.probe`) run at once, the others wait:
-    however many constraints arrive together, compiling holds at most that many cores, and
-    the scheduler and the other requests keep the rest.
+    failed gets the same `GrammarError` without a second compile. Compiles (each with its
+    admission probe, `Grammar.probe`) run on ``max_concurrent`` threads of their own, 10 nice
+    levels below the process (`_lower_priority`), the callers waiting: however many
+    constraints arrive together, compiling holds at most that many cores, and yields them to
+    the scheduler and the other requests' streams.
 
     Args:
         tokenizer: the model's tokenizer.
@@ -678,7 +692,9 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._refused: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
-        self._compiling = threading.Semaphore(max_concurrent)
+        # Compiles run on these threads, at a lower CPU priority than the rest of the process.
+        self._pool = ThreadPoolExecutor(max_concurrent, thread_name_prefix="specd-compile",
+                                        initializer=_lower_priority)
         #: Compiles done / answered from the cache / refusals answered from the cache.
         self.compiled = 0
         self.hits = 0
@@ -726,16 +742,23 @@ class GrammarCompiler:
         if hit is not None:
             return hit
         ll = self.ll_tokenizer()
-        with self._compiling:
+        grammar = self._pool.submit(self._compile, spec, key, ll).result()
+        if not isinstance(grammar, Grammar):  # a refusal (raised here, in the caller's thread)
+            raise grammar
+        return grammar
+
+    def _compile(self, spec: GrammarSpec, key: str, ll) -> Grammar | GrammarError:
+        """On a compile thread: the grammar (kept in the cache) or its refusal (kept too)."""
+        try:
             hit = self._cached(key, spec.field)  # compiled while this one waited
             if hit is not None:
                 return hit
-            try:
-                grammar = Grammar(spec, ll, self.vocab_size)
-            except GrammarError as exc:
+            grammar = Grammar(spec, ll, self.vocab_size)
+        except GrammarError as exc:
+            if not getattr(exc, "cached", False):
                 # Kept without the field: the same constraint may come in another one.
                 self._keep(self._refused, key, str(exc).removeprefix(f"{spec.field}: "))
-                raise
+            return exc
         with self._lock:
             self.compiled += 1
         self._keep(self._cache, key, grammar)
