@@ -5,7 +5,8 @@ against a `specd serve` with both APIs:
     python scripts/constraint_stall_probe.py --url http://127.0.0.1:8000 --grpc 127.0.0.1:50051
 
 Per API (HTTP, then gRPC), the victim runs ``--streams`` unconstrained streamed requests in a
-loop, first alone for ``--seconds`` (quiet), then while an attacker sends ``--attacks``
+loop; ``--rounds`` times, it runs alone for ``--seconds`` (quiet), then while an attacker sends
+``--attacks``
 distinct heavy constraints (default regexes ``y{2000000+i}``, a counted repetition whose
 automaton explodes), ``--concurrency`` at a time (with ``--sustain`` it goes on with new
 distinct ones until ``--seconds`` have passed). It prints, per phase, the victim's finished
@@ -66,13 +67,15 @@ class Victim:
             except Exception:  # counted, not fatal: the probe measures what gets through
                 self.errors += 1
 
-    def window(self, t0: float, t1: float) -> tuple[float, float, float]:
-        """(finished streams per second, chunks per second, longest gap seconds) in
-        ``[t0, t1]`` (chunks: finer-grained than streams over a short window)."""
-        span = max(t1 - t0, 1e-9)
-        n = sum(t0 <= t <= t1 for t in self.done)
-        inside = [g for t, g in self.gaps if t0 <= t <= t1]
-        return n / span, len(inside) / span, max(inside, default=float("nan"))
+    def spans(self, spans: list[tuple[float, float]]) -> dict:
+        """The figures over several windows together: seconds, finished streams and chunks
+        per second, longest gap."""
+        total = sum(t1 - t0 for t0, t1 in spans)
+        n = sum(any(t0 <= t <= t1 for t0, t1 in spans) for t in self.done)
+        inside = [g for t, g in self.gaps if any(t0 <= t <= t1 for t0, t1 in spans)]
+        return {"seconds": round(total, 2), "streams_per_s": round(n / max(total, 1e-9), 2),
+                "chunks_per_s": round(len(inside) / max(total, 1e-9), 1),
+                "longest_gap_s": round(max(inside, default=float("nan")), 3)}
 
 
 def http_sender(http, model: str, max_tokens: int):
@@ -127,36 +130,20 @@ def attack(send_one, n: int, concurrency: int, seconds: float
     return statuses, slowest[0], sent[0]
 
 
-def phase(name: str, victim: Victim, seconds: float, run_attack=None) -> dict:
-    """The victim's figures over ``seconds`` (quiet), or over exactly the attack's span."""
-    t0 = time.perf_counter()
-    answers = None
-    if run_attack is not None:
-        answers = run_attack()
-    else:
-        time.sleep(seconds)  # a measuring window, not a wait for a race
-    t1 = time.perf_counter()
-    rate, chunks, gap = victim.window(t0, t1)
-    out = {"phase": name, "seconds": round(t1 - t0, 2), "streams_per_s": round(rate, 2),
-           "chunks_per_s": round(chunks, 1), "longest_gap_s": round(gap, 3)}
-    if answers is not None:
-        out["attacker"] = {"answers": dict(answers[0]), "slowest_s": round(answers[1], 3),
-                           "constraints": answers[2]}
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--grpc", default="127.0.0.1:50051")
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--attacks", type=int, default=24)
     p.add_argument("--concurrency", type=int, default=2)
     p.add_argument("--regex", default="y{%d}",
                    help="%%d gets a base (random per run and API, 2000000 to 3000000) + i")
     p.add_argument("--apis", default="http,grpc")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="quiet window then attack, this many times (figures pooled)")
     p.add_argument("--sustain", action="store_true",
                    help="the attacker goes on with new distinct constraints until --seconds "
                         "have passed (default: exactly --attacks constraints)")
@@ -166,7 +153,6 @@ def main() -> None:
     http = httpx.Client(base_url=args.url, timeout=120,
                         limits=httpx.Limits(max_connections=args.streams + args.concurrency + 2))
     model = http.get("/v1/models").json()["data"][0]["id"]
-    results = []
     for k, api in enumerate(args.apis.split(",")):
         # Constraints of this run's own (none in the server's compile cache): each API's.
         base = 2000000 + 2000 * random.randrange(500) + 1000 * k
@@ -196,24 +182,29 @@ def main() -> None:
                 except grpc.RpcError as exc:
                     return exc.code().name
         victim = Victim(send, args.streams).start()
+        quiet_spans, loud_spans, answers = [], [], collections.Counter()
         try:
             time.sleep(args.warmup)  # first-use costs out of the quiet window
-            quiet = phase("quiet", victim, args.seconds)
-            loud = phase("attack", victim, args.seconds,
-                         lambda: attack(send_one, args.attacks, args.concurrency,
-                                        args.seconds if args.sustain else 0.0))
+            for r in range(args.rounds):  # quiet and attack alternate: the same conditions
+                t0 = time.perf_counter()
+                time.sleep(args.seconds)  # a measuring window, not a wait for a race
+                t1 = time.perf_counter()
+                got = attack(lambda i, r=r: send_one(r * args.attacks + i), args.attacks,
+                             args.concurrency, args.seconds if args.sustain else 0.0)
+                quiet_spans.append((t0, t1))
+                loud_spans.append((t1, time.perf_counter()))
+                answers.update(got[0])
         finally:
             victim.stop()
-        for row in (quiet, loud):
-            results.append({"api": api, **row})
-            print(json.dumps(results[-1]), flush=True)
+        quiet, loud = victim.spans(quiet_spans), victim.spans(loud_spans)
+        print(json.dumps({"api": api, "rounds": args.rounds, "quiet": quiet, "attack": loud,
+                          "attacker_answers": dict(answers)}), flush=True)
         print(json.dumps({"api": api, "rate_ratio": round(
             loud["streams_per_s"] / max(quiet["streams_per_s"], 1e-9), 3),
             "chunk_rate_ratio": round(loud["chunks_per_s"] / max(quiet["chunks_per_s"], 1e-9),
                                       3),
             "gap_ratio": round(loud["longest_gap_s"] / max(quiet["longest_gap_s"], 1e-9), 2),
             "victim_errors": victim.errors}), flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -412,8 +412,8 @@ class Grammar:
 
     def probe(self, max_tokens: int = PROBE_TOKENS, max_seconds: float = PROBE_SECONDS) -> int:
         """Walks one output from the grammar's start, as generation would, on a copy: at
-        each step the mask; then the grammar's forced tokens, or where it leaves a choice the
-        lowest allowed id (never EOS). Stops at a complete output (EOS allowed), after
+        each step the mask, then its lowest allowed id (the forced token where the grammar
+        forces one; never EOS). Stops at a complete output (EOS allowed), after
         ``max_tokens`` tokens or ``max_seconds`` (a walk that did not fail by then proves
         nothing either way). Every mask is computed natively without the GIL.
 
@@ -452,15 +452,11 @@ class Grammar:
                                    "model's tokenizer continues")
             if m.stopped or bitmask_allows(row, self.eos_token_id):
                 return walked
-            forced = m._m.compute_ff_tokens()
-            if m._m.is_error():
+            # The lowest allowed id: the forced token where there is one. (Masks only:
+            # llguidance computes them without the GIL; its compute_ff_tokens holds it.)
+            if not m._m.consume_token(int(_allowed_ids(row, self.vocab_size)[0])):
                 raise failed(_reason(m._m.get_error()))
-            step = forced[: max_tokens - walked] if forced else [
-                int(_allowed_ids(row, self.vocab_size)[0])]
-            for token in step:
-                if not m._m.consume_token(token):
-                    raise failed(_reason(m._m.get_error()))
-            walked += len(step)
+            walked += 1
         return walked
 
     def matcher(self) -> GrammarMatcher:
