@@ -797,9 +797,9 @@ def test_registry_builds_and_checks_eagle3_heads(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="suffix_cache_requests"):
         check_drafter("eagle3", drafter_path=str(path), suffix_cache_requests=3)
     # The default head moved away (an install without it): a clear error.
-    import drafter_worker.eagle3 as eagle3
+    import drafter_worker.eagle3.loading as loading
 
-    monkeypatch.setattr(eagle3, "DEFAULT_EAGLE3_HEAD", tmp_path / "not-shipped")
+    monkeypatch.setattr(loading, "DEFAULT_EAGLE3_HEAD", tmp_path / "not-shipped")
     with pytest.raises(FileNotFoundError, match="EAGLE-3 head not found: .*not-shipped .*"
                                                 "--drafter-path"):
         check_drafter("eagle3")
