@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+#: Configuration names whose flag is not the name with dashes (error messages name the flag).
+FLAG_OF = {"target_timeout_s": "--target-timeout", "target_threads": "--threads",
+           "num_threads": "--threads"}
+
 #: The --model help of the commands that load a target.
 MODEL_HELP = ("the target: a Llama-family .gguf file or a Hugging Face model directory "
               "(Llama, Mistral, Qwen2, Mixtral; config.json + safetensors + tokenizer) "

@@ -207,17 +207,17 @@ def test_status_and_scale_send_the_admin_token_from_the_environment(monkeypatch)
 
 def test_serve_flags_make_the_service_token_table(tmp_path, monkeypatch):
     from coordinator.config import ServiceConfig
-    from specd_tools import cli
+    from specd_tools import cli, commands
 
     monkeypatch.setenv("SPECD_AUTH_TOKEN", "from-env")
     args = cli.build_parser().parse_args(["serve", "--auth-token", "a", "--auth-token", "b",
                                           "--admin-token", "root"])
-    assert cli._serve_tokens(args) == ("a", "b")  # the flags replace the environment's
-    tenants = ServiceConfig(auth_token=cli._serve_tokens(args),
+    assert commands._serve_tokens(args) == ("a", "b")  # the flags replace the environment's
+    tenants = ServiceConfig(auth_token=commands._serve_tokens(args),
                             admin_token=args.admin_token).tenants()
     assert [tenants.lookup(t) for t in ("a", "b", "root", "from-env")] == [
         Tenant("key1"), Tenant("key2"), Tenant("admin", admin=True), None]
-    assert cli._serve_tokens(cli.build_parser().parse_args(["serve"])) == ("from-env",)
+    assert commands._serve_tokens(cli.build_parser().parse_args(["serve"])) == ("from-env",)
     assert ServiceConfig().tenants() is None  # no token: an open API
     with pytest.raises(ValueError, match="--auth-tokens-file"):
         ServiceConfig(auth_tokens_file=str(tmp_path / "missing"))

@@ -14,7 +14,7 @@ from service_harness import SplitCharTokenizer
 
 from coordinator.config import target_thread_counts
 from specd.v1 import generation_pb2
-from specd_tools import cli
+from specd_tools import cli, commands
 from specd_tools.client import status_table
 from target_worker.testing import load_tiny_random
 
@@ -185,7 +185,7 @@ def test_a_dead_coordinator_ends_serve_with_one_error_line(monkeypatch, capsys, 
     monkeypatch.setattr(service, "Service", _DeadCoordinatorService)
     monkeypatch.setattr(_DeadCoordinatorService, "when", when)
     monkeypatch.setattr(_DeadCoordinatorService, "stopped", [])
-    monkeypatch.setattr(cli, "COORDINATOR_CHECK_S", 0.01)
+    monkeypatch.setattr(commands, "COORDINATOR_CHECK_S", 0.01)
     monkeypatch.setattr(signal, "signal", lambda *_args: None)  # keep pytest's handlers
     assert cli.main(["serve", "--model", TINY, "--port", "0", "--http-port", "0"]) == 1
     err = capsys.readouterr().err
