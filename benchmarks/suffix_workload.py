@@ -116,7 +116,7 @@ async def _service_hit_rate(args, decoder, prompts: list[list[int]], workers: in
                             eos: int | None) -> dict:
     """The requests through an in-process service with ``workers`` drafter workers."""
     from coordinator.router import Router
-    from coordinator.scheduler import LocalTarget
+    from coordinator.targets import LocalTarget
     from drafter_worker.client import DrafterClient
     from drafter_worker.server import start_drafter_server
     from drafter_worker.suffix import SuffixDrafter

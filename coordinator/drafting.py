@@ -19,15 +19,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from specd_core.draft import DraftBlock
 
 from .adaptive import AdaptiveDraftLength, expected_tokens
-
-if TYPE_CHECKING:
-    from .scheduler import ServiceRequest
+from .requests import RunAhead, ServiceRequest
 
 #: Prompt tokens sent before each finished output to a drafter's cross-request cache
 #: (`remembered_tokens`), so the cache knows how earlier prompts ended and can draft an
@@ -48,47 +44,10 @@ def remembered_tokens(history: Sequence[int], num_prompt_tokens: int,
     prompt = history[:num_prompt_tokens]
     return [int(t) for t in prompt[-REMEMBER_PROMPT_TAIL:]] + [int(t) for t in generated]
 
-__all__ = ["DraftingPolicy", "RunAhead"]
+__all__ = ["DraftingPolicy"]
 
 # The loop's logger: drafting's warnings are the step's, filtered in one place.
 log = logging.getLogger("coordinator.scheduler")
-
-
-@dataclass(eq=False)
-class RunAhead:
-    """A run-ahead proposal in flight or done, stamped with what it assumed.
-
-    Attributes:
-        base_len: ``len(history)`` when it was launched (the history then ended in the
-            anchor of the block being verified).
-        assumed: that block's draft tokens.
-        task: the batched drafter call; its result is one `DraftBlock` per job.
-        index: this request's job in that call.
-    """
-
-    base_len: int
-    assumed: tuple[int, ...]
-    task: asyncio.Future
-    index: int
-
-    def block(self) -> DraftBlock:
-        """The proposal (empty when the call failed); only once ``task`` is done."""
-        if self.task.cancelled() or self.task.exception() is not None:
-            return DraftBlock.empty()
-        return self.task.result()[self.index]
-
-    def matches(self, history: Sequence[int]) -> bool | None:
-        """Whether ``history`` is what it assumed plus its guess: True / False once that
-        can be told (False without waiting when the assumed block was not committed whole;
-        otherwise once the call is done), None while it depends on the guess still in
-        flight."""
-        tail = history[self.base_len:]
-        if len(tail) != len(self.assumed) + 1 or tuple(tail[:-1]) != self.assumed:
-            return False
-        if not self.task.done():
-            return None
-        block = self.block()
-        return bool(len(block)) and block.tokens[0] == tail[-1]
 
 
 class DraftingPolicy:

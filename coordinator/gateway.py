@@ -49,7 +49,8 @@ from .generation_request import (
     top_count,
 )
 from .refusals import RefusalBudget
-from .scheduler import Scheduler, ServiceRequest
+from .requests import ServiceRequest
+from .scheduler import Scheduler
 from .tenants import partition_of
 from .tool_calls import ChatTools
 

@@ -36,7 +36,7 @@ from specd_core.sampling import SamplingParams
 from .errors import RequestError, RequestInvalid, client_status, literal
 from .gateway import Gateway, speculation_counters
 from .generation_request import SAMPLING_FLOATS, GenerationRequest, sampling_params
-from .scheduler import ServiceRequest
+from .requests import ServiceRequest
 from .tenants import ANONYMOUS, Tenant, Tenants
 from .tool_calls import call_id, openai_calls, tools_request
 

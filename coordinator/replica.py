@@ -15,7 +15,8 @@ from specd_core.request import SpeculativeOptions
 from specd_core.step import payload_bytes
 
 from .errors import REPLICA_FAILED, ReplicaUnavailable
-from .scheduler import Scheduler, ServiceRequest, Target
+from .requests import ServiceRequest
+from .scheduler import Scheduler
 from .step_plan import ChunkPolicy
 from .supervisor import (
     STALL_FACTOR,
@@ -25,6 +26,7 @@ from .supervisor import (
     death_summary,
     is_replica_death,
 )
+from .targets import Target
 
 log = logging.getLogger(__name__)
 

@@ -58,8 +58,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -69,7 +67,7 @@ from specd_core.request import MAX_FORCED_DRAFT, DecodeRequest, SpeculativeOptio
 from target_worker.engine import SlotsExhausted
 
 from .adaptive import AdaptiveDraftLength, ForwardCostModel, calibrate_target
-from .drafting import DraftingPolicy, RunAhead, remembered_tokens
+from .drafting import DraftingPolicy, remembered_tokens
 from .errors import (
     REPLICA_FAILED,
     REQUEST_FAILED,
@@ -81,149 +79,13 @@ from .errors import (
     literal,
 )
 from .latency import LatencyHistograms
+from .requests import SchedulerStats, ServiceRequest
 from .schedule import OPTIONS, PIPELINED, SERIAL, UNDRAFTED, ScheduleChooser, check_pipeline
 from .step_plan import ChunkPolicy, plan_prefill_chunks
 from .supervisor import ReplicaFailed
+from .targets import Target
 
 log = logging.getLogger(__name__)
-
-class Target(Protocol):
-    """What the scheduler needs from a target replica: the service's
-    `target_worker.channel.ChannelTarget` (the replica's step socket) or a
-    `target_worker.engine.TargetEngine` wrapped by `LocalTarget` (the tests also drive a Ray
-    actor handle through `tests/tp_harness.RayTarget`)."""
-
-    async def allocate(self) -> int: ...
-    async def allocate_prefix(self, tokens: list[int], partition: str = ""
-                              ) -> tuple[int, int]: ...
-    async def free(self, slot: int) -> None: ...
-    async def prefill(self, items: list) -> list: ...
-    async def verify(self, items: list) -> list: ...
-
-
-class LocalTarget:
-    """An in-process `TargetEngine` behind the async `Target` interface."""
-
-    def __init__(self, engine):
-        self.engine = engine
-
-    async def allocate(self) -> int:
-        return self.engine.allocate()
-
-    async def allocate_prefix(self, tokens: list[int], partition: str = "") -> tuple[int, int]:
-        return self.engine.allocate_prefix(tokens, partition)
-
-    async def free(self, slot: int) -> None:
-        self.engine.free(slot)
-
-    async def prefill(self, items: list) -> list:
-        return self.engine.prefill(items)
-
-    async def verify(self, items: list) -> list:
-        return self.engine.verify(items)
-
-
-class CacheTarget(LocalTarget):
-    """A `TargetEngine` whose one request runs in a caller's `KvCache` (`TargetEngine.adopt`):
-    the in-process path, where the cache may be warm (a prefill at its length continues it).
-    Freeing the slot leaves the cache to its owner."""
-
-    def __init__(self, engine, cache):
-        super().__init__(engine)
-        self.cache = cache
-
-    async def allocate(self) -> int:
-        return self.engine.adopt(self.cache)
-
-    async def allocate_prefix(self, tokens: list[int], partition: str = "") -> tuple[int, int]:
-        return self.engine.adopt(self.cache), 0
-
-
-@dataclass(eq=False)
-class ServiceRequest:
-    """One request inside the service: its core decode state plus scheduling state.
-
-    ``events`` receives ``list[int]`` token batches in order, then the final
-    `SpeculativeDecodeResult` (or an Exception if the service failed it)."""
-
-    id: str
-    decode: DecodeRequest
-    speculate: bool
-    max_draft_len: int | None
-    #: Cross-request state partition (tenant and cache_salt; "" shared): warm prefixes and the
-    #: drafter's cache are looked up only within it.
-    partition: str = ""
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    slot: int | None = None
-    cancelled: bool = False
-    #: The tenant it was submitted for (`coordinator.tenants`; "" without tokens).
-    tenant: str = ""
-    drafter_failures: int = 0
-    emitted: int = 0
-    submitted_at: float = field(default_factory=time.monotonic)
-    #: This request's draft-length policy when the scheduler is adaptive (made lazily).
-    adaptive: AdaptiveDraftLength | None = None
-    #: What failed it, when the scheduler failed it (``events`` gets a `RequestError`).
-    cause: BaseException | None = None
-    #: Pipelined scheduling: this request's run-ahead call, until it is used or dropped
-    #: (no second call for its id starts while one is in flight).
-    ahead: RunAhead | None = None
-    #: Pipelined: the adaptive choice for this request's next step was not to draft.
-    chose_no_draft: bool = False
-    #: Prompt tokens its slot holds (reused from a warm prefix, or computed by chunks).
-    prefilled: int = 0
-    #: Prompt tokens reused from a warm prefix when its slot was allocated (the usage's
-    #: ``cached_tokens``).
-    cached_tokens: int = 0
-    #: Hidden rows of the prompt chunks computed so far (drafters that want them).
-    prompt_hidden: list = field(default_factory=list)
-    #: `time.monotonic` when its first prompt chunk was sent, its first and its latest
-    #: token streamed (None until then): the latency metrics.
-    prefill_started_at: float | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-
-    def push_new_tokens(self) -> int:
-        """Puts the tokens committed since the last push on ``events``; returns how many."""
-        generated = self.decode.generated
-        new = len(generated) - self.emitted
-        if new > 0:
-            self.events.put_nowait(list(generated[self.emitted:]))
-            self.emitted = len(generated)
-        return max(new, 0)
-
-
-@dataclass
-class SchedulerStats:
-    steps: int = 0
-    #: Tokens streamed to clients, as they stream: cancelled and failed requests' included.
-    tokens_generated: int = 0
-    forward_calls: int = 0
-    drafter_failures: int = 0
-    completed: int = 0
-    cancelled: int = 0
-    #: Requests failed alone (their own fault, or their target call's).
-    failed: int = 0
-    #: Seconds the loop waited for drafts before a verify could start (the serial step's
-    #: whole Propose; pipelined, a late run-ahead or a fresh draft after a miss).
-    draft_wait_seconds: float = 0.0
-    #: Pipelined: steps of a request that used its run-ahead block / found it unusable
-    #: (stale, wrong guess, late or failed).
-    runahead_hits: int = 0
-    runahead_misses: int = 0
-    #: Verification steps run pipelined / serial / with no drafter call (their sum is
-    #: ``steps``), and switches between them (``pipeline="auto"``).
-    pipelined_steps: int = 0
-    serial_steps: int = 0
-    undrafted_steps: int = 0
-    schedule_switches: int = 0
-    #: Seconds a step or a prefill was in progress (the target busy fraction's
-    #: denominator: the replica's compute seconds over this).
-    active_seconds: float = 0.0
-    #: Constrained requests: draft positions the grammar forced (always accepted) and
-    #: drafter tokens the grammar refused (rejected), as verified.
-    forced_tokens: int = 0
-    grammar_rejected_tokens: int = 0
 
 
 class Scheduler(DraftingPolicy):

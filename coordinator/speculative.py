@@ -29,7 +29,8 @@ from specd_core.request import (
 )
 
 from .adaptive import AdaptiveDraftLength
-from .scheduler import CacheTarget, Scheduler
+from .scheduler import Scheduler
+from .targets import CacheTarget
 
 __all__ = ["speculative_decode", "speculative_decode_with"]
 

@@ -31,7 +31,7 @@ from .errors import REPLICA_FAILED, ReplicaUnavailable
 
 if TYPE_CHECKING:
     from .replica import MeteredTarget, Replica, ReplicaScheduler
-    from .scheduler import ServiceRequest
+    from .requests import ServiceRequest
 
 log = logging.getLogger(__name__)
 

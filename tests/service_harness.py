@@ -19,7 +19,7 @@ import grpc
 
 from coordinator.grpc_api import GenerationServicer, start_generation_server
 from coordinator.router import Router
-from coordinator.scheduler import LocalTarget
+from coordinator.targets import LocalTarget
 from drafter_worker.client import DrafterClient
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from drafter_worker.server import start_drafter_server

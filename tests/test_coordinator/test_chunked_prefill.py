@@ -14,8 +14,9 @@ from drafters import FixedDrafter, exact_marginals, plain_decode, tiny_decoder, 
 from test_service import REPEATING
 
 from coordinator.adaptive import ForwardCostModel
-from coordinator.scheduler import LocalTarget, Scheduler
+from coordinator.scheduler import Scheduler
 from coordinator.step_plan import ChunkPolicy
+from coordinator.targets import LocalTarget
 from drafter_worker.local import LocalDrafter
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.draft import DraftBlock

@@ -14,7 +14,8 @@ import torch
 from drafters import plain_decode
 from test_pipeline import FLAT
 
-from coordinator.scheduler import LocalTarget, Scheduler
+from coordinator.scheduler import Scheduler
+from coordinator.targets import LocalTarget
 from drafter_worker.local import LocalDrafter
 from drafter_worker.registry import build_drafter
 from drafter_worker.suffix import SuffixDrafter

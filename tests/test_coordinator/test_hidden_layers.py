@@ -17,8 +17,8 @@ from service_harness import LocalService
 from test_scaling import Gate, collect, options, until
 
 from coordinator.router import Router
-from coordinator.scheduler import LocalTarget
 from coordinator.speculative import speculative_decode_with
+from coordinator.targets import LocalTarget
 from drafter_worker.client import DrafterInfo
 from specd_core.request import SpeculativeOptions
 from target_worker.engine import TargetEngine

@@ -15,7 +15,7 @@ from service_harness import MODEL, LocalService, SplitCharTokenizer
 
 from coordinator.http_api import OpenAIApi
 from coordinator.http_server import start_http_server
-from coordinator.scheduler import LocalTarget
+from coordinator.targets import LocalTarget
 from specd.v1 import generation_pb2
 
 try:  # the HTTP library the installed openai client uses

@@ -204,7 +204,7 @@ def test_log_probabilities_cross_the_replicas_step_channel_unchanged(decoder):
     own output, dense rows included."""
     import numpy as np
 
-    from coordinator.scheduler import LocalTarget
+    from coordinator.targets import LocalTarget
     from target_worker.actor import TargetActor
     from target_worker.channel import ChannelTarget
 

@@ -15,8 +15,9 @@ from service_harness import LocalService
 from test_service import MIXED, REPEATING, stream_tokens
 
 from coordinator.adaptive import ForwardCostModel
-from coordinator.scheduler import LocalTarget, Scheduler
+from coordinator.scheduler import Scheduler
 from coordinator.speculative import speculative_decode_with
+from coordinator.targets import LocalTarget
 from drafter_worker.client import DrafterUnavailable
 from drafter_worker.local import LocalDrafter
 from drafter_worker.prompt_lookup import PromptLookupSpeculator

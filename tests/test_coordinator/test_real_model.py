@@ -99,8 +99,9 @@ def test_chunked_prefill_gives_the_unchunked_greedy_tokens_and_transformers_agre
     import torch
     from transformers import AutoModelForCausalLM
 
-    from coordinator.scheduler import LocalTarget, Scheduler
+    from coordinator.scheduler import Scheduler
     from coordinator.step_plan import ChunkPolicy
+    from coordinator.targets import LocalTarget
     from target_worker.engine import TargetEngine
     from target_worker.fetch import default_model_path
 

@@ -356,7 +356,8 @@ def test_a_request_whose_drafting_fails_decodes_undrafted_and_the_others_keep_dr
 
 
 def test_status_counts_a_slot_held_while_its_request_is_being_admitted():
-    from coordinator.scheduler import LocalTarget, Scheduler
+    from coordinator.scheduler import Scheduler
+    from coordinator.targets import LocalTarget
     from specd_core.request import SpeculativeOptions
     from target_worker.loader import load_model
 

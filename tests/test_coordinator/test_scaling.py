@@ -477,7 +477,7 @@ def test_a_replica_calibrated_by_its_factory_starts_its_loop_with_that_cost_mode
     # its loop must not calibrate again inside the first request.
     from coordinator.adaptive import ForwardCostModel
     from coordinator.router import Router
-    from coordinator.scheduler import LocalTarget
+    from coordinator.targets import LocalTarget
     from target_worker.engine import TargetEngine
     from target_worker.loader import load_model
 

@@ -16,7 +16,8 @@ from test_service import REPEATING
 
 from coordinator.adaptive import ForwardCostModel
 from coordinator.schedule import PIPELINED, SERIAL, UNDRAFTED, ScheduleChooser, active_bucket
-from coordinator.scheduler import LocalTarget, Scheduler
+from coordinator.scheduler import Scheduler
+from coordinator.targets import LocalTarget
 from drafter_worker.local import LocalDrafter
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.choice import MeasuredChoice

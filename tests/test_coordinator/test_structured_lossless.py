@@ -13,8 +13,9 @@ import pytest
 import torch
 from drafters import TopKSamplingDrafter, tiny_decoder, tv_tolerance
 
-from coordinator.scheduler import LocalTarget, Scheduler
+from coordinator.scheduler import Scheduler
 from coordinator.speculative import speculative_decode_with
+from coordinator.targets import LocalTarget
 from drafter_worker.local import LocalDrafter
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.draft import DraftBlock, DraftDist, DrafterCapabilities

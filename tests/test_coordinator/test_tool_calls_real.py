@@ -16,7 +16,8 @@ import json
 import jsonschema
 import pytest
 
-from coordinator.scheduler import LocalTarget, Scheduler
+from coordinator.scheduler import Scheduler
+from coordinator.targets import LocalTarget
 from coordinator.tool_calls import ChatTools
 from drafter_worker.local import LocalDrafter
 from drafter_worker.registry import DEFAULT_DRAFTER, build_drafter

@@ -104,7 +104,7 @@ def test_steps_over_the_channel_equal_the_engines_own(actor):
                 sampled[0].rows.to_dense() if hasattr(sampled[0].rows, "to_dense")
                 else sampled[0].rows.probs)
 
-    from coordinator.scheduler import LocalTarget
+    from coordinator.targets import LocalTarget
 
     async def both():
         channel = ChannelTarget(address, "s3cret")
