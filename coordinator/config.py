@@ -71,7 +71,7 @@ class ServiceConfig:
         target_timeout_s: the most one target call (allocate, prefill, verify, free) may
             take, seconds; a replica that misses its call's deadline is treated as stalled:
             its requests fail with UNAVAILABLE and it is re-created. Each call's deadline is
-            scaled by the replica's measured step cost (`coordinator.supervisor.StallWatchdog`:
+            scaled by the replica's measured step cost (`coordinator.failures.StallWatchdog`:
             10x the predicted time, at least 10 s) and capped by this, which is generous by
             default: a CPU prefill of a full batch of long prompts takes minutes. A replica
             whose process dies is detected at once whatever this is.

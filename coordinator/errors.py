@@ -108,3 +108,8 @@ def client_status(exc: BaseException) -> tuple[str, str]:
 __all__ = ["REPLICA_FAILED", "REQUEST_FAILED", "RateLimited", "ReplicaUnavailable",
            "RequestError",
            "RequestFailed", "RequestInvalid", "ServiceStopping", "client_status", "literal"]
+
+
+class ReplicaFailed(Exception):
+    """A target call found its replica dead or unresponsive. Internal: the message (which may
+    carry Ray's pid / actor id / address) goes to the log; clients get `ReplicaUnavailable`."""

@@ -52,16 +52,15 @@ from specd_core.request import SpeculativeDecodeResult
 from .errors import RequestError
 from .gateway import speculation_counters
 from .http_server import Guard, HttpLimits
+from .openai_errors import ApiError, unavailable
 from .openai_logprobs import chat_logprobs, completion_logprobs
 from .openai_request import (
-    ApiError,
     Body,
     ChatBody,
     CompletionBody,
     generation_request,
     parse_body,
     request_error,
-    unavailable,
     validation_error,
 )
 from .openai_structured import ToolCalls, constraint_of

@@ -11,13 +11,10 @@ import json
 import logging
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from .openai_request import ApiError, unavailable
-from .tenants import TENANT_SCOPE_KEY
-
-if TYPE_CHECKING:
-    from .http_api import OpenAIApi
+from .openai_errors import ApiError, unavailable
+from .tenants import TENANT_SCOPE_KEY, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +55,23 @@ class HttpLimits:
     max_header_bytes: int = 16 * 1024
 
 
+class HttpApp(Protocol):
+    """What the server needs of the API it serves (`coordinator.http_api.OpenAIApi`): its
+    limits, its bearer-token check (raises `ApiError` 401) and its ASGI app (the `Guard`)."""
+
+    limits: HttpLimits
+    asgi: Any
+
+    def check_auth(self, authorization: str) -> Tenant: ...
+
+
 class Guard:
     """The ASGI app uvicorn runs, in front of FastAPI: the bearer token is checked before
     anything is read (401), then the body is read within `HttpLimits` (413 over
     ``max_body_bytes``, refused from ``Content-Length`` before reading; 408 past
     ``body_timeout_s``) and replayed to the app. Errors are OpenAI-shaped."""
 
-    def __init__(self, api: OpenAIApi, app):
+    def __init__(self, api: HttpApp, app):
         self.api = api
         self.app = app
 
@@ -259,7 +266,7 @@ class _Server:
     """A uvicorn server on a socket bound up front (so a busy port fails at once, and port 0
     reports the port it got), run as a task on the current event loop."""
 
-    def __init__(self, api: OpenAIApi, sock: socket.socket, tls_cert: str | None,
+    def __init__(self, api: HttpApp, sock: socket.socket, tls_cert: str | None,
                  tls_key: str | None):
         import uvicorn
 
@@ -300,7 +307,7 @@ class _Server:
         self.sock.close()
 
 
-async def start_http_server(api: OpenAIApi, host: str = "127.0.0.1", port: int = 0,
+async def start_http_server(api: HttpApp, host: str = "127.0.0.1", port: int = 0,
                             tls_cert: str | None = None, tls_key: str | None = None
                             ) -> tuple[_Server, int]:
     """Serves ``api`` on ``host:port`` (0 picks a free port), TLS when given the PEM paths.

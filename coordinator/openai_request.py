@@ -11,7 +11,6 @@ import json
 import re
 from typing import Any
 
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .errors import RequestError, RequestInvalid, client_status
@@ -20,6 +19,7 @@ from .generation_request import (
     check_chat_role,
     check_max_draft_len,
 )
+from .openai_errors import ApiError, unavailable
 from .openai_structured import constraint_of
 
 #: ``max_tokens`` when a completion request does not set it (OpenAI's default).
@@ -27,27 +27,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 #: OpenAI's default temperature (the gRPC API's is 0, greedy).
 DEFAULT_TEMPERATURE = 1.0
 _UINT32_MAX = 2**32 - 1
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status, message, type_, param, code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def unavailable(message: str) -> ApiError:
-    return ApiError(503, message, "service_unavailable_error", code="service_unavailable")
 
 
 # ---- request bodies ----

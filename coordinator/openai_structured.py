@@ -6,7 +6,7 @@
 takes. ``tool_choice`` ``"auto"`` (the default with tools) is no constraint here: the
 gateway builds its lazy grammar and the answer's calls are parsed out of the model's own
 format (`coordinator.tool_calls`); ``"none"`` is plain text. Bad or unsupported input is a
-400 naming the field (`coordinator.openai_request.ApiError`)."""
+400 naming the field (`coordinator.openai_errors.ApiError`)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from typing import Any
 
 from specd_core.grammar import GrammarError, GrammarSpec
 
+from .openai_errors import ApiError
+
 __all__ = ["ToolCalls", "constraint_of"]
 
 #: OpenAI's rule for a ``json_schema`` ``name`` and a function ``name``.
@@ -28,9 +30,7 @@ _SO_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "white
                "disable_fallback")
 
 
-def _error(param: str, message: str):
-    from .openai_request import ApiError
-
+def _error(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param)
 
 

@@ -14,18 +14,11 @@ from dataclasses import dataclass, field
 from specd_core.request import SpeculativeOptions
 from specd_core.step import payload_bytes
 
-from .errors import REPLICA_FAILED, ReplicaUnavailable
+from .errors import REPLICA_FAILED, ReplicaFailed, ReplicaUnavailable
+from .failures import STALL_FACTOR, STALL_FLOOR_S, StallWatchdog, death_summary, is_replica_death
 from .requests import ServiceRequest
 from .scheduler import Scheduler
 from .step_plan import ChunkPolicy
-from .supervisor import (
-    STALL_FACTOR,
-    STALL_FLOOR_S,
-    ReplicaFailed,
-    StallWatchdog,
-    death_summary,
-    is_replica_death,
-)
 from .targets import Target
 
 log = logging.getLogger(__name__)

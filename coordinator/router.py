@@ -29,10 +29,11 @@ from specd_core.request import SpeculativeOptions
 
 from .config import check_count
 from .drafter_pool import DrafterPool
+from .failures import STALL_FACTOR, STALL_FLOOR_S
 from .replica import MeteredTarget, Replica, ReplicaScheduler
 from .requests import ServiceRequest
 from .step_plan import ChunkPolicy
-from .supervisor import STALL_FACTOR, STALL_FLOOR_S, Supervision
+from .supervisor import Supervision
 from .targets import Target
 
 log = logging.getLogger(__name__)

@@ -71,6 +71,7 @@ from .drafting import DraftingPolicy, remembered_tokens
 from .errors import (
     REPLICA_FAILED,
     REQUEST_FAILED,
+    ReplicaFailed,
     ReplicaUnavailable,
     RequestError,
     RequestFailed,
@@ -82,7 +83,6 @@ from .latency import LatencyHistograms
 from .requests import SchedulerStats, ServiceRequest
 from .schedule import OPTIONS, PIPELINED, SERIAL, UNDRAFTED, ScheduleChooser, check_pipeline
 from .step_plan import ChunkPolicy, plan_prefill_chunks
-from .supervisor import ReplicaFailed
 from .targets import Target
 
 log = logging.getLogger(__name__)

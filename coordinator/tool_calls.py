@@ -268,7 +268,7 @@ def tools_request(tools_json: str, choice: str, parallel: bool | None, field: st
     """
     from types import SimpleNamespace
 
-    from .openai_request import ApiError
+    from .openai_errors import ApiError
     from .openai_structured import constraint_of
 
     try:

@@ -27,7 +27,7 @@ def find_cycles(packages: tuple[str, ...] = PACKAGES) -> list[list[str]]:
     """The import cycles among the modules of ``packages``: each a sorted list of module
     names (a strongly connected component of two or more modules, or a module importing
     itself), the list sorted."""
-    graph = grimp.build_graph(*packages, exclude_type_checking_imports=False)
+    graph = grimp.build_graph(*packages, exclude_type_checking_imports=False, cache_dir=None)
     modules = sorted(graph.modules)
     edges = {m: sorted(graph.find_modules_directly_imported_by(m)) for m in modules}
     index: dict[str, int] = {}
@@ -75,7 +75,7 @@ def find_cycles(packages: tuple[str, ...] = PACKAGES) -> list[list[str]]:
 
 def describe(cycle: list[str], packages: tuple[str, ...] = PACKAGES) -> str:
     """The imports between the modules of ``cycle``, one per line."""
-    graph = grimp.build_graph(*packages, exclude_type_checking_imports=False)
+    graph = grimp.build_graph(*packages, exclude_type_checking_imports=False, cache_dir=None)
     members = set(cycle)
     lines = []
     for importer in cycle:

@@ -13,7 +13,7 @@ from service_harness import LocalService, run_in_thread
 from test_service import REPEATING, request, stream_tokens
 from test_supervision import INTERNALS, dying_replica, on_loop, replica_states
 
-from coordinator.supervisor import death_summary
+from coordinator.failures import death_summary
 
 
 def test_a_dead_replica_is_one_clear_error_line_and_the_raw_report_is_debug(caplog):
@@ -46,7 +46,7 @@ def test_a_dead_replica_is_one_clear_error_line_and_the_raw_report_is_debug(capl
 def test_death_summary_names_the_kind_never_rays_report():
     import ray.exceptions
 
-    from coordinator.supervisor import ReplicaFailed
+    from coordinator.errors import ReplicaFailed
 
     raw = ray.exceptions.ActorDiedError()
     assert death_summary(raw) == "its Ray actor died (ActorDiedError)"

@@ -15,7 +15,7 @@ import time
 import pytest
 from polling import wait_until
 
-from coordinator.supervisor import is_replica_death
+from coordinator.failures import is_replica_death
 from specd_core.sampling import SamplingParams
 from specd_core.step import PrefillItem, VerifyItem
 from target_worker.actor import TargetActor
