@@ -179,6 +179,11 @@ def test_ci_runs_the_readme_test_commands():
                   line.strip().startswith(".venv/bin/python")]
     run = [line.strip() for line in ci if "-m pytest" in line]
     assert documented and documented == run
+    # The quick suite first, named so in the README; then the rest: together, every test.
+    markers = [re.findall(r' -m ("[^"]+"|\S+)', line)[-1].strip('"') for line in run]
+    assert markers == ["not slow and not cluster", "slow and not cluster", "cluster"]
+    assert "**the quick suite**" in "\n".join(readme)
+    assert all("--durations=25" in line for line in run[:2])
 
 
 def test_ci_builds_the_docs_strictly():
