@@ -59,11 +59,8 @@ def _alone(decoder, tokens):
     return torch.cat([decoder.forward_batch([t], i, cache) for i, t in enumerate(tokens)]), cache
 
 
-@pytest.mark.parametrize("spec, dtype", [
-    ("moe", "float32"), ("dense", "float32"), ("dense", "bfloat16"),
-    # ~25 s (the MoE's expert matmuls planned in bfloat16): slow; MoE mixes are covered by
-    # [moe-float32] and bfloat16 mixes by [dense-bfloat16].
-    pytest.param("moe", "bfloat16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spec", SPECS)
 def test_rows_inside_random_mixes_of_chunks_blocks_and_requests_equal_rows_fed_alone(spec,
                                                                                      dtype):
     decoder = _decoder(spec, DTYPES[dtype], context=4 * KEY_BLOCK)
