@@ -23,6 +23,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from drafter_worker.registry import DRAFTERS
 from specd_core.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from specd_core.logprobs import TokenLogprob
 from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
@@ -314,9 +315,11 @@ class Gateway:
 
         drafter = request.drafter
         if drafter not in ("", "none", self.drafter_name):
+            # A drafter specd has but this service was not started with is not "unknown".
+            what = "is not served by this service" if drafter in DRAFTERS else "is unknown"
             raise RequestInvalid(
-                "{field}: unknown drafter " + literal(f"{drafter!r}; this service has "
-                                                      f"{self.drafter_name!r} (or 'none')"),
+                "{field}: drafter " + literal(f"{drafter!r} {what}; this service has "
+                                              f"{self.drafter_name!r} (or 'none')"),
                 "speculation.drafter")
         speculate = (drafter != "none" and request.speculate is not False
                      and self.drafter_name != "none")

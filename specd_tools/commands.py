@@ -84,7 +84,8 @@ class StartupReport:
 
 
 def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None:
-    """Prints the JSON object (``--json``) and the metrics line to stderr."""
+    """Prints the JSON object (``--json``, which holds every counter: no metrics line), or
+    the metrics line to stderr after the streamed text."""
     if args.json:
         print(json.dumps({
             "text": text,
@@ -93,8 +94,9 @@ def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None
             "tokens_per_second": result.tokens_generated / seconds if seconds else 0.0,
             "drafter": args.drafter,
             **result.to_dict(),  # token_ids, completion_tokens, finish_reason, counters
-        }), flush=True)  # whole, before the stderr line (a shared terminal or pipe)
-    print(metrics_line(result, seconds), file=sys.stderr)
+        }), flush=True)
+    else:
+        print(metrics_line(result, seconds), file=sys.stderr)
 
 
 def _generate_in_process(args: argparse.Namespace, options: GenerateOptions) -> int:

@@ -179,6 +179,11 @@ def test_ci_runs_the_readme_test_commands():
                   line.strip().startswith(".venv/bin/python")]
     run = [line.strip() for line in ci if "-m pytest" in line]
     assert documented and documented == run
+    # The quick suite first, named so in the README; then the rest: together, every test.
+    markers = [re.findall(r' -m ("[^"]+"|\S+)', line)[-1].strip('"') for line in run]
+    assert markers == ["not slow and not cluster", "slow and not cluster", "cluster"]
+    assert "**the quick suite**" in "\n".join(readme)
+    assert all("--durations=25" in line for line in run[:2])
 
 
 def test_ci_builds_the_docs_strictly():
@@ -290,29 +295,39 @@ def test_service_recipe(recipe, tiny_service, shell_env, tmp_path, capsys):
 
 
 SLOW_PAGES = sorted({r.page for r in ALL if r.kind == "slow"})
-# A Ray head's ports (GCS, dashboard / job API, dashboard agent) in the batch-job recipe: free
-# ones instead, so another Ray on the machine cannot make the recipe fail.
-HEAD_PORTS = ("6390", "8265", "52365")
+# The `ray start --head` flags whose ports default to fixed numbers (GCS 6379, job API 8265,
+# dashboard agent 52365, client server 10001): another Ray on the machine may hold any of them.
+FIXED_PORT_FLAGS = ("--port", "--dashboard-port", "--dashboard-agent-listen-port",
+                    "--ray-client-server-port")
 
 
-def free_port() -> int:
-    import socket
+def ray_heads(body: str) -> list[str]:
+    """The ``ray start --head`` commands of a shell recipe, continuation lines joined."""
+    joined = body.replace("\\\n", " ")
+    return [line for line in joined.splitlines() if re.search(r"\bray start\b.*--head", line)]
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+
+def test_every_ray_head_in_the_docs_takes_free_ports():
+    """A recipe that starts a Ray head names each port that would default to a fixed number,
+    and as a variable (a free port picked first), never a number: as written, the recipe works
+    beside another Ray on the machine."""
+    heads = [(r.id, h) for r in ALL if r.lang not in ("python", "py") for h in ray_heads(r.body)]
+    assert heads, "no recipe starts a Ray head: the check found nothing to check"
+    for where, head in heads:
+        for flag in FIXED_PORT_FLAGS:
+            m = re.search(rf"{flag}[ =](\S+)", head)
+            assert m, f"{where}: {flag} not given: Ray's fixed default may be taken\n{head}"
+            assert m[1].startswith("$"), f"{where}: {flag} {m[1]} is a fixed port\n{head}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", SLOW_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_slow_recipes(page, shell_env, tmp_path):
     """The page's slow recipes in order, in one directory (the real model, an embedded Ray,
-    a local Ray head): each must finish without error, and what it started is stopped."""
-    ports = {port: str(free_port()) for port in HEAD_PORTS}
+    a local Ray head), as written: each must finish without error, and what it started is
+    stopped."""
     for recipe in (r for r in ALL if r.page == page and r.kind == "slow"):
         body = recipe.body
-        for port, free in ports.items():
-            body = re.sub(rf"\b{port}\b", free, body)
         if "file" in recipe.attrs:
             (tmp_path / recipe.attrs["file"]).write_text(body + "\n")
         elif recipe.lang == "python":
@@ -339,8 +354,6 @@ def test_the_local_head_recipe_listens_on_loopback_only(shell_env, tmp_path):
     import psutil
 
     body = head_recipe()
-    for port in HEAD_PORTS:  # free ones, as for the recipe itself
-        body = re.sub(rf"\b{port}\b", str(free_port()), body)
     env = dict(shell_env)
     if "RAY_AUTH_TOKEN" not in env and not (Path.home() / ".ray" / "auth_token").exists():
         import secrets

@@ -179,6 +179,19 @@ def test_bad_or_unsupported_fields_get_400_naming_them(client, kwargs, param):
     assert error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("drafter, says", [
+    ("suffix", "'suffix' is not served by this service"),  # specd has it; this service does not
+    ("nope", "'nope' is unknown"),
+])
+def test_a_drafter_this_service_does_not_serve_is_named_as_such(client, drafter, says):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3,
+                                       extra_body={"speculation": {"drafter": drafter}})
+    message = info.value.body["message"]
+    assert says in message and "'prompt-lookup'" in message, message
+    assert ("unknown" in message) == (drafter == "nope"), message
+
+
 def test_unknown_model_is_404_and_the_server_keeps_serving(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-4", messages=MESSAGES, max_tokens=3)

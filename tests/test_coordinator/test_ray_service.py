@@ -80,6 +80,10 @@ def test_killing_the_drafter_actor_mid_stream_keeps_the_tokens(ray_service):
     assert final.finish_reason == "length"
 
 
+@pytest.mark.slow  # its own `specd serve` and Ray (~14 s). In the quick suite: a SIGTERM'd serve
+# drains and exits 0 (test_serve_http.py::test_a_sigterm_to_the_serve_process_group_still_drains)
+# and nothing of serve's Ray outlives it however it ends, kill -9 included
+# (test_serve_lifecycle.py::test_nothing_of_serve_outlives_its_kill_9).
 def test_specd_serve_stops_cleanly_on_sigterm():
     # A separate process with its own embedded Ray: SIGTERM must leave no Ray processes of its
     # session behind.

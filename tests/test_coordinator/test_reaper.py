@@ -22,10 +22,11 @@ from coordinator.service import _Reaper
 reaper = _Reaper()
 group = subprocess.Popen(["sh", "-c", "sleep 600 & wait"], process_group=0)
 reaper.own(group.pid)
-time.sleep(0.2)
 import psutil
-print(reaper.proc.pid, *[p.pid for p in [psutil.Process(group.pid),
-                                          *psutil.Process(group.pid).children()]], flush=True)
+shell, deadline = psutil.Process(group.pid), time.monotonic() + 30
+while not shell.children() and time.monotonic() < deadline:  # its child, polled with a deadline
+    time.sleep(0.01)
+print(reaper.proc.pid, *[p.pid for p in [shell, *shell.children()]], flush=True)
 time.sleep(600)
 """
 

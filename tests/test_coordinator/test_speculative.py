@@ -64,6 +64,9 @@ def _marginals_of(decoder, prompt, drafter_factory, params, max_new, seeds):
     return counts / seeds
 
 
+@pytest.mark.slow  # ~35 s, 4000 decodes one by one; in the quick suite the same model, prompt,
+# drafter and temperature are checked against the same exact marginals over 3000 seeds, batched:
+# test_chunked_prefill.py::test_chunked_marginals_at_t1_are_exact.
 def test_speculative_decode_at_temperature_matches_plain_sampling():
     # Compared against the target's exactly enumerated marginals, not a second noisy
     # estimate. The old argmax accept test passes every greedy test and fails this one.

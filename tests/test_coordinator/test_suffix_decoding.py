@@ -261,6 +261,11 @@ def test_pipelined_dry_run_aheads_get_no_synchronous_second_call():
     assert _dry_calls(True, None) >= 100
 
 
+@pytest.mark.slow  # its own embedded Ray (~20 s). In the quick suite: two suffix workers give
+# plain decoding's tokens and draft from every earlier output
+# (test_the_service_gives_plain_decodings_tokens_and_every_worker_caches_every_output[2], in
+# process), and suffix drafter actors are built by registry name on Ray (test_eagle3_service.py,
+# eagle3+suffix).
 def test_specd_serve_path_with_two_suffix_drafter_actors():
     # The `specd serve --drafter suffix --drafters 2 --suffix-cache-requests N` path on an
     # embedded Ray: drafter actors built with the flag, outputs sent to both.

@@ -57,6 +57,20 @@ def test_json_keys_say_what_they_hold(capsys):
     assert "generated_tokens" not in out and "tokens_generated" not in out
 
 
+def test_json_prints_the_object_instead_of_the_metrics_line(capsys):
+    """``--json``: one object on stdout and no ``[specd]`` metrics line on stderr (the object
+    holds its counters); without it the text streams and the metrics line follows."""
+    base = ["generate", "abcabc", "--model", TINY, "--in-process", "--max-new-tokens", "5",
+            "--no-adaptive"]  # no forward timing: the printing is under test
+    assert cli.main([*base, "--json"]) == 0
+    printed = capsys.readouterr()
+    out = json.loads(printed.out)
+    assert "[specd] new_tokens=" not in printed.err, printed.err
+    assert {"forward_calls", "acceptance_length", "finish_reason"} <= out.keys()
+    assert cli.main(base) == 0
+    assert "[specd] new_tokens=" in capsys.readouterr().err
+
+
 def test_generate_constrains_the_answer_to_a_json_schema_or_a_regex(capsys, tmp_path):
     schema = {"type": "object", "required": ["ok"], "additionalProperties": False,
               "properties": {"ok": {"type": "boolean"}}}
