@@ -60,8 +60,8 @@ def main(argv=None) -> int:
     p.add_argument("--target-threads", type=int, default=None)
     args = p.parse_args(argv)
 
-    from coordinator.config import ServiceConfig
-    from coordinator.service import Service, init_embedded_ray
+    from coordinator.cluster.config import ServiceConfig
+    from coordinator.cluster.service import Service, init_embedded_ray
     from drafter_worker.registry import default_draft_len
     from specd_tools.workloads import load_workloads
 

@@ -56,7 +56,7 @@ def load_seconds(source: str, threads: int) -> float:
 
 
 def decode(decoder, prompt: list[int], tokens: int, lookup: bool) -> tuple[float, list[int]]:
-    from coordinator.speculative import speculative_decode_with
+    from coordinator.step.speculative import speculative_decode_with
     from drafter_worker.prompt_lookup import PromptLookupSpeculator
     from drafter_worker.registry import DEFAULT_NGRAM_SIZE, LOOKUP_DRAFT_LEN
     from specd_core.request import SpeculativeOptions

@@ -125,8 +125,8 @@ def main() -> None:
     if not modes or set(modes) - set(MODES):
         p.error(f"--modes: each of {', '.join(MODES)}, got {args.modes!r}")
 
-    from coordinator.config import ServiceConfig
-    from coordinator.service import Service, init_embedded_ray
+    from coordinator.cluster.config import ServiceConfig
+    from coordinator.cluster.service import Service, init_embedded_ray
     from target_worker.testing import is_tiny_random_spec
 
     model = None if args.model == "default" else args.model
@@ -205,8 +205,8 @@ def _in_process(model, args, text: str, chat: bool, expected: list[int] | None) 
     """tok/s of the in-process core on the 1-stream request (median of ``args.rounds``)."""
     import torch
 
-    from coordinator.adaptive import AdaptiveDraftLength, calibrate_for
-    from coordinator.speculative import speculative_decode_with
+    from coordinator.step.adaptive import AdaptiveDraftLength, calibrate_for
+    from coordinator.step.speculative import speculative_decode_with
     from drafter_worker.registry import build_drafter
     from specd_core.request import SpeculativeOptions
     from specd_core.text import encode_prompt

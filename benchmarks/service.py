@@ -16,9 +16,9 @@ from pathlib import Path
 
 import grpc
 
-from coordinator.config import ServiceConfig
-from coordinator.service import Service
-from coordinator.speculative import speculative_decode_with
+from coordinator.cluster.config import ServiceConfig
+from coordinator.cluster.service import Service
+from coordinator.step.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd.v1 import generation_pb2, generation_pb2_grpc
 from specd_core.request import SpeculativeOptions

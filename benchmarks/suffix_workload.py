@@ -47,8 +47,8 @@ def _build(name: str, max_draft_len: int):
 
 def in_process(args, decoder, tokenizer, prompts: list[list[int]]) -> dict:
     """Every prompt through every system, interleaved; per-system totals after warm-up."""
-    from coordinator.adaptive import AdaptiveDraftLength, calibrate_for
-    from coordinator.speculative import speculative_decode_with
+    from coordinator.step.adaptive import AdaptiveDraftLength, calibrate_for
+    from coordinator.step.speculative import speculative_decode_with
     from specd_core.request import SpeculativeOptions
 
     cost = calibrate_for(decoder, repeats=2)
@@ -115,8 +115,8 @@ def in_process(args, decoder, tokenizer, prompts: list[list[int]]) -> dict:
 async def _service_hit_rate(args, decoder, prompts: list[list[int]], workers: int,
                             eos: int | None) -> dict:
     """The requests through an in-process service with ``workers`` drafter workers."""
-    from coordinator.router import Router
-    from coordinator.targets import LocalTarget
+    from coordinator.cluster.router import Router
+    from coordinator.step.targets import LocalTarget
     from drafter_worker.client import DrafterClient
     from drafter_worker.server import start_drafter_server
     from drafter_worker.suffix import SuffixDrafter

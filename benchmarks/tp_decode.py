@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     use_gpu = {"auto": None, "yes": True, "no": False}[args.gpu]
     greedy = SamplingParams()
 
-    from coordinator.service import init_embedded_ray
+    from coordinator.cluster.service import init_embedded_ray
 
     init_embedded_ray()  # loopback only, as the embedded service
     names = [f"tp={tp} threads={th}" + (" replicated-vocab" if rep else "")

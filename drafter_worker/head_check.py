@@ -75,7 +75,7 @@ def _check_pickle(path: Path) -> None:
 
 
 def _weights_bytes(directory: Path) -> int:
-    from .eagle3 import _weight_files
+    from .eagle3.loading import _weight_files
 
     kind, files = _weight_files(directory)
     if kind == "safetensors":
@@ -105,7 +105,8 @@ def check_eagle3_head(path: str | os.PathLike | None, target_config=None) -> Non
     """
     from safetensors import SafetensorError
 
-    from .eagle3 import CONFIG_FILE, inspect_eagle3, load_eagle3, resolve_head_dir
+    from .eagle3 import inspect_eagle3, load_eagle3, resolve_head_dir
+    from .eagle3.config import CONFIG_FILE
 
     config_file = resolve_head_dir(path) / CONFIG_FILE
     try:

@@ -3,7 +3,7 @@
 `LocalDrafter` serves a plain `Drafter` object the way a drafter worker does (the same
 per-request `DrafterSessions`), minus gRPC: `propose(jobs)`, `release(ids)`, `info()` and
 `drafter_stats()`, as `drafter_worker.client.DrafterClient` offers them. The in-process
-decode path (`coordinator.speculative.speculative_decode_with`) drives the service's
+decode path (`coordinator.step.speculative.speculative_decode_with`) drives the service's
 scheduler through it.
 """
 

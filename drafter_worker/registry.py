@@ -2,8 +2,8 @@
 name, with its defaults and capabilities, and the functions that check and build one.
 
 The one place a drafter name, a default draft length or a drafter's defaults are written:
-`specd_tools.cli`, `coordinator.service`, `specd_tools.bench.core`, `drafter_worker.actor` and
-``python -m drafter_worker`` all read them from here.
+`specd_tools.cli`, `coordinator.cluster.service`, `specd_tools.bench.core`, `drafter_worker.actor`
+and ``python -m drafter_worker`` all read them from here.
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def refusing_handler(handler: grpc.RpcMethodHandler | None, details: str,
                      ) -> grpc.RpcMethodHandler:
     """A handler that aborts every call with ``code`` and ``details`` without reading
     its request: what an authenticating interceptor returns instead of the real handler (the
-    drafter secret here, the Generation service's bearer token in `coordinator.grpc_api`).
+    drafter secret here, the Generation service's bearer token in `coordinator.front.grpc_api`).
 
     It takes a request stream whatever the method's shape (the client cannot tell), so gRPC
     never receives the request message whole nor parses it: a unary handler makes gRPC read

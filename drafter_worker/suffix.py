@@ -52,7 +52,7 @@ DEFAULT_CACHE_MIN_TOKEN_PROB = 0.9
 #: Default shortest context match a draft from previous outputs needs (a few shared tokens
 #: say little about an unrelated request).
 DEFAULT_CACHE_MIN_MATCH = 4
-# These four defaults (with `coordinator.drafting.REMEMBER_PROMPT_TAIL`) were chosen by
+# These four defaults (with `coordinator.step.drafting.REMEMBER_PROMPT_TAIL`) were chosen by
 # replaying greedy SmolLM2 outputs through the drafters with the adaptive draft length and
 # this machine's forward costs (`scripts/suffix_replay.py`, docs/drafters.md): on the
 # repeated-structure workload the paper's settings drafted 1.34x plain decoding's estimated
@@ -632,7 +632,7 @@ class SuffixDrafter:
     def remember(self, outputs: Iterable[Sequence[int]],
                  partitions: Sequence[str] | None = None) -> None:
         """Adds finished requests' outputs (token ids; the scheduler sends each after the last
-        `coordinator.drafting.REMEMBER_PROMPT_TAIL` tokens of its prompt, so answers' first
+        `coordinator.step.drafting.REMEMBER_PROMPT_TAIL` tokens of its prompt, so answers' first
         tokens can be drafted from how earlier prompts ended) to the global cache, output
         ``i`` to partition ``partitions[i]`` (None: all to the shared partition "").
 

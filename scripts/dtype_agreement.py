@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from coordinator.speculative import speculative_decode_with  # noqa: E402
+from coordinator.step.speculative import speculative_decode_with  # noqa: E402
 from specd_core.request import SpeculativeOptions  # noqa: E402
 from specd_core.sampling import SamplingParams  # noqa: E402
 from target_worker import loader  # noqa: E402

@@ -27,7 +27,7 @@ kernel probes of the two child processes). In order:
    (M = 1) vs verify (M = k + 1) logits for k = 1, 4, 8, 16 across the 256-position key block
    boundary, one sequence alone vs inside a packed step of 8 mixed-length ones, speculation
    on/off (prompt lookup) greedy and seeded outputs through the service's in-process loop
-   (`coordinator.speculative.speculative_decode_with`), and CUDA-graph replay vs eager
+   (`coordinator.step.speculative.speculative_decode_with`), and CUDA-graph replay vs eager
    (`target_worker.graphs.GraphedDecoder`), all bitwise.
 4. ``timing``: after warm-up, CUDA events, medians: the step at 1-17 rows (graph and eager),
    a 9-token verify over a one-token step, in-process greedy decode tok/s (graph, eager)
@@ -319,7 +319,7 @@ def engine_decode(decoder, prompt, options, drafter):
 
 def spec_on_off(decoder, seed: int, new_tokens: int) -> dict:
     """Greedy and seeded outputs with and without speculation, in process (`engine_decode`;
-    and through the service's loop, `coordinator.speculative`, where its imports load).
+    and through the service's loop, `coordinator.step.speculative`, where its imports load).
     Every step drafts point masses: the target's own greedy continuation (4 tokens: mostly
     accepted) then tokens of the prompt's motif (mostly rejected), so both the accept and
     the reject-and-resample paths run."""
@@ -341,7 +341,7 @@ def spec_on_off(decoder, seed: int, new_tokens: int) -> dict:
             return (own + motif[i:] + motif)[: self.max_draft_len]
 
     try:
-        from coordinator.speculative import speculative_decode_with
+        from coordinator.step.speculative import speculative_decode_with
     except ImportError as exc:  # e.g. grpc_health missing: the engine path still runs
         speculative_decode_with, why = None, repr(exc)[:200]
     gen = torch.Generator().manual_seed(seed)

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from coordinator.actor import load_tokenizer_for
+from coordinator.cluster.actor import load_tokenizer_for
 from specd_core.draft import DraftBlock
 from specd_core.grammar import GrammarCompiler, GrammarSpec, _allowed_ids
 from specd_core.tool_calls import tool_format

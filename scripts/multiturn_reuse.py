@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from coordinator.actor import load_tokenizer_for
+from coordinator.cluster.actor import load_tokenizer_for
 from specd.v1 import generation_pb2, generation_pb2_grpc
 from specd_core.text import encode_chat
 from target_worker.engine import common_prefix_len

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from coordinator.adaptive import calibrate_for
-from coordinator.scheduler import Scheduler
-from coordinator.targets import LocalTarget
+from coordinator.step.adaptive import calibrate_for
+from coordinator.step.scheduler import Scheduler
+from coordinator.step.targets import LocalTarget
 from drafter_worker.local import LocalDrafter
 from drafter_worker.registry import DEFAULT_DRAFTER, build_drafter
 from specd_core.grammar import GrammarCompiler, GrammarSpec

@@ -42,7 +42,7 @@ WARMUP = 12
 def generate(path: Path) -> None:
     import torch
 
-    from coordinator.speculative import speculative_decode_with
+    from coordinator.step.speculative import speculative_decode_with
     from specd_core.request import SpeculativeOptions
     from specd_core.text import encode_prompt
     from specd_tools.bench.serve_data import MT_BENCH_FILE
@@ -81,7 +81,7 @@ def replay(records: list[dict], make, tail: int, costs: dict[int, float]) -> dic
     """``{kind: [tokens, replay seconds, plain seconds, steps]}`` for one drafter, the
     records replayed in order through one drafter object (its cache fills as a service's);
     ``tail``: prompt tokens remembered before each output."""
-    from coordinator.adaptive import AdaptiveDraftLength, ForwardCostModel
+    from coordinator.step.adaptive import AdaptiveDraftLength, ForwardCostModel
 
     cost = ForwardCostModel(costs, alpha=0)
     drafter = make()
@@ -117,7 +117,7 @@ def replay(records: list[dict], make, tail: int, costs: dict[int, float]) -> dic
 
 def drafters():
     """(label, factory, prompt tail) of each compared drafter."""
-    from coordinator.drafting import REMEMBER_PROMPT_TAIL
+    from coordinator.step.drafting import REMEMBER_PROMPT_TAIL
     from drafter_worker.prompt_lookup import PromptLookupSpeculator
     from drafter_worker.registry import build_drafter
     from drafter_worker.suffix import SuffixDrafter
@@ -140,7 +140,7 @@ def memory(records: list[dict], n: int = 10_000) -> dict:
     """The global cache after ``n`` of the structured outputs (cycled, a sixth of each
     output's tokens replaced by random ids, as field values vary), each after its prompt
     tail."""
-    from coordinator.drafting import remembered_tokens
+    from coordinator.step.drafting import remembered_tokens
     from drafter_worker.suffix import SuffixCache
 
     rng = random.Random(0)

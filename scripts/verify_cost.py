@@ -1,6 +1,6 @@
 """What verifying a block costs against a one-token step: the target's batch-invariant forward
 (`Decoder.make_batch_invariant`, what every served target runs) timed at 1 to 17 new tokens
-over a cached context, per dtype, with `coordinator.adaptive.calibrate` (rounds over all
+over a cached context, per dtype, with `coordinator.step.adaptive.calibrate` (rounds over all
 sizes, median per size: the curve the adaptive draft length's cost model starts from).
 
     python scripts/verify_cost.py                       # SmolLM2, q8, float32, bfloat16
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from coordinator.adaptive import calibrate  # noqa: E402
+from coordinator.step.adaptive import calibrate  # noqa: E402
 from target_worker import loader  # noqa: E402
 
 

@@ -7,7 +7,7 @@ machine that got busier or quieter is followed. Every option must give the same 
 thread count, a lossless step schedule): only speed depends on the choice.
 
 Two users: `target_worker.engine.ThreadChooser` (torch threads per kind of forward, one
-choice per step) and `coordinator.schedule.ScheduleChooser` (the pipelined or the serial
+choice per step) and `coordinator.step.schedule.ScheduleChooser` (the pipelined or the serial
 step, one choice per window of steps, one `MeasuredChoice` per active-request bucket).
 """
 

@@ -163,8 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     service = None
     address = args.server
     if address is None:
-        from coordinator.config import ServiceConfig
-        from coordinator.service import Service
+        from coordinator.cluster.config import ServiceConfig
+        from coordinator.cluster.service import Service
 
         ray_address = "auto" if os.environ.get("RAY_ADDRESS") else None
         service = Service(ServiceConfig(model=args.model, port=0, address=ray_address,

@@ -100,7 +100,7 @@ def _report(args, text: str, result, prompt_tokens: int, seconds: float) -> None
 
 
 def _generate_in_process(args: argparse.Namespace, options: GenerateOptions) -> int:
-    from coordinator.speculative import speculative_decode_with
+    from coordinator.step.speculative import speculative_decode_with
     from target_worker.loader import load_model
 
     o = options
@@ -154,7 +154,7 @@ def _generate_in_process(args: argparse.Namespace, options: GenerateOptions) -> 
 
     adaptive = None
     if drafter is not None and not o.no_adaptive:
-        from coordinator.adaptive import AdaptiveDraftLength, calibrate_for
+        from coordinator.step.adaptive import AdaptiveDraftLength, calibrate_for
 
         # Silent otherwise: ~1 s on a quiet 2-core machine, 10-25 s beside busy processes.
         print("[specd] timing the model's forward for adaptive drafting...", file=sys.stderr,
@@ -202,7 +202,7 @@ def _generate_via_service(args: argparse.Namespace, options: GenerateOptions) ->
 
     import grpc
 
-    from coordinator.service import Service
+    from coordinator.cluster.service import Service
 
     from .client import result_from_final, stream_generate
 
@@ -267,7 +267,7 @@ def _generate_via_service(args: argparse.Namespace, options: GenerateOptions) ->
 def _warn_oversubscribed(args: argparse.Namespace) -> None:
     """One stderr line when --threads exceeds this machine's usable cores (torch's OpenMP
     threads then wait on each other: 64 threads on 2 cores ran at 0.5 tok/s)."""
-    from coordinator.config import usable_cpus
+    from coordinator.cluster.config import usable_cpus
 
     threads, cpus = getattr(args, "target_threads", None), usable_cpus()
     remote = getattr(args, "server", None) is not None or getattr(args, "address", None)
@@ -306,8 +306,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from coordinator.config import ServiceConfig
-    from coordinator.service import Service
+    from coordinator.cluster.config import ServiceConfig
+    from coordinator.cluster.service import Service
 
     _warn_oversubscribed(args)
     service = Service(ServiceConfig(

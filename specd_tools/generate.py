@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from coordinator.step_plan import DEFAULT_MAX_BATCHED_TOKENS
+from coordinator.step.plan import DEFAULT_MAX_BATCHED_TOKENS
 from drafter_worker.registry import DEFAULT_DRAFTER, DEFAULT_NGRAM_SIZE
 from specd_core.sampling import SamplingParams
 
@@ -103,7 +103,7 @@ class GenerateOptions:
         if not self.prompt.strip():
             raise ValueError("the prompt must not be empty")
         return SamplingParams(
-            # -1 is vLLM's "off", as over HTTP and gRPC (`coordinator.generation_request`).
+            # -1 is vLLM's "off", as over HTTP and gRPC (`coordinator.front.generation_request`).
             temperature=self.temperature, top_k=0 if self.top_k == -1 else self.top_k,
             top_p=self.top_p, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
@@ -211,7 +211,7 @@ def embedded_service_config(options):
     Raises:
         ValueError: as `prefill_config`.
     """
-    from coordinator.config import ServiceConfig
+    from coordinator.cluster.config import ServiceConfig
 
     return ServiceConfig(
         model=options.model, dtype=options.dtype, port=0, drafter=options.drafter,
@@ -264,8 +264,8 @@ def prefill_config(options) -> dict:
 
 def in_process_threads() -> int:
     """``generate --in-process``'s torch threads when --threads is not given: every usable
-    core, as for the service's target (`coordinator.config.target_thread_counts`)."""
-    from coordinator.config import target_thread_counts
+    core, as for the service's target (`coordinator.cluster.config.target_thread_counts`)."""
+    from coordinator.cluster.config import target_thread_counts
 
     return target_thread_counts(1)[0]
 
@@ -273,9 +273,9 @@ def in_process_threads() -> int:
 def in_process_fallback_threads() -> int | None:
     """``generate --in-process``'s fewer torch threads a forward falls back to where they
     measure cheaper (`target_worker.engine.ThreadChooser`), when --threads is not given: the
-    cores less one (`coordinator.config.target_thread_counts`); None on one core. Measured
+    cores less one (`coordinator.cluster.config.target_thread_counts`); None on one core. Measured
     here (2 cores, SmolLM2): a 512-token prefill 415 tok/s on 1 thread, 920 on 2 on a quiet
     machine, but 2 threads 2x slower than 1 beside one busy process."""
-    from coordinator.config import target_thread_counts
+    from coordinator.cluster.config import target_thread_counts
 
     return target_thread_counts(1)[1]

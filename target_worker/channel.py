@@ -357,7 +357,7 @@ class ChannelServer:
 
 
 class ChannelTarget:
-    """The coordinator's end: a `coordinator.scheduler.Target` over a replica's channel
+    """The coordinator's end: a `coordinator.step.targets.Target` over a replica's channel
     (`TargetActor.open_channel`), one connection, calls one at a time in order.
 
     Args:
@@ -373,7 +373,7 @@ class ChannelTarget:
     Raises (from every call):
         ChannelClosed: the connection could not be made, broke or failed the handshake (the
             replica did not prove it holds the secret); the replica is taken for dead
-            (`coordinator.supervisor.is_replica_death`).
+            (`coordinator.cluster.failures.is_replica_death`).
         Whatever the replica raised, as `step_codec.ERRORS` carries it (ValueError for a
             refused item, SlotsExhausted, ...).
     """

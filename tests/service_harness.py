@@ -17,9 +17,9 @@ from concurrent.futures import Future
 
 import grpc
 
-from coordinator.grpc_api import GenerationServicer, start_generation_server
-from coordinator.router import Router
-from coordinator.targets import LocalTarget
+from coordinator.cluster.router import Router
+from coordinator.front.grpc_api import GenerationServicer, start_generation_server
+from coordinator.step.targets import LocalTarget
 from drafter_worker.client import DrafterClient
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from drafter_worker.server import start_drafter_server
@@ -110,9 +110,9 @@ class LocalService:
             servicer, "127.0.0.1", 0, auth_token=self.auth_token)
         self.address = f"127.0.0.1:{port}"
         if self.http:
-            from coordinator.http_api import OpenAIApi
-            from coordinator.http_server import start_http_server
-            from coordinator.metrics import router_registry
+            from coordinator.cluster.metrics import router_registry
+            from coordinator.front.http_api import OpenAIApi
+            from coordinator.front.http_server import start_http_server
 
             self.http_api = OpenAIApi(servicer, auth_token=self.auth_token,
                                       registry=router_registry(self.router, self.loop,

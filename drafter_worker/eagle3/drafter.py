@@ -176,7 +176,7 @@ class Eagle3Drafter:
 
     The target must return, as its hidden rows, the residual streams entering
     `hidden_layers` (`target_worker.model.Decoder.set_capture_layers(drafter.hidden_layers)`;
-    `coordinator.speculative.speculative_decode_with` sets it in process).
+    `coordinator.step.speculative.speculative_decode_with` sets it in process).
 
     Args:
         head: a loaded `Eagle3Head` with resolved ``aux_layers``.

@@ -12,7 +12,7 @@ machine. Systems:
 - ``specd-plain``: `speculative_decode_with` with no drafter (the same engine, one token per
   forward);
 - ``specd-<drafter>-k<N>``: a fixed draft length ``N`` (``--draft-len``);
-- ``specd-<drafter>-adaptive``: `coordinator.adaptive` chooses each step's draft length,
+- ``specd-<drafter>-adaptive``: `coordinator.step.adaptive` chooses each step's draft length,
   0 included, up to ``--adaptive-max-draft-len``;
 - ``hf-plain`` and ``hf-prompt-lookup-k<N>``: transformers' ``generate`` on the same GGUF file
   (transformers' own GGUF loader), plain and with ``prompt_lookup_num_tokens=N``.
@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from coordinator.adaptive import ForwardCostModel, calibrate_for
+from coordinator.step.adaptive import ForwardCostModel, calibrate_for
 from drafter_worker.registry import LOOKUP_ADAPTIVE_DRAFT_LEN, LOOKUP_DRAFT_LEN
 from specd_core.draft import drafter_capabilities
 

@@ -154,7 +154,7 @@ class _HFPromptSystem:
 
 
 def _start_embedded(service_config):
-    from coordinator.service import Service
+    from coordinator.cluster.service import Service
 
     service = Service(service_config)
     return service.start(), service.stop
@@ -185,7 +185,7 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
     Args:
         workloads: instead of ``config.workloads`` (short prompts for a tiny model).
         start_service: ``f(ServiceConfig) -> (address, stop)`` (tests: an in-process
-            service); default starts `coordinator.service.Service`.
+            service); default starts `coordinator.cluster.service.Service`.
 
     Returns:
         The JSON-ready report: ``mode`` ("default-path"), ``config``, ``environment``,
@@ -200,7 +200,7 @@ def run_default_path_bench(config: DefaultPathConfig, progress=print,
     """
     from dataclasses import asdict as as_dict
 
-    from coordinator.config import target_thread_counts
+    from coordinator.cluster.config import target_thread_counts
     from target_worker.loader import load_model
 
     from ..generate import embedded_service_config

@@ -131,7 +131,7 @@ def thread_timing(decoder, threads: Sequence[int] = (1, 2), ks: Sequence[int] = 
                   on_row: Callable[[dict], None] | None = None) -> list[dict]:
     """specd's forward at each torch thread count, on a quiet machine and beside one busy
     process: the evidence for the default thread budget
-    (`coordinator.config.target_thread_counts`).
+    (`coordinator.cluster.config.target_thread_counts`).
 
     For each condition (``busy`` False, then True: a ``python -c 'while True: pass'``
     child started here and killed by its PID after), each k: ``repeats`` forwards of ``k``

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from coordinator.config import usable_cpus
+from coordinator.cluster.config import usable_cpus
 
 __all__ = ["busy_warning", "load_average"]
 
@@ -21,8 +21,8 @@ def load_average() -> float | None:
 
 def busy_warning(*loads: float | None, cpus: int | None = None) -> str | None:
     """One line when the highest of ``loads`` (1-minute load averages, e.g. at a run's start
-    and end; None: unknown) exceeds ``cpus`` (default: `coordinator.config.usable_cpus`), e.g.
-    ``machine busy: load 3.4 on 2 cores; read ratios, not absolute numbers``; else None."""
+    and end; None: unknown) exceeds ``cpus`` (default: `coordinator.cluster.config.usable_cpus`),
+    e.g. ``machine busy: load 3.4 on 2 cores; read ratios, not absolute numbers``; else None."""
     known = [load for load in loads if load is not None]
     if cpus is None:
         cpus = usable_cpus()

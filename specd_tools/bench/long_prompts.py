@@ -61,7 +61,7 @@ def ttft_table(model: str, document: str, lengths: list[int], rounds: int) -> No
     import torch
     from transformers import AutoModelForCausalLM
 
-    from coordinator.speculative import speculative_decode_with
+    from coordinator.step.speculative import speculative_decode_with
     from specd_core.request import SpeculativeOptions
     from specd_tools.generate import in_process_fallback_threads, in_process_threads
     from target_worker.loader import load_model
@@ -161,7 +161,7 @@ def second_turn(address: str, service, text: str) -> dict:
 
 
 def service_tokenizer_decode(service, ids: list[int]) -> str:
-    from coordinator.actor import load_tokenizer_for
+    from coordinator.cluster.actor import load_tokenizer_for
 
     tokenizer = getattr(service, "_bench_tokenizer", None)
     if tokenizer is None:
@@ -175,9 +175,9 @@ def _prefix(service) -> int:
 
 def service_tables(model: str, document: str, stall_tokens: int, turn_tokens: int,
                    short_new: int, budgets: list[int]) -> None:
-    from coordinator.actor import load_tokenizer_for
-    from coordinator.config import ServiceConfig
-    from coordinator.service import Service, init_embedded_ray
+    from coordinator.cluster.actor import load_tokenizer_for
+    from coordinator.cluster.config import ServiceConfig
+    from coordinator.cluster.service import Service, init_embedded_ray
 
     tokenizer = load_tokenizer_for(model)
     long_text = long_prompt(tokenizer, document, stall_tokens)[0]

@@ -73,7 +73,7 @@ class RequestOutcome:
             (`jsonschema` when installed, else parsing only); None when unconstrained or
             not finished ("length").
         speculation: the ``speculation`` counters a specd server sends on the finish chunk
-            (`coordinator.gateway.speculation_counters`); None from other servers.
+            (`coordinator.front.gateway.speculation_counters`); None from other servers.
     """
 
     success: bool = False

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from coordinator.adaptive import AdaptiveDraftLength, ForwardCostModel
-from coordinator.speculative import speculative_decode_with
+from coordinator.step.adaptive import AdaptiveDraftLength, ForwardCostModel
+from coordinator.step.speculative import speculative_decode_with
 from specd_core.request import SpeculativeOptions
 
 __all__ = ["BARE", "HF_PLAIN", "PLAIN", "BareForward", "HFSystem", "RunRecord", "SpecdSystem"]

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from polling import wait_until
 from service_harness import MODEL, serve_process
 
-from coordinator.grpc_api import GENERATION_SERVICE
+from coordinator.front.grpc_api import GENERATION_SERVICE
 from specd.v1 import generation_pb2, generation_pb2_grpc
 from target_worker.tls import CHANNEL_HOSTNAME
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from drafters import FixedDrafter, exact_marginals, plain_decode, tiny_decoder, tv_tolerance
 
-from coordinator.adaptive import (
+from coordinator.step.adaptive import (
     AcceptanceTracker,
     AdaptiveDraftLength,
     ForwardCostModel,
@@ -13,7 +13,7 @@ from coordinator.adaptive import (
     choose_draft_len,
     expected_tokens,
 )
-from coordinator.speculative import speculative_decode_with
+from coordinator.step.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.draft import DraftBlock
 from specd_core.request import SpeculativeOptions
@@ -369,7 +369,7 @@ def test_sampling_with_adaptive_lengths_matches_the_exact_marginals():
 
 def test_calibration_points_never_decrease_with_size():
     # A larger size reading cheaper is noise (a burst of load on a smaller size).
-    from coordinator.adaptive import _monotone
+    from coordinator.step.adaptive import _monotone
 
     assert _monotone({1: [3.0, 2.0, 2.5], 4: [1.0], 8: [4.0], 16: []}) == {1: 2.5, 4: 2.5,
                                                                           8: 4.0}
@@ -395,7 +395,7 @@ def test_a_restarted_replicas_slow_calibration_does_not_price_drafting_out_for_g
     """After a restart the fresh process's calibration read larger sizes ~3x slow: alone it
     prices every draft out, and undrafted steps (one size) never correct the others; the
     lower of it and the previous incarnation's model drafts as before the restart."""
-    from coordinator.adaptive import choose_draft_len, restarted_cost_model
+    from coordinator.step.adaptive import choose_draft_len, restarted_cost_model
 
     previous = ForwardCostModel({1: 0.030, 2: 0.032, 4: 0.035, 8: 0.040, 16: 0.050, 32: 0.070})
     slow = ForwardCostModel({1: 0.030, 2: 0.090, 4: 0.100, 8: 0.120, 16: 0.150, 32: 0.200})

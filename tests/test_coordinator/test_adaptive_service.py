@@ -10,8 +10,8 @@ import pytest
 from service_harness import LocalService, run_in_thread
 from test_service import MIXED, solo, stream_tokens
 
-from coordinator.adaptive import ForwardCostModel, calibrate_target
-from coordinator.targets import LocalTarget
+from coordinator.step.adaptive import ForwardCostModel, calibrate_target
+from coordinator.step.targets import LocalTarget
 from target_worker.engine import TargetEngine
 from target_worker.loader import load_model
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from coordinator.requests import ServiceRequest
-from coordinator.scheduler import Scheduler
-from coordinator.targets import LocalTarget
+from coordinator.step.requests import ServiceRequest
+from coordinator.step.scheduler import Scheduler
+from coordinator.step.targets import LocalTarget
 from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions
 from target_worker.engine import TargetEngine
 from target_worker.loader import load_model

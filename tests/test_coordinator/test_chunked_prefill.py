@@ -13,10 +13,10 @@ import torch
 from drafters import FixedDrafter, exact_marginals, plain_decode, tiny_decoder, tv_tolerance
 from test_service import REPEATING
 
-from coordinator.adaptive import ForwardCostModel
-from coordinator.scheduler import Scheduler
-from coordinator.step_plan import ChunkPolicy
-from coordinator.targets import LocalTarget
+from coordinator.step.adaptive import ForwardCostModel
+from coordinator.step.plan import ChunkPolicy
+from coordinator.step.scheduler import Scheduler
+from coordinator.step.targets import LocalTarget
 from drafter_worker.local import LocalDrafter
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.draft import DraftBlock

@@ -15,7 +15,7 @@ from service_harness import LocalService
 from test_service import REPEATING, request, stream_tokens
 from test_suffix_decoding import SuffixService
 
-from coordinator.drafter_pool import DrafterPool
+from coordinator.cluster.drafter_pool import DrafterPool
 from drafter_worker.client import DrafterStats, DrafterUnavailable
 from drafter_worker.sessions import DRAFTER_STATS
 from specd.v1 import generation_pb2
@@ -124,7 +124,7 @@ def scrape(svc) -> str | None:
     """The service's Prometheus text (None without prometheus_client)."""
     if importlib.util.find_spec("prometheus_client") is None:
         return None
-    from coordinator.metrics import start_exporter
+    from coordinator.cluster.metrics import start_exporter
 
     server, port = start_exporter(svc.router, svc.loop, "127.0.0.1", 0)
     try:

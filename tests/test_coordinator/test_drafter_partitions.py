@@ -14,8 +14,8 @@ import torch
 from drafters import plain_decode
 from test_pipeline import FLAT
 
-from coordinator.scheduler import Scheduler
-from coordinator.targets import LocalTarget
+from coordinator.step.scheduler import Scheduler
+from coordinator.step.targets import LocalTarget
 from drafter_worker.local import LocalDrafter
 from drafter_worker.registry import build_drafter
 from drafter_worker.suffix import SuffixDrafter
@@ -135,7 +135,7 @@ def test_a_request_defaults_to_the_shared_partition_and_keeps_what_it_is_given(p
 
 
 def test_the_service_config_accepts_0_and_refuses_a_negative_cache_size():
-    from coordinator.config import ServiceConfig
+    from coordinator.cluster.config import ServiceConfig
 
     assert ServiceConfig(drafter="suffix", suffix_cache_requests=0).suffix_cache_requests == 0
     with pytest.raises(ValueError, match="suffix_cache_requests must be an int >= 0"):

@@ -1,4 +1,4 @@
-"""EAGLE-3 through the full Ray service (`coordinator.service.Service`, what ``specd serve``
+"""EAGLE-3 through the full Ray service (`coordinator.cluster.service.Service`, what ``specd serve``
 runs): drafter actors built by registry name from a saved head directory (``--drafter eagle3
 --drafter-path DIR`` and ``eagle3+suffix``), the target capturing the head's layers each step,
 answering over gRPC and the OpenAI HTTP API. Greedy outputs equal the same requests with
@@ -21,8 +21,8 @@ from eagle3_heads import TINY, save_random_head, save_trained_head
 from polling import wait_until
 from service_harness import run_in_thread
 
-from coordinator.config import ServiceConfig
-from coordinator.service import Service
+from coordinator.cluster.config import ServiceConfig
+from coordinator.cluster.service import Service
 from specd.v1 import generation_pb2, generation_pb2_grpc
 from specd_tools.cli import main as specd
 from target_worker.loader import load_model
@@ -201,7 +201,7 @@ def test_specd_scale_adds_a_drafter_worker_that_drafts_too(served, reference, ca
 ])
 def test_specd_serve_refuses_a_head_that_does_not_fit_the_target(misfit, field, tmp_path,
                                                                   monkeypatch, capsys):
-    from coordinator import service
+    from coordinator.cluster import service
 
     path = save_random_head(tmp_path / "head", **misfit)
     monkeypatch.setattr(service, "init_embedded_ray",

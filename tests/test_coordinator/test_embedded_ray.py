@@ -1,4 +1,4 @@
-"""The embedded service's Ray (`coordinator.service.init_embedded_ray`) is always its own:
+"""The embedded service's Ray (`coordinator.cluster.service.init_embedded_ray`) is always its own:
 neither a stale ``ray_current_cluster`` file (left by a ``ray start`` head stopped by PID)
 nor a live ``ray start`` head on the same machine makes it attach elsewhere.
 
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Starts the embedded Ray, prints the GCS address it runs, shuts it down.
 EMBEDDED = """
 import ray
-from coordinator.service import init_embedded_ray
+from coordinator.cluster.service import init_embedded_ray
 init_embedded_ray()
 print("GCS", ray.get_runtime_context().gcs_address, flush=True)
 ray.shutdown()

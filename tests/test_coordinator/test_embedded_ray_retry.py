@@ -1,4 +1,4 @@
-"""A failed embedded Ray start (`coordinator.service.init_embedded_ray`) leaves none of the
+"""A failed embedded Ray start (`coordinator.cluster.service.init_embedded_ray`) leaves none of the
 processes it started, and only Ray's startup timeout is retried.
 
 `ray.init` is replaced by a fake that starts a real child through Ray's ``ConsolePopen`` (the
@@ -15,7 +15,7 @@ import pytest
 import ray
 from ray._private import services
 
-from coordinator.service import init_embedded_ray
+from coordinator.cluster.service import init_embedded_ray
 
 TIMEOUT = Exception("The current node timed out during startup. This could happen because "
                     "some of the raylet failed to startup or the GCS has become overloaded.")

@@ -15,8 +15,8 @@ import psutil
 import pytest
 from service_harness import MODEL, serve_process
 
-from coordinator.config import ServiceConfig
-from coordinator.service import Service
+from coordinator.cluster.config import ServiceConfig
+from coordinator.cluster.service import Service
 from specd.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 

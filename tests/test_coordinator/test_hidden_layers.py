@@ -16,9 +16,9 @@ from drafters import LayeredRecorder, captured_rows, plain_decode
 from service_harness import LocalService
 from test_scaling import Gate, collect, options, until
 
-from coordinator.router import Router
-from coordinator.speculative import speculative_decode_with
-from coordinator.targets import LocalTarget
+from coordinator.cluster.router import Router
+from coordinator.step.speculative import speculative_decode_with
+from coordinator.step.targets import LocalTarget
 from drafter_worker.client import DrafterInfo
 from specd_core.request import SpeculativeOptions
 from target_worker.engine import TargetEngine

@@ -16,7 +16,7 @@ import pytest
 from drafters import LayeredRecorder, plain_decode
 from test_hidden_layers import F32, LAYERS, MODEL, PROMPTS, assert_rows_are_captured, fresh_decoder
 
-from coordinator.router import Router
+from coordinator.cluster.router import Router
 from drafter_worker.client import DrafterClient
 from drafter_worker.server import start_drafter_server
 from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions

@@ -13,9 +13,9 @@ import pytest
 from polling import wait_until
 from service_harness import MODEL, LocalService, SplitCharTokenizer
 
-from coordinator.http_api import OpenAIApi
-from coordinator.http_server import start_http_server
-from coordinator.targets import LocalTarget
+from coordinator.front.http_api import OpenAIApi
+from coordinator.front.http_server import start_http_server
+from coordinator.step.targets import LocalTarget
 from specd.v1 import generation_pb2
 
 try:  # the HTTP library the installed openai client uses
@@ -159,7 +159,8 @@ def test_greedy_and_seeded_text_equal_the_grpc_apis(service, client):
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "", "content": "x"}]},
      "messages[1].role"),
     ({"messages": [{"role": "user", "content": "hi", "name": 3}]}, "messages[0].name"),
-    # The rules the gRPC API and `specd generate` apply too (`coordinator.generation_request`).
+    # The rules the gRPC API and `specd generate` apply too
+    # (`coordinator.front.generation_request`).
     ({"extra_body": {"speculation": {"max_draft_len": 0}}}, "speculation.max_draft_len"),
     ({"extra_body": {"top_k": -2}}, "top_k"),
     ({"logit_bias": {"5": 1.0}}, "logit_bias"),
@@ -436,9 +437,9 @@ def test_n_choices_without_a_seed_are_independent(client):
 
 
 def test_a_message_name_reaches_the_chat_template(client):
-    from coordinator.grpc_api import GenerationServicer
-    from coordinator.openai_request import ChatBody
-    from coordinator.openai_request import generation_request as grpc_request
+    from coordinator.front.grpc_api import GenerationServicer
+    from coordinator.front.openai_request import ChatBody
+    from coordinator.front.openai_request import generation_request as grpc_request
 
     seen = []
 
@@ -470,7 +471,7 @@ def test_a_message_name_reaches_the_chat_template(client):
 def test_the_stop_trimmer_holds_back_only_what_could_start_a_stop_string():
     import random
 
-    from coordinator.gateway import StopTrimmer
+    from coordinator.front.gateway import StopTrimmer
 
     t = StopTrimmer(["bcd", "xy"])
     assert [t.push(d) for d in ("ab", "c", "e", "bx", "z")] == ["a", "", "bce", "b", "xz"]
@@ -561,7 +562,7 @@ def test_models_have_a_created_time_and_can_be_fetched_by_id(client):
 
 
 def _limited_server(service, **limits):
-    from coordinator.http_server import HttpLimits
+    from coordinator.front.http_server import HttpLimits
 
     api = OpenAIApi(servicer=service.http_api.servicer, auth_token=TOKEN,
                     limits=HttpLimits(**limits))
@@ -806,8 +807,8 @@ def test_the_coordinators_stop_ends_streams_past_the_grace_with_an_error_and_don
     event and ``[DONE]``, not a cut connection."""
     import json
 
-    from coordinator.actor import CoordinatorActor
-    from coordinator.config import ServiceConfig
+    from coordinator.cluster.actor import CoordinatorActor
+    from coordinator.cluster.config import ServiceConfig
 
     svc = GatedService(http=True).start()
     actor = CoordinatorActor(ServiceConfig(model=MODEL, http_port=0))

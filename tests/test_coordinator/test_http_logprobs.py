@@ -244,7 +244,7 @@ def test_chat_bytes_of_tokens_that_split_a_character_join_into_its_utf8():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from coordinator.openai_logprobs import chat_logprobs as _chat_logprobs
+    from coordinator.front.openai_logprobs import chat_logprobs as _chat_logprobs
     from specd_core.logprobs import TokenLogprob
 
     tok = Tokenizer(models.BPE())

@@ -338,7 +338,7 @@ def test_completions_take_the_same_constraints(client):
 def test_refused_constraints_count_against_their_client(service, client):
     import grpc
 
-    from coordinator.refusals import RefusalBudget
+    from coordinator.front.refusals import RefusalBudget
 
     now = [0.0]
     saved = service.servicer.refusals
@@ -373,7 +373,7 @@ def test_refused_constraints_count_against_their_client(service, client):
 
 
 def test_a_body_parsed_in_a_worker_thread_gets_the_answers_a_small_one_gets(client):
-    from coordinator.http_api import BIG_BODY_BYTES
+    from coordinator.front.http_api import BIG_BODY_BYTES
 
     # Over BIG_BODY_BYTES: parsed in a worker thread (a multi-megabyte schema must not
     # stall other streams), answered as a small body is.

@@ -14,8 +14,8 @@ import torch
 from test_chunked_prefill import FLAT, LONG, RecordingTarget
 from test_service import REPEATING
 
-from coordinator.scheduler import Scheduler
-from coordinator.step_plan import ChunkPolicy
+from coordinator.step.plan import ChunkPolicy
+from coordinator.step.scheduler import Scheduler
 from drafter_worker.local import LocalDrafter
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.logprobs import RowLogprobs
@@ -204,7 +204,7 @@ def test_log_probabilities_cross_the_replicas_step_channel_unchanged(decoder):
     own output, dense rows included."""
     import numpy as np
 
-    from coordinator.targets import LocalTarget
+    from coordinator.step.targets import LocalTarget
     from target_worker.actor import TargetActor
     from target_worker.channel import ChannelTarget
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_logprobs import decodes
 
-from coordinator.step_plan import ChunkPolicy
+from coordinator.step.plan import ChunkPolicy
 from specd_core.request import SpeculativeOptions
 from specd_core.text import encode_prompt
 from target_worker.fetch import default_model_path

@@ -16,8 +16,8 @@ import random
 import pytest
 import torch
 
-from coordinator.scheduler import Scheduler
-from coordinator.targets import LocalTarget
+from coordinator.step.scheduler import Scheduler
+from coordinator.step.targets import LocalTarget
 from drafter_worker.local import LocalDrafter
 from drafter_worker.registry import DEFAULT_DRAFTER, build_drafter
 from specd_core.request import SpeculativeOptions

@@ -8,7 +8,7 @@ import pickle
 
 import torch
 
-from coordinator.replica import MeteredTarget
+from coordinator.cluster.replica import MeteredTarget
 from specd_core.rule import GreedyRows
 from specd_core.sampling import SamplingParams
 from specd_core.step import StepOutput, VerifyItem, payload_bytes

@@ -10,8 +10,8 @@ import torch
 from service_harness import MODEL, LocalService
 from test_service import REPEATING, request, stream_tokens
 
-from coordinator.adaptive import AdaptiveDraftLength, ForwardCostModel
-from coordinator.speculative import speculative_decode_with
+from coordinator.step.adaptive import AdaptiveDraftLength, ForwardCostModel
+from coordinator.step.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.draft import DraftBlock, DrafterCapabilities
 from specd_core.request import SpeculativeOptions

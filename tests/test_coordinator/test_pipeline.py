@@ -14,10 +14,10 @@ from drafters import exact_marginals, plain_decode, tiny_decoder, tv_tolerance
 from service_harness import LocalService
 from test_service import MIXED, REPEATING, stream_tokens
 
-from coordinator.adaptive import ForwardCostModel
-from coordinator.scheduler import Scheduler
-from coordinator.speculative import speculative_decode_with
-from coordinator.targets import LocalTarget
+from coordinator.step.adaptive import ForwardCostModel
+from coordinator.step.scheduler import Scheduler
+from coordinator.step.speculative import speculative_decode_with
+from coordinator.step.targets import LocalTarget
 from drafter_worker.client import DrafterUnavailable
 from drafter_worker.local import LocalDrafter
 from drafter_worker.prompt_lookup import PromptLookupSpeculator

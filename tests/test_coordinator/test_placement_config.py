@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.config import ServiceConfig
-from coordinator.service import Service
+from coordinator.cluster.config import ServiceConfig
+from coordinator.cluster.service import Service
 from specd_tools.cli import build_parser
 
 MODEL = "tiny-random:vocab=64,seed=0,layers=2"
@@ -38,7 +38,7 @@ def test_ports_0_and_off_never_clash():
 def test_the_start_says_a_first_load_converts_before_ray_starts(monkeypatch):
     import ray
 
-    from coordinator import service
+    from coordinator.cluster import service
     from target_worker import loader
 
     class RayStarting(Exception):

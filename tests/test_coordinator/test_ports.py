@@ -10,9 +10,9 @@ import socket
 import pytest
 from time_wait import time_wait_on
 
-from coordinator.http_api import OpenAIApi
-from coordinator.http_server import start_http_server
-from coordinator.service import check_port_free
+from coordinator.cluster.service import check_port_free
+from coordinator.front.http_api import OpenAIApi
+from coordinator.front.http_server import start_http_server
 
 
 def port_in_time_wait() -> int:

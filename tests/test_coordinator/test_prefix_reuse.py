@@ -10,9 +10,9 @@ import asyncio
 
 import pytest
 
-from coordinator.scheduler import Scheduler
-from coordinator.step_plan import ChunkPolicy
-from coordinator.targets import LocalTarget
+from coordinator.step.plan import ChunkPolicy
+from coordinator.step.scheduler import Scheduler
+from coordinator.step.targets import LocalTarget
 from drafter_worker.local import LocalDrafter
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.request import SpeculativeOptions

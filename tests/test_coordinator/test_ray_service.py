@@ -12,9 +12,9 @@ import grpc
 import pytest
 from service_harness import MODEL, serve_process
 
-from coordinator.config import ServiceConfig
-from coordinator.service import Service
-from coordinator.speculative import speculative_decode_with
+from coordinator.cluster.config import ServiceConfig
+from coordinator.cluster.service import Service
+from coordinator.step.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from drafter_worker.registry import DEFAULT_DRAFTER
 from specd.v1 import generation_pb2, generation_pb2_grpc

@@ -13,9 +13,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_harness import MODEL, run_in_thread
 
-from coordinator.config import ServiceConfig
-from coordinator.grpc_api import GENERATION_SERVICE
-from coordinator.service import Service
+from coordinator.cluster.config import ServiceConfig
+from coordinator.cluster.service import Service
+from coordinator.front.grpc_api import GENERATION_SERVICE
 from specd.v1 import generation_pb2, generation_pb2_grpc
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

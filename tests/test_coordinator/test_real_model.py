@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.speculative import speculative_decode_with
+from coordinator.step.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.request import SpeculativeOptions
 from specd_core.text import encode_prompt
@@ -50,8 +50,8 @@ def test_greedy_speculative_decode_equals_plain_greedy(smollm2, name):
 def test_greedy_through_the_service_equals_the_in_process_core(smollm2, pipeline):
     import grpc
 
-    from coordinator.config import ServiceConfig
-    from coordinator.service import Service
+    from coordinator.cluster.config import ServiceConfig
+    from coordinator.cluster.service import Service
     from specd.v1 import generation_pb2, generation_pb2_grpc
 
     decoder, tokenizer = smollm2
@@ -99,9 +99,9 @@ def test_chunked_prefill_gives_the_unchunked_greedy_tokens_and_transformers_agre
     import torch
     from transformers import AutoModelForCausalLM
 
-    from coordinator.scheduler import Scheduler
-    from coordinator.step_plan import ChunkPolicy
-    from coordinator.targets import LocalTarget
+    from coordinator.step.plan import ChunkPolicy
+    from coordinator.step.scheduler import Scheduler
+    from coordinator.step.targets import LocalTarget
     from target_worker.engine import TargetEngine
     from target_worker.fetch import default_model_path
 

@@ -1,4 +1,4 @@
-"""The embedded Ray's reaper (`coordinator.service._Reaper`) without Ray: the process groups
+"""The embedded Ray's reaper (`coordinator.cluster.service._Reaper`) without Ray: the process groups
 it owns die with their owner, ``kill -9`` included, and at `release`; nothing else does."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: agents), then a line with the PIDs; it then sleeps until killed.
 OWNER = """
 import subprocess, sys, time
-from coordinator.service import _Reaper
+from coordinator.cluster.service import _Reaper
 reaper = _Reaper()
 group = subprocess.Popen(["sh", "-c", "sleep 600 & wait"], process_group=0)
 reaper.own(group.pid)
@@ -65,7 +65,7 @@ def test_the_groups_a_reaper_owns_die_with_their_owners_kill_9():
 
 
 def test_release_ends_what_is_left_of_the_owned_groups():
-    from coordinator.service import _Reaper
+    from coordinator.cluster.service import _Reaper
 
     reaper = _Reaper()
     group = subprocess.Popen(["sleep", "600"], process_group=0)

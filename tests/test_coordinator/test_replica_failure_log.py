@@ -13,7 +13,7 @@ from service_harness import LocalService, run_in_thread
 from test_service import REPEATING, request, stream_tokens
 from test_supervision import INTERNALS, dying_replica, on_loop, replica_states
 
-from coordinator.failures import death_summary
+from coordinator.cluster.failures import death_summary
 
 
 def test_a_dead_replica_is_one_clear_error_line_and_the_raw_report_is_debug(caplog):
@@ -30,7 +30,7 @@ def test_a_dead_replica_is_one_clear_error_line_and_the_raw_report_is_debug(capl
     finally:
         svc.stop()
     (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR
-               and r.name == "coordinator.replica"]
+               and r.name == "coordinator.cluster.replica"]
     assert line.startswith("replica replica-0 is out of service: a verify call failed: its "
                            "Ray actor died (RayActorError); 1 request(s) in flight failed"), line
     assert line.endswith("re-creating it") and "\n" not in line
@@ -46,7 +46,7 @@ def test_a_dead_replica_is_one_clear_error_line_and_the_raw_report_is_debug(capl
 def test_death_summary_names_the_kind_never_rays_report():
     import ray.exceptions
 
-    from coordinator.errors import ReplicaFailed
+    from coordinator.step.errors import ReplicaFailed
 
     raw = ray.exceptions.ActorDiedError()
     assert death_summary(raw) == "its Ray actor died (ActorDiedError)"

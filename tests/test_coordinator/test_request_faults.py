@@ -309,7 +309,7 @@ def test_a_request_whose_drafting_fails_decodes_undrafted_and_the_others_keep_dr
     it (ValueError: bad job, nothing sent): the poison is still served, token-identical (drafts
     never change tokens), and the good streams are unaffected."""
     import drafter_worker.client as client
-    from coordinator.drafter_pool import DrafterPool
+    from coordinator.cluster.drafter_pool import DrafterPool
 
     svc = LocalService(max_active=16).start()
     try:
@@ -356,8 +356,8 @@ def test_a_request_whose_drafting_fails_decodes_undrafted_and_the_others_keep_dr
 
 
 def test_status_counts_a_slot_held_while_its_request_is_being_admitted():
-    from coordinator.scheduler import Scheduler
-    from coordinator.targets import LocalTarget
+    from coordinator.step.scheduler import Scheduler
+    from coordinator.step.targets import LocalTarget
     from specd_core.request import SpeculativeOptions
     from target_worker.loader import load_model
 
@@ -498,7 +498,7 @@ def test_tokenizer_failures_answer_their_request_with_a_clear_status(gated):
 
 
 def test_a_prompt_over_the_size_cap_is_refused_before_tokenizing(gated):
-    from coordinator.grpc_api import GenerationServicer, start_generation_server
+    from coordinator.front.grpc_api import GenerationServicer, start_generation_server
 
     svc, tok = gated, gated.tokenizer
     servicer = GenerationServicer(svc.scheduler, tok, 64, 256, "prompt-lookup", "tiny",
@@ -542,8 +542,8 @@ def test_a_prompt_over_the_size_cap_is_refused_before_tokenizing(gated):
 
 
 def test_the_default_size_cap_admits_a_full_context_of_the_longest_token():
-    from coordinator.errors import RequestInvalid as InvalidRequest
-    from coordinator.grpc_api import MAX_MESSAGE_BYTES, GenerationServicer
+    from coordinator.front.grpc_api import MAX_MESSAGE_BYTES, GenerationServicer
+    from coordinator.step.errors import RequestInvalid as InvalidRequest
 
     class Vocab:
         def get_vocab(self):

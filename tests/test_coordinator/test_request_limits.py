@@ -8,12 +8,12 @@ import pytest
 from service_harness import LocalService
 from test_service import request, solo
 
-from coordinator.generation_request import (
+from coordinator.front.generation_request import (
     MAX_STOP_STRING_BYTES,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
-from coordinator.grpc_api import sampling_from_proto
+from coordinator.front.grpc_api import sampling_from_proto
 from specd.v1 import generation_pb2
 from specd_core.sampling import SamplingParams
 

@@ -1,6 +1,6 @@
-"""Replicas and drafter pools (`coordinator.router`, `coordinator.drafter_pool`) on the tiny
-random model, in process: placement, scaling while requests run, draining, Scale validation and
-the metrics Status reports. Outputs are compared with solo runs of the core loop."""
+"""Replicas and drafter pools (`coordinator.cluster.router`, `coordinator.cluster.drafter_pool`) on
+the tiny random model, in process: placement, scaling while requests run, draining, Scale validation
+and the metrics Status reports. Outputs are compared with solo runs of the core loop."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from polling import wait_until
 from service_harness import MODEL, LocalService, run_in_thread
 from test_service import REPEATING, request, solo, stream_tokens
 
-from coordinator.drafter_pool import DrafterPool
-from coordinator.replica import RateMeter
-from coordinator.router import Router
-from coordinator.speculative import speculative_decode_with
+from coordinator.cluster.drafter_pool import DrafterPool
+from coordinator.cluster.replica import RateMeter
+from coordinator.cluster.router import Router
+from coordinator.step.speculative import speculative_decode_with
 from drafter_worker.client import DrafterUnavailable
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd.v1 import generation_pb2, generation_pb2_grpc
@@ -425,7 +425,7 @@ def test_prometheus_export_labels_every_replica_and_drafter():
     pytest.importorskip("prometheus_client")
     import urllib.request
 
-    from coordinator.metrics import start_exporter
+    from coordinator.cluster.metrics import start_exporter
 
     svc = LocalService(replicas=2, drafters=2).start()
     try:
@@ -475,9 +475,9 @@ def test_prometheus_export_labels_every_replica_and_drafter():
 def test_a_replica_calibrated_by_its_factory_starts_its_loop_with_that_cost_model():
     # The service calibrates while starting a replica (start-up work, reported as a phase):
     # its loop must not calibrate again inside the first request.
-    from coordinator.adaptive import ForwardCostModel
-    from coordinator.router import Router
-    from coordinator.targets import LocalTarget
+    from coordinator.cluster.router import Router
+    from coordinator.step.adaptive import ForwardCostModel
+    from coordinator.step.targets import LocalTarget
     from target_worker.engine import TargetEngine
     from target_worker.loader import load_model
 

@@ -1,4 +1,4 @@
-"""The step schedule chosen by measurement (``pipeline="auto"``, `coordinator.schedule`): the
+"""The step schedule chosen by measurement (``pipeline="auto"``, `coordinator.step.schedule`): the
 chooser's logic on injected costs, a scheduler that ends serial beside a run-ahead that
 slows the step and pipelined beside a free one (costs injected through its clock, never
 wall time), the same tokens (greedy and seeded) with auto, on, off and forced switches
@@ -14,10 +14,10 @@ import torch
 from drafters import plain_decode
 from test_service import REPEATING
 
-from coordinator.adaptive import ForwardCostModel
-from coordinator.schedule import PIPELINED, SERIAL, UNDRAFTED, ScheduleChooser, active_bucket
-from coordinator.scheduler import Scheduler
-from coordinator.targets import LocalTarget
+from coordinator.step.adaptive import ForwardCostModel
+from coordinator.step.schedule import PIPELINED, SERIAL, UNDRAFTED, ScheduleChooser, active_bucket
+from coordinator.step.scheduler import Scheduler
+from coordinator.step.targets import LocalTarget
 from drafter_worker.local import LocalDrafter
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.choice import MeasuredChoice
@@ -442,7 +442,7 @@ def test_the_schedule_and_its_measurements_show_in_status_specd_status_and_prome
     from service_harness import LocalService
     from test_service import MIXED, stream_tokens
 
-    from coordinator.metrics import RouterCollector
+    from coordinator.cluster.metrics import RouterCollector
     from specd.v1 import generation_pb2
     from specd_tools.client import status_table
 

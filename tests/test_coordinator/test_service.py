@@ -12,8 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_harness import LocalService, run_in_thread
 
-from coordinator.grpc_api import sampling_from_proto
-from coordinator.speculative import speculative_decode_with
+from coordinator.front.grpc_api import sampling_from_proto
+from coordinator.step.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd.v1 import generation_pb2
 from specd_core.request import SpeculativeOptions
@@ -123,7 +123,7 @@ def test_same_seed_same_tokens_alone_or_batched_and_unseeded_requests_differ(ser
         (lambda r: setattr(r.sampling, "top_p", 0.0), "top_p"),
         (lambda r: setattr(r.sampling, "top_p", 1.5), "top_p"),
         (lambda r: setattr(r.sampling, "top_k", -2), "top_k"),
-        # HTTP's rules (`coordinator.generation_request`): a chat role, a draft cap >= 1.
+        # HTTP's rules (`coordinator.front.generation_request`): a chat role, a draft cap >= 1.
         (lambda r: r.chat.messages.add(role="bogus", content="hi"), "chat.messages[0].role"),
         (lambda r: r.chat.messages.extend([generation_pb2.ChatMessage(role="user", content="a"),
                                            generation_pb2.ChatMessage(role="", content="b")]),
@@ -154,7 +154,7 @@ def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(service, mut
 
 
 def test_a_second_server_on_a_busy_port_is_refused(service):
-    from coordinator.grpc_api import GenerationServicer, start_generation_server
+    from coordinator.front.grpc_api import GenerationServicer, start_generation_server
 
     port = int(service.address.rsplit(":", 1)[1])
     servicer = GenerationServicer(service.scheduler, service.tokenizer, 64, 256,
@@ -164,7 +164,8 @@ def test_a_second_server_on_a_busy_port_is_refused(service):
 
 
 def test_top_k_minus_one_is_off_over_grpc_as_over_http(service):
-    # vLLM's "off" (-1) is 0 over either API (`coordinator.generation_request.sampling_params`).
+    # vLLM's "off" (-1) is 0 over either API
+    # (`coordinator.front.generation_request.sampling_params`).
     assert sampling_from_proto(generation_pb2.SamplingParams(top_k=-1)).top_k == 0
     minus_one = stream_tokens(service, request(REPEATING, seed=5, temperature=1.0, top_k=-1,
                                                max_new=12))[0]
@@ -276,7 +277,7 @@ def test_tls_with_a_bearer_token(tmp_path):
     import shutil
     import subprocess
 
-    from coordinator.grpc_api import GenerationServicer, start_generation_server
+    from coordinator.front.grpc_api import GenerationServicer, start_generation_server
     from specd.v1 import generation_pb2_grpc
 
     if shutil.which("openssl") is None:

@@ -14,7 +14,7 @@ from drafters import (
     tv_tolerance,
 )
 
-from coordinator.speculative import speculative_decode, speculative_decode_with
+from coordinator.step.speculative import speculative_decode, speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.draft import DraftBlock
 from specd_core.request import SpeculativeDecodeResult, SpeculativeOptions

@@ -1,4 +1,4 @@
-"""The step's scheduling decision alone (`coordinator.step_plan`): no Ray, no sockets, no
+"""The step's scheduling decision alone (`coordinator.step.plan`): no Ray, no sockets, no
 model. Verify blocks come first, prompt chunks share what is left of the token budget,
 shortest remaining prompt first, with a cap on prompts left half-done."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.step_plan import IDLE_BUDGET_FACTOR, ChunkPolicy, plan_prefill_chunks
+from coordinator.step.plan import IDLE_BUDGET_FACTOR, ChunkPolicy, plan_prefill_chunks
 
 
 def test_without_a_budget_every_prompt_is_computed_whole():

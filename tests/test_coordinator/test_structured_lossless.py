@@ -1,5 +1,5 @@
 """Constrained decoding stays lossless under speculation, through the scheduler the service
-runs (`coordinator.speculative.speculative_decode_with`) on a tiny random model: exact T=1
+runs (`coordinator.step.speculative.speculative_decode_with`) on a tiny random model: exact T=1
 distributions of whole outputs against enumeration of plain masked decoding, with
 point-mass, sampled and adversarial drafts and the grammar's forced drafts; greedy identity
 with speculation on and off; seeded outputs the same alone and batched."""
@@ -13,9 +13,9 @@ import pytest
 import torch
 from drafters import TopKSamplingDrafter, tiny_decoder, tv_tolerance
 
-from coordinator.scheduler import Scheduler
-from coordinator.speculative import speculative_decode_with
-from coordinator.targets import LocalTarget
+from coordinator.step.scheduler import Scheduler
+from coordinator.step.speculative import speculative_decode_with
+from coordinator.step.targets import LocalTarget
 from drafter_worker.local import LocalDrafter
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.draft import DraftBlock, DraftDist, DrafterCapabilities

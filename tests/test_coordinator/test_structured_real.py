@@ -13,8 +13,8 @@ import json
 import jsonschema
 import pytest
 
-from coordinator.scheduler import Scheduler
-from coordinator.targets import LocalTarget
+from coordinator.step.scheduler import Scheduler
+from coordinator.step.targets import LocalTarget
 from drafter_worker.local import LocalDrafter
 from drafter_worker.registry import DEFAULT_DRAFTER, build_drafter
 from specd_core.grammar import GrammarCompiler, GrammarSpec

@@ -15,10 +15,10 @@ from service_harness import LocalService
 from test_pipeline import FLAT, SlowTarget, assert_marginals_exact
 from test_service import MIXED, REPEATING, request, stream_tokens
 
-from coordinator.adaptive import AdaptiveDraftLength, ForwardCostModel
-from coordinator.drafting import REMEMBER_PROMPT_TAIL, remembered_tokens
-from coordinator.scheduler import Scheduler
-from coordinator.speculative import speculative_decode_with
+from coordinator.step.adaptive import AdaptiveDraftLength, ForwardCostModel
+from coordinator.step.drafting import REMEMBER_PROMPT_TAIL, remembered_tokens
+from coordinator.step.scheduler import Scheduler
+from coordinator.step.speculative import speculative_decode_with
 from drafter_worker.client import DrafterClient
 from drafter_worker.local import LocalDrafter
 from drafter_worker.server import start_drafter_server
@@ -272,8 +272,8 @@ def test_specd_serve_path_with_two_suffix_drafter_actors():
     import grpc
     from service_harness import MODEL
 
-    from coordinator.config import ServiceConfig
-    from coordinator.service import Service
+    from coordinator.cluster.config import ServiceConfig
+    from coordinator.cluster.service import Service
     from specd.v1 import generation_pb2_grpc
 
     svc = Service(ServiceConfig(model=MODEL, port=0, drafter="suffix", drafters=2,
@@ -303,7 +303,7 @@ def test_specd_serve_path_with_two_suffix_drafter_actors():
 
 
 def test_the_pool_sends_finished_outputs_to_every_serving_worker():
-    from coordinator.drafter_pool import DrafterPool
+    from coordinator.cluster.drafter_pool import DrafterPool
 
     class Fake:
         def __init__(self, fail=False):

@@ -1,9 +1,9 @@
-"""Workers that come back (`coordinator.router` supervision, `coordinator.drafter_pool`), in
-process on the tiny random model: a target replica that dies or hangs mid-stream fails its
-in-flight requests fast with UNAVAILABLE (no internals), moves the ones it had not started,
-reports NOT_SERVING until it is re-created, and then serves the same tokens as before; Scale
-removes a failed replica before a healthy one; a drafter whose worker is gone is marked
-unhealthy, replaced, and drafting resumes with unchanged outputs."""
+"""Workers that come back (`coordinator.cluster.router` supervision,
+`coordinator.cluster.drafter_pool`), in process on the tiny random model: a target replica that dies
+or hangs mid-stream fails its in-flight requests fast with UNAVAILABLE (no internals), moves the
+ones it had not started, reports NOT_SERVING until it is re-created, and then serves the same tokens
+as before; Scale removes a failed replica before a healthy one; a drafter whose worker is gone is
+marked unhealthy, replaced, and drafting resumes with unchanged outputs."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from service_harness import LocalService, run_in_thread
 from test_scaling import PROMPTS, FakeClient, collect, gate_all, greedy_solo, options, until
 from test_service import REPEATING, request, stream_tokens
 
-from coordinator.drafter_pool import DrafterPool
-from coordinator.grpc_api import GENERATION_SERVICE
+from coordinator.cluster.drafter_pool import DrafterPool
+from coordinator.front.grpc_api import GENERATION_SERVICE
 from drafter_worker.client import ProposeJob
 from specd.v1 import generation_pb2
 
@@ -365,8 +365,8 @@ def test_pool_marks_a_failing_member_unhealthy_and_moves_its_requests():
 
 @pytest.mark.parametrize("value", [0, -1.0, True, "60"])
 def test_target_timeout_must_be_a_positive_number(value):
-    from coordinator.config import ServiceConfig
-    from coordinator.service import Service
+    from coordinator.cluster.config import ServiceConfig
+    from coordinator.cluster.service import Service
 
     with pytest.raises(ValueError, match="target_timeout_s"):
         Service(ServiceConfig(model="tiny-random", target_timeout_s=value))

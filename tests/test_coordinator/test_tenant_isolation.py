@@ -10,7 +10,7 @@ import grpc
 import pytest
 from service_harness import LocalService
 
-from coordinator.tenants import Tenants
+from coordinator.front.tenants import Tenants
 from drafter_worker.suffix import SuffixDrafter
 from specd.v1 import generation_pb2
 

@@ -1,5 +1,5 @@
 """Tenants: tokens and their owners, admin-only RPCs and paths, ``cache_salt``, and the
-partition each request's cross-request state is looked up in (`coordinator.tenants`)."""
+partition each request's cross-request state is looked up in (`coordinator.front.tenants`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import grpc
 import pytest
 from service_harness import LocalService
 
-from coordinator.tenants import (
+from coordinator.front.tenants import (
     MAX_CACHE_SALT_CHARS,
     Tenant,
     Tenants,
@@ -206,7 +206,7 @@ def test_status_and_scale_send_the_admin_token_from_the_environment(monkeypatch)
 
 
 def test_serve_flags_make_the_service_token_table(tmp_path, monkeypatch):
-    from coordinator.config import ServiceConfig
+    from coordinator.cluster.config import ServiceConfig
     from specd_tools import cli, commands
 
     monkeypatch.setenv("SPECD_AUTH_TOKEN", "from-env")

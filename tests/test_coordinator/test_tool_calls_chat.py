@@ -1,5 +1,5 @@
 """How tools reach the prompt and calls come out of the text for a Hugging Face tokenizer
-(`coordinator.tool_calls.ChatTools`): a template that ignores tools gets them in the
+(`coordinator.front.tool_calls.ChatTools`): a template that ignores tools gets them in the
 format's words in the system message, past calls and tool answers written into the turns;
 a trigger that is a special token (Mistral's ``[TOOL_CALLS]``) is matched as that token by
 the grammar and kept in the text the parser reads."""
@@ -11,7 +11,7 @@ import json
 import pytest
 from hf_checkpoints import train_tokenizer
 
-from coordinator.tool_calls import ChatTools, tools_request
+from coordinator.front.tool_calls import ChatTools, tools_request
 from specd_core.grammar import GrammarCompiler, _allowed_ids
 from specd_core.text import encode_chat
 

@@ -16,9 +16,9 @@ import json
 import jsonschema
 import pytest
 
-from coordinator.scheduler import Scheduler
-from coordinator.targets import LocalTarget
-from coordinator.tool_calls import ChatTools
+from coordinator.front.tool_calls import ChatTools
+from coordinator.step.scheduler import Scheduler
+from coordinator.step.targets import LocalTarget
 from drafter_worker.local import LocalDrafter
 from drafter_worker.registry import DEFAULT_DRAFTER, build_drafter
 from specd_core.grammar import GrammarCompiler

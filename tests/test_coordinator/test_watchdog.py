@@ -1,6 +1,6 @@
 """Replica supervision that does not wait for one fixed timeout: a stalled replica is found
-within a deadline scaled by its measured step cost (`coordinator.failures.StallWatchdog`), far
-below ``target_timeout_s``; and an idle replica whose process dies is found the moment its
+within a deadline scaled by its measured step cost (`coordinator.cluster.failures.StallWatchdog`),
+far below ``target_timeout_s``; and an idle replica whose process dies is found the moment its
 step channel closes (`ChannelTarget.watch`), out of placement and restarting before any
 request is sent to it."""
 
@@ -25,9 +25,9 @@ from test_supervision import (
     wait_until,
 )
 
-from coordinator.errors import ReplicaFailed
-from coordinator.failures import StallWatchdog
-from coordinator.replica import MeteredTarget
+from coordinator.cluster.failures import StallWatchdog
+from coordinator.cluster.replica import MeteredTarget
+from coordinator.step.errors import ReplicaFailed
 from specd_core.sampling import SamplingParams
 from specd_core.step import VerifyItem
 from target_worker.channel import ChannelTarget

@@ -13,7 +13,7 @@ import pytest
 import torch
 from drafters import exact_marginals, plain_decode, tiny_decoder, tv_tolerance
 
-from coordinator.speculative import speculative_decode_with
+from coordinator.step.speculative import speculative_decode_with
 from drafter_worker.client import DrafterClient, ProposeJob
 from drafter_worker.eagle import (
     EagleConfig,
@@ -354,7 +354,7 @@ def test_servicer_answers_resync_when_rows_are_missing_and_keeps_sessions_per_re
 
 
 def test_prompt_lookup_is_sent_no_hidden_rows_by_the_scheduler():
-    from coordinator.scheduler import Scheduler
+    from coordinator.step.scheduler import Scheduler
 
     class FakeClient:
         def __init__(self):
@@ -553,8 +553,8 @@ def test_cli_in_process_eagle_gives_the_plain_greedy_output(tmp_path, capsys):
 
 
 def test_scheduler_with_an_eagle_worker_is_lossless_and_recovers_from_a_lost_reply():
-    from coordinator.scheduler import Scheduler
-    from coordinator.targets import LocalTarget
+    from coordinator.step.scheduler import Scheduler
+    from coordinator.step.targets import LocalTarget
     from drafter_worker.client import DrafterUnavailable
     from target_worker.engine import TargetEngine
 
@@ -625,9 +625,9 @@ def test_chunked_prefill_gives_eagle_the_same_rows_and_so_the_same_drafts(pipeli
     # The prompt's hidden rows reach the head chunk by chunk (budget 4: a step with nothing
     # to verify takes 4 budgets, so a 40-token prompt goes in 3 chunks); the head drafts the
     # same blocks as with the prompt whole: same counters, same tokens, plain decoding's.
-    from coordinator.scheduler import Scheduler
-    from coordinator.step_plan import ChunkPolicy
-    from coordinator.targets import LocalTarget
+    from coordinator.step.plan import ChunkPolicy
+    from coordinator.step.scheduler import Scheduler
+    from coordinator.step.targets import LocalTarget
     from drafter_worker.local import LocalDrafter
     from target_worker.engine import TargetEngine
 

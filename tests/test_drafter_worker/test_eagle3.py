@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from drafters import exact_marginals, plain_decode, tv_tolerance
 
-from coordinator.speculative import speculative_decode_with
+from coordinator.step.speculative import speculative_decode_with
 from drafter_worker.eagle import NeedsResync
 from drafter_worker.eagle3 import (
     RECIPE_FILE,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.speculative import speculative_decode_with
+from coordinator.step.speculative import speculative_decode_with
 from drafter_worker.registry import build_drafter
 from specd_core.request import SpeculativeOptions
 from specd_core.text import encode_prompt

@@ -11,7 +11,7 @@ import pytest
 import torch
 from service_harness import LocalService
 
-from coordinator.config import default_target_threads, target_thread_counts
+from coordinator.cluster.config import default_target_threads, target_thread_counts
 from drafter_worker.registry import DEFAULT_DRAFTER
 from specd_tools.bench.core import BenchConfig, run_bench
 from specd_tools.bench.default_path import (

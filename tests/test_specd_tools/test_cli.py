@@ -12,7 +12,7 @@ import pytest
 import torch
 from service_harness import SplitCharTokenizer
 
-from coordinator.config import target_thread_counts
+from coordinator.cluster.config import target_thread_counts
 from specd.v1 import generation_pb2
 from specd_tools import cli, commands
 from specd_tools.client import status_table
@@ -130,7 +130,7 @@ def test_errors_name_the_users_flag(capsys, argv, flag):
     (["--port", "7000", "--metrics-port", "7000"], "--metrics-port"),
 ])
 def test_serve_refuses_bad_settings_before_ray_starts(monkeypatch, capsys, argv, flag):
-    from coordinator import service
+    from coordinator.cluster import service
 
     monkeypatch.setattr(service.Service, "start",
                         lambda *_a, **_k: pytest.fail("the service started"))
@@ -163,7 +163,7 @@ def test_a_closed_port_is_one_clear_line(capsys, argv):
 
 
 class _DeadCoordinatorService:
-    """`coordinator.service.Service` whose coordinator dies once serving (``when``: found by
+    """`coordinator.cluster.service.Service` whose coordinator dies once serving (``when``: found by
     the liveness check, or while `serve` asks for the HTTP API's address)."""
 
     when = "check"
@@ -194,7 +194,7 @@ class _DeadCoordinatorService:
 def test_a_dead_coordinator_ends_serve_with_one_error_line(monkeypatch, capsys, when):
     import signal
 
-    from coordinator import service
+    from coordinator.cluster import service
 
     monkeypatch.setattr(service, "Service", _DeadCoordinatorService)
     monkeypatch.setattr(_DeadCoordinatorService, "when", when)
@@ -212,8 +212,8 @@ def test_a_dead_coordinator_ends_serve_with_one_error_line(monkeypatch, capsys, 
 def test_a_dead_coordinators_stop_logs_no_traceback(monkeypatch, caplog):
     import ray
 
-    from coordinator.config import ServiceConfig
-    from coordinator.service import Service
+    from coordinator.cluster.config import ServiceConfig
+    from coordinator.cluster.service import Service
 
     class DeadActor:
         class stop:  # an actor method handle
@@ -230,7 +230,7 @@ def test_a_dead_coordinators_stop_logs_no_traceback(monkeypatch, caplog):
     monkeypatch.setattr(ray, "kill", killed.append)
     svc = Service(ServiceConfig(model=TINY))
     svc.coordinator = actor = DeadActor()
-    with caplog.at_level("INFO", logger="coordinator.service"):
+    with caplog.at_level("INFO", logger="coordinator.cluster.service"):
         svc.stop()
     assert killed == [actor] and svc.coordinator is None
     assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"]
@@ -243,10 +243,10 @@ def test_in_process_says_it_loads_the_model(capsys):
 
 
 def test_more_threads_than_cores_are_warned_about_and_still_run(monkeypatch, capsys):
-    import coordinator.config
+    import coordinator.cluster.config
 
     threads = torch.get_num_threads()
-    monkeypatch.setattr(coordinator.config, "usable_cpus", lambda: 1)
+    monkeypatch.setattr(coordinator.cluster.config, "usable_cpus", lambda: 1)
     try:
         assert cli.main(["generate", "ab", "--model", TINY, "--in-process",
                          "--max-new-tokens", "1", "--threads", "2"]) == 0
@@ -357,7 +357,7 @@ class _FailingStartService(_DeadCoordinatorService):
 
 
 def test_a_failed_start_says_no_shutting_down_of_streams_that_never_were(monkeypatch, capsys):
-    from coordinator import service
+    from coordinator.cluster import service
 
     monkeypatch.setattr(service, "Service", _FailingStartService)
     monkeypatch.setattr(_FailingStartService, "stopped", [])

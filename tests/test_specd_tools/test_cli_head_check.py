@@ -20,7 +20,7 @@ def no_ray(monkeypatch):
     """Fails the test if the service gets as far as starting Ray."""
     import ray
 
-    from coordinator import service
+    from coordinator.cluster import service
 
     def started(*args, **kwargs):
         raise AssertionError("Ray was started")

@@ -91,7 +91,7 @@ def test_generate_server_sends_the_drafter_and_cap_only_when_given(capsys, captu
 
 
 def test_serve_refuses_drafter_workers_for_no_drafter(monkeypatch, capsys):
-    from coordinator import service
+    from coordinator.cluster import service
 
     monkeypatch.setattr(service.Service, "start",
                         lambda *_a, **_k: pytest.fail("the service started"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.config import ServiceConfig
+from coordinator.cluster.config import ServiceConfig
 from specd_tools import cli
 from specd_tools.generate import GenerateOptions, embedded_service_config, pipeline_setting
 
@@ -20,7 +20,7 @@ class _Stop(Exception):
 @pytest.fixture
 def served(monkeypatch):
     """``specd serve``'s `ServiceConfig`, captured where the service would start."""
-    from coordinator import service
+    from coordinator.cluster import service
 
     configs = []
 
@@ -85,7 +85,7 @@ def test_generate_in_process_runs_pipelined_only_when_asked(monkeypatch, capsys,
     # In process nothing overlaps the forward (the drafter runs on the loop's thread), so
     # auto is the serial step there.
     seen = []
-    import coordinator.speculative as speculative
+    import coordinator.step.speculative as speculative
 
     real = speculative.speculative_decode_with
 

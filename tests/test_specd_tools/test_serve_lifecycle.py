@@ -100,8 +100,8 @@ def test_nothing_of_serve_outlives_its_kill_9():
 #: taken only when the coordinator actor binds it, inside Ray.
 LATE_BIND = """
 import sys
-import coordinator.service
-coordinator.service.check_port_free = lambda *args, **kwargs: None
+import coordinator.cluster.service
+coordinator.cluster.service.check_port_free = lambda *args, **kwargs: None
 from specd_tools.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -15,7 +15,7 @@ import time
 import pytest
 from polling import wait_until
 
-from coordinator.failures import is_replica_death
+from coordinator.cluster.failures import is_replica_death
 from specd_core.sampling import SamplingParams
 from specd_core.step import PrefillItem, VerifyItem
 from target_worker.actor import TargetActor
@@ -104,7 +104,7 @@ def test_steps_over_the_channel_equal_the_engines_own(actor):
                 sampled[0].rows.to_dense() if hasattr(sampled[0].rows, "to_dense")
                 else sampled[0].rows.probs)
 
-    from coordinator.targets import LocalTarget
+    from coordinator.step.targets import LocalTarget
 
     async def both():
         channel = ChannelTarget(address, "s3cret")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from drafters import OracleDrafter, TopKSamplingDrafter, plain_decode, tiny_decoder
 
-from coordinator.speculative import speculative_decode_with
+from coordinator.step.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.draft import DraftBlock, DraftDist, drafter_capabilities
 from specd_core.request import DecodeRequest, SpeculativeOptions

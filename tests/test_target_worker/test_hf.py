@@ -14,7 +14,7 @@ import torch
 from hf_checkpoints import MODELS, build_checkpoints, hf_model
 from tp_harness import engine_script, rows_of, run_tp
 
-from coordinator.speculative import speculative_decode_with
+from coordinator.step.speculative import speculative_decode_with
 from drafter_worker.prompt_lookup import PromptLookupSpeculator
 from specd_core.request import SpeculativeOptions
 from target_worker.loader import load_decoder, load_model, model_config, validate_model
@@ -255,8 +255,8 @@ def test_tokenizer_larger_than_embedding(dirs, tmp_path):
 def test_service_refuses_before_any_actor(dirs, tmp_path, monkeypatch):
     import ray
 
-    from coordinator.config import ServiceConfig
-    from coordinator.service import Service
+    from coordinator.cluster.config import ServiceConfig
+    from coordinator.cluster.service import Service
 
     d = edited_copy(dirs["llama3"], tmp_path / "m", architectures=["BertModel"])
 

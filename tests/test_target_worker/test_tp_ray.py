@@ -195,8 +195,8 @@ def test_the_coordinators_scheduler_runs_unchanged_on_a_tp2_replica(ray_local):
     both float32 (TP=2 sums round differently from TP=1's, which bfloat16 makes visible)."""
     import asyncio
 
-    from coordinator.scheduler import Scheduler
-    from coordinator.speculative import speculative_decode_with
+    from coordinator.step.scheduler import Scheduler
+    from coordinator.step.speculative import speculative_decode_with
     from drafter_worker.client import DrafterClient
     from drafter_worker.server import start_drafter_server
     from specd_core.request import SpeculativeOptions
