@@ -85,7 +85,7 @@ def load_stored_weights(path: str | os.PathLike) -> dict:
     from safetensors.torch import save_file
 
     from .gguf import read_gguf_stored
-    from .native import StoredWeight
+    from .stored import StoredWeight
 
     path = Path(path)
     cached = stored_weights_path(path)

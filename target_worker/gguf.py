@@ -170,7 +170,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
 def read_gguf_stored(path: str | os.PathLike) -> dict[str, Any]:
     """The weight matrices of a GGUF file as it stores them, for the native forward: name ->
     `target_worker.native.StoredWeight` (uint8 rows of whole blocks, a copy in memory), for
-    every matrix whose type the native forward reads (`target_worker.native.GGML_TYPES`;
+    every matrix whose type the native forward reads (`target_worker.stored.GGML_TYPES`;
     others are left to the float32 weights). Names: ``embed``, ``head`` (untied files only),
     ``{i}.q``, ``{i}.k``, ``{i}.v``, ``{i}.o``, ``{i}.gate``, ``{i}.up``, ``{i}.down``; Q and
     K rows are un-permuted as `read_gguf` does, so a row holds what the float32 weights'
@@ -179,7 +179,7 @@ def read_gguf_stored(path: str | os.PathLike) -> dict[str, Any]:
     Raises:
         ValueError: as `read_gguf`.
     """
-    from .native import GGML_TYPES, StoredWeight
+    from .stored import GGML_TYPES, StoredWeight
 
     path = Path(path)
     reader = _open_gguf(path)

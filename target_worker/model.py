@@ -165,6 +165,10 @@ class Decoder(nn.Module):
     Weights are uninitialised after ``__init__``: use :meth:`random` or ``load_state_dict``.
     """
 
+    #: `target_worker.native` runs this class's forward (read from the class's own
+    #: ``__dict__``, so subclasses such as TP shards, whose forward differs, do not inherit it).
+    NATIVE_FORWARD = True
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config

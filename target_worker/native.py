@@ -30,10 +30,11 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .stored import GGML_TYPES, StoredWeight
 
 __all__ = [
     "GGML_TYPES",
@@ -52,16 +53,6 @@ __all__ = [
     "supports",
 ]
 
-#: ggml tensor types the native forward reads as stored: id -> (name, elements per block,
-#: bytes per block). Other types are dequantized to float32 when loaded.
-GGML_TYPES = {
-    0: ("F32", 1, 4),
-    1: ("F16", 1, 2),
-    2: ("Q4_0", 32, 18),
-    3: ("Q4_1", 32, 20),
-    8: ("Q8_0", 32, 34),
-    30: ("BF16", 1, 2),
-}
 _F32, _F16, _BF16 = 0, 1, 30
 #: Added to a type id for weights repacked for the int8 kernels (forward.c's T_PACKED).
 _PACKED = 100
@@ -93,30 +84,6 @@ _ERRORS = {1: "bad arguments", 2: "out of memory", 3: "a position beyond the RoP
 
 class NativeUnavailable(RuntimeError):
     """The native forward cannot run here (no C compiler, a failed build, off by setting)."""
-
-
-@dataclass(frozen=True)
-class StoredWeight:
-    """A weight matrix ``[n, k]`` as its file stores it: ggml ``type`` (a key of
-    `GGML_TYPES`), ``data`` uint8 ``[n, row_bytes]`` (rows of whole blocks)."""
-
-    type: int
-    n: int
-    k: int
-    data: torch.Tensor
-
-    def __post_init__(self) -> None:
-        if self.type not in GGML_TYPES:
-            raise ValueError(f"ggml type {self.type} is not one the native forward reads")
-        _, per, size = GGML_TYPES[self.type]
-        if self.k % per:
-            raise ValueError(f"a {GGML_TYPES[self.type][0]} row of {self.k} elements is not "
-                             f"whole blocks of {per}")
-        row = self.k // per * size
-        if (self.data.dtype != torch.uint8 or tuple(self.data.shape) != (self.n, row)
-                or not self.data.is_contiguous()):
-            raise ValueError(f"stored weight data must be contiguous uint8 [{self.n}, {row}], "
-                             f"got {self.data.dtype} {tuple(self.data.shape)}")
 
 
 # --- the library ---------------------------------------------------------------------------
@@ -341,10 +308,8 @@ def supports(decoder) -> str | None:
     """Why ``decoder`` cannot run natively, or None when it can: a plain float32 or bfloat16
     dense Llama-family `~target_worker.model.Decoder` on the CPU (not a tensor-parallel shard,
     no MoE, head_dim even and at most 512)."""
-    from .model import Decoder
-
     c = decoder.config
-    if type(decoder) is not Decoder:
+    if not type(decoder).__dict__.get("NATIVE_FORWARD", False):
         return f"{type(decoder).__name__} runs the torch forward"
     if c.moe is not None:
         return "mixture-of-experts layers run the torch forward"
@@ -448,7 +413,7 @@ class NativeForward:
             lay.ffn_norm = f32(block.ffn_norm.weight)
         embed = weight("embed", decoder.embed_tokens.weight)
         head = weight("embed" if c.tie_embeddings else "head", decoder.head_weight())
-        from .model import KEY_BLOCK
+        from .kv_cache import KEY_BLOCK
 
         mode = MODES[self.mode]
         kv = {torch.float32: _F32, torch.float16: _F16,
@@ -485,8 +450,8 @@ class NativeForward:
         decoder's dtype."""
         if end <= self._cos.shape[0]:
             return
+        from .attention import rope_tables
         from .invariant import one_thread
-        from .model import rope_tables
 
         c = decoder.config
         size = min(max(end, 2 * self._cos.shape[0], 256), c.max_seq_len)
@@ -635,9 +600,7 @@ def check_native(decoder, threads: Sequence[int] = (1, 2)) -> None:
     Raises:
         RuntimeError: naming what differed (the native forward must then not be used).
     """
-    from .model import Decoder
-
-    if type(decoder) is not Decoder:
+    if not type(decoder).__dict__.get("NATIVE_FORWARD", False):
         raise NativeUnavailable(f"{type(decoder).__name__} runs the torch forward")
     lib = library()
     gen = torch.Generator().manual_seed(0)

@@ -9,19 +9,9 @@ _SPEC = importlib.util.spec_from_file_location(
 import_cycles = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(import_cycles)
 
-#: Packages whose cycles are known and owned elsewhere (issue 38: target_worker's is the
-#: fast-forward work's to remove). A cycle anywhere else fails; once a package here has none,
-#: the test fails until it is taken off, so a cycle cannot come back unnoticed.
-KNOWN_IN = ("target_worker",)
-
-
-def test_the_packages_have_no_import_cycle_beyond_the_known_ones():
+def test_the_packages_have_no_import_cycle():
     cycles = import_cycles.find_cycles()
-    known = {p: [c for c in cycles if all(m.split(".")[0] == p for m in c)] for p in KNOWN_IN}
-    new = [c for c in cycles if c not in sum(known.values(), [])]
-    assert not new, "import cycles:\n" + "\n".join(import_cycles.describe(c) for c in new)
-    assert [p for p, found in known.items() if not found] == [], \
-        "no cycle left there: take it off KNOWN_IN"
+    assert not cycles, "import cycles:\n" + "\n".join(import_cycles.describe(c) for c in cycles)
 
 
 def test_the_check_finds_a_cycle_through_a_function_local_import(tmp_path, monkeypatch):
