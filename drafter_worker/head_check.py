@@ -60,15 +60,22 @@ def _check_pickle(path: Path) -> None:
         ValueError: anything but plain tensors, naming the file and what the unpickler
             refused (its one reason line, not its advice).
     """
+    import warnings
+
     import torch
 
     try:
-        torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns of pickle protocols; the refusal says
+            warnings.simplefilter("ignore")
+            torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - whatever the unpickler refuses, named
         lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
                  for line in str(exc).splitlines() if line.strip()]
-        reason = next((line.split("error:", 1)[1].strip() for line in lines
-                       if "Unpickler error:" in line), lines[0] if lines else type(exc).__name__)
+        at = next((i for i, line in enumerate(lines) if "Unpickler error:" in line), None)
+        reason = lines[0] if lines else type(exc).__name__
+        if at is not None:  # the reason follows "...Unpickler error:", or is the next line
+            reason = lines[at].split("error:", 1)[1].strip() or (
+                lines[at + 1] if at + 1 < len(lines) else type(exc).__name__)
         reason = reason.split(". ")[0]  # the reason, not torch's advice on allowlisting
         raise ValueError(f"{path}: refused: not a plain tensor checkpoint (read with "
                          f"weights_only=True, nothing in it ran): {reason}") from None

@@ -215,6 +215,11 @@ def _tools(tools: Any, choice: Any) -> tuple[GrammarSpec, ToolCalls] | None:
         if not isinstance(schema, dict):
             raise GrammarError(f"tools: [{i}].function.parameters: must be a JSON Schema "
                                "object")
+        # A call's arguments are a JSON object (clients unpack them as keyword arguments):
+        # as OpenAI does, a schema must say so; an empty one means any object.
+        if schema and schema.get("type") != "object":
+            raise GrammarError(f"tools: [{i}].function.parameters: must be a JSON Schema of "
+                               f"type \"object\", got type {json.dumps(schema.get('type'))}")
         params[name] = schema or {"type": "object"}
     if choice in (None, "none", "auto"):
         return None  # free text, as without tools

@@ -188,6 +188,11 @@ def test_tool_choice_auto_and_none_answer_text(client):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "nope"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    # A call's arguments are an object: a schema of another type (or none) is refused.
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}], "tool_choice": "required"}, "tools", "type \"object\""),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "anyOf": [{"type": "object"}, {"type": "string"}]}}}]}, "tools", "got type null"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice", "only one constraint"),
 ])
@@ -224,7 +229,8 @@ UNGENERABLE = [
     ({"response_format": {"type": "json_schema",
                           "json_schema": {"name": "x", "schema": RECURSIVE}}},
      "response_format", "admits no finite output"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": RECURSIVE}}],
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "required": ["next"], "properties": {"next": {"$ref": "#"}}}}}],
       "tool_choice": "required"}, "tools", "admits no finite output"),
     ({"extra_body": {"structured_outputs": {"grammar": 'start: "a" b\nb: "b" b'}}},
      "structured_outputs", "admits no finite output"),

@@ -62,6 +62,23 @@ def test_a_pickle_head_with_more_than_tensors_is_refused_naming_the_file(tmp_pat
     assert "argparse.Namespace" in line and "\x1b" not in line, line
 
 
+def test_a_plain_pickle_head_is_refused_with_its_reason_and_no_torch_warning(tmp_path, capsys,
+                                                                            no_ray):
+    import pickle
+    import warnings
+
+    head = save_random_head(tmp_path / "head")
+    (head / "model.safetensors").unlink()
+    with open(head / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"fc.weight": [0.0]}, f, protocol=4)  # not torch.save's format
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        line = refused(capsys, head)
+    assert "nothing in it ran):" in line and line.partition("nothing in it ran):")[2].strip(), \
+        line  # a reason, not empty
+    assert not [w for w in seen if "pickle protocol" in str(w.message)], seen
+
+
 def argparse_namespace():
     import argparse
 
