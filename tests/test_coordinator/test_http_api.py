@@ -159,6 +159,15 @@ def test_a_drafter_this_service_does_not_serve_is_named_as_such(client, drafter,
     assert ("unknown" in message) == (drafter == "nope"), message
 
 
+def test_models_have_a_created_time_and_can_be_fetched_by_id(client):
+    (card,) = client.models.list().data
+    assert abs(card.created - time.time()) < 3600  # this run's start, not 0
+    assert client.models.retrieve(MODEL).model_dump() == card.model_dump()
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4")
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+
+
 def test_unknown_model_is_404_and_the_server_keeps_serving(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-4", messages=MESSAGES, max_tokens=3)
