@@ -159,6 +159,27 @@ class LocalService:
         return channel, generation_pb2_grpc.GenerationStub(channel)
 
 
+def run_scheduler(decoder, prompts, options, drafter: bool, batched: bool) -> list:
+    """Serves ``prompts`` (each with its `SpeculativeOptions`) through the service's
+    `Scheduler` in this process: the default drafter in process (``drafter``) or none, all
+    at once (``batched``) or one at a time. Returns the finished requests, in order, each
+    asserted to have ended without a failure."""
+    from coordinator.step.scheduler import Scheduler
+    from drafter_worker.local import LocalDrafter
+    from drafter_worker.registry import DEFAULT_DRAFTER, build_drafter
+
+    async def go():
+        local = LocalDrafter(build_drafter(DEFAULT_DRAFTER)) if drafter else None
+        engine = TargetEngine(decoder, max_slots=len(prompts))
+        sched = Scheduler(LocalTarget(engine), local, max_active=len(prompts) if batched else 1)
+        reqs = [sched.submit(p, o) for p, o in zip(prompts, options, strict=True)]
+        await sched.run_until_idle()
+        assert all(r.cause is None for r in reqs), [r.cause for r in reqs]
+        return reqs
+
+    return asyncio.run(go())
+
+
 def run_in_thread(fn, *args) -> Future:
     """Runs ``fn(*args)`` in a fresh thread; the returned future holds its result."""
     future: Future = Future()

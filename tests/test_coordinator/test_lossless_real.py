@@ -8,23 +8,18 @@ Slow: ~2 minutes on 2 cores.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import random
 
 import pytest
 import torch
+from service_harness import run_scheduler
 
-from coordinator.step.scheduler import Scheduler
-from coordinator.step.targets import LocalTarget
-from drafter_worker.local import LocalDrafter
-from drafter_worker.registry import DEFAULT_DRAFTER, build_drafter
 from specd_core.request import SpeculativeOptions
 from specd_core.sampling import SamplingParams
 from specd_core.text import encode_prompt
 from specd_tools.bench.serve_data import MT_BENCH_FILE
-from target_worker.engine import TargetEngine
 
 pytestmark = pytest.mark.slow
 
@@ -74,19 +69,9 @@ def test_logits_and_kv_rows_are_the_same_bits_in_any_step(targets, dtype):
 
 def _run(decoder, prompts, options, drafter: bool, batched: bool):
     """Each request's ``(tokens, [(logprob, top), ...])`` through the scheduler that serves."""
-
-    async def go():
-        local = LocalDrafter(build_drafter(DEFAULT_DRAFTER)) if drafter else None
-        engine = TargetEngine(decoder, max_slots=len(prompts))
-        sched = Scheduler(LocalTarget(engine), local, max_active=len(prompts) if batched else 1)
-        reqs = [sched.submit(p, o) for p, o in zip(prompts, options, strict=True)]
-        await sched.run_until_idle()
-        for req in reqs:
-            assert req.cause is None, req.cause
-        return [(req.decode.generated, [(r.logprob, r.top) for r in req.decode.token_logprobs])
-                for req in reqs], sum(r.decode.result.accepted_tokens for r in reqs)
-
-    return asyncio.run(go())
+    reqs = run_scheduler(decoder, prompts, options, drafter, batched)
+    return [(req.decode.generated, [(r.logprob, r.top) for r in req.decode.token_logprobs])
+            for req in reqs], sum(r.decode.result.accepted_tokens for r in reqs)
 
 
 @pytest.mark.parametrize("dtype,sampling,count", [

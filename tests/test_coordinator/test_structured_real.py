@@ -7,37 +7,19 @@ Slow: loads SmolLM2.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import jsonschema
 import pytest
+from service_harness import run_scheduler
 
-from coordinator.step.scheduler import Scheduler
-from coordinator.step.targets import LocalTarget
-from drafter_worker.local import LocalDrafter
-from drafter_worker.registry import DEFAULT_DRAFTER, build_drafter
 from specd_core.grammar import GrammarCompiler, GrammarSpec
 from specd_core.request import SpeculativeOptions
 from specd_core.sampling import SamplingParams
 from specd_core.text import encode_prompt
 from specd_tools.workloads.structured import json_schema_requests
-from target_worker.engine import TargetEngine
 
 pytestmark = pytest.mark.slow
-
-
-def _run(decoder, prompts, options, drafter: bool, batched: bool):
-    async def go():
-        local = LocalDrafter(build_drafter(DEFAULT_DRAFTER)) if drafter else None
-        sched = Scheduler(LocalTarget(TargetEngine(decoder, max_slots=len(prompts))), local,
-                          max_active=len(prompts) if batched else 1)
-        reqs = [sched.submit(p, o) for p, o in zip(prompts, options, strict=True)]
-        await sched.run_until_idle()
-        assert all(r.cause is None for r in reqs), [r.cause for r in reqs]
-        return reqs
-
-    return asyncio.run(go())
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8)],
@@ -51,9 +33,9 @@ def test_json_schema_answers_are_identical_with_and_without_speculation(smollm2,
                                   stop_token_ids=(tokenizer.eos_token_id,),
                                   grammar=compiler.compile(GrammarSpec("json_schema", schema)))
                for i, (_, _, schema) in enumerate(requests)]
-    plain = _run(decoder, prompts, options, drafter=False, batched=False)
+    plain = run_scheduler(decoder, prompts, options, drafter=False, batched=False)
     for drafter, batched in ((True, False), (True, True)):
-        reqs = _run(decoder, prompts, options, drafter, batched)
+        reqs = run_scheduler(decoder, prompts, options, drafter, batched)
         assert [r.decode.generated for r in reqs] == [r.decode.generated for r in plain]
         assert sum(r.decode.result.forced_tokens for r in reqs) > 0
     for req, (_, _, schema) in zip(plain, requests, strict=True):

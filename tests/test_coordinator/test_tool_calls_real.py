@@ -10,22 +10,17 @@ Slow: loads SmolLM2.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import jsonschema
 import pytest
+from service_harness import run_scheduler
 
 from coordinator.front.tool_calls import ChatTools
-from coordinator.step.scheduler import Scheduler
-from coordinator.step.targets import LocalTarget
-from drafter_worker.local import LocalDrafter
-from drafter_worker.registry import DEFAULT_DRAFTER, build_drafter
 from specd_core.grammar import GrammarCompiler
 from specd_core.request import SpeculativeOptions
 from specd_core.sampling import SamplingParams
 from specd_core.text import encode_chat
-from target_worker.engine import TargetEngine
 
 pytestmark = pytest.mark.slow
 
@@ -37,19 +32,6 @@ TOOLS = [{"type": "function", "function": {
 OPENED = "<tool_call>\n"
 QUESTIONS = ["What is the weather in Paris? Use the get_weather tool.",
              "Is it raining in Oslo today?", "Weather for Tokyo, please."]
-
-
-def _run(decoder, prompts, options, drafter: bool, batched: bool):
-    async def go():
-        local = LocalDrafter(build_drafter(DEFAULT_DRAFTER)) if drafter else None
-        sched = Scheduler(LocalTarget(TargetEngine(decoder, max_slots=len(prompts))), local,
-                          max_active=len(prompts) if batched else 1)
-        reqs = [sched.submit(p, o) for p, o in zip(prompts, options, strict=True)]
-        await sched.run_until_idle()
-        assert all(r.cause is None for r in reqs), [r.cause for r in reqs]
-        return reqs
-
-    return asyncio.run(go())
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8)],
@@ -71,9 +53,9 @@ def test_a_continued_call_is_valid_and_identical_with_and_without_speculation(sm
     options = [SpeculativeOptions(max_new_tokens=48, sampling=sampling, seed=i,
                                   stop_token_ids=(tokenizer.eos_token_id,), grammar=grammar)
                for i in range(len(prompts))]
-    plain = _run(decoder, prompts, options, drafter=False, batched=False)
+    plain = run_scheduler(decoder, prompts, options, drafter=False, batched=False)
     for drafter, batched in ((True, False), (True, True)):
-        reqs = _run(decoder, prompts, options, drafter, batched)
+        reqs = run_scheduler(decoder, prompts, options, drafter, batched)
         assert [r.decode.generated for r in reqs] == [r.decode.generated for r in plain]
         assert sum(r.decode.result.forced_tokens for r in reqs) > 0
     for req in plain:
